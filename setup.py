@@ -1,0 +1,99 @@
+"""Builds the compiled kernels when a CUDA torch and nvcc are present; CPU installs skip it.
+
+Knobs (environment):
+  HSTU_CUDA_ARCH_LIST   ";"-separated compute capabilities, default "8.0" (A100). Lent H100/H200
+                        test machines: "8.0;9.0".
+  HSTU_KERNEL_DIMS      comma list of substrings; only instantiation files (kernels/*/instantiations/)
+                        whose name contains one of them are built (e.g. "bf16_hdim128").
+  HSTU_SKIP_KERNELS=1   never build kernels.
+  MAX_JOBS              parallel compile jobs (torch's ninja build).
+  CUTLASS_INCLUDE_DIR   CUTLASS/CuTe headers; default: the nvidia-cutlass package's copy.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cutlass_include() -> str | None:
+    env = os.environ.get("CUTLASS_INCLUDE_DIR")
+    if env:
+        return env
+    try:
+        import cutlass_library  # type: ignore
+
+        path = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
+        return path if os.path.isdir(path) else None
+    except ImportError:
+        return None
+
+
+def _arch_flags() -> list[str]:
+    archs = os.environ.get("HSTU_CUDA_ARCH_LIST", "8.0")
+    flags = []
+    for a in archs.replace(",", ";").split(";"):
+        a = a.strip()
+        if not a:
+            continue
+        num = a.replace(".", "")
+        flags += ["-gencode", f"arch=compute_{num},code=sm_{num}"]
+    return flags
+
+
+def _sources(name: str) -> list[str]:
+    base = os.path.join("kernels", name)
+    srcs = sorted(glob.glob(os.path.join(base, "*.cpp")) + glob.glob(os.path.join(base, "*.cu")))
+    inst = sorted(glob.glob(os.path.join(base, "instantiations", "*.cu")))
+    dims = [d.strip() for d in os.environ.get("HSTU_KERNEL_DIMS", "").split(",") if d.strip()]
+    if dims:
+        inst = [s for s in inst if any(d in os.path.basename(s) for d in dims)]
+    return srcs + inst
+
+
+def _extensions():
+    if os.environ.get("HSTU_SKIP_KERNELS") == "1":
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        return [], {}
+    if torch.version.cuda is None or CUDA_HOME is None:
+        print("hstu: CPU torch or no CUDA toolkit: skipping compiled kernels", file=sys.stderr)
+        return [], {}
+    cutlass = _cutlass_include()
+    nvcc = [
+        "-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr",
+        "--expt-extended-lambda", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-lineinfo",
+    ] + _arch_flags()
+    exts = []
+    for name, module in (("hstu_attention", "hstu._hstu_attention_C"),
+                         ("dynamic_embedding", "hstu._dynamic_embedding_C")):
+        srcs = _sources(name)
+        if not srcs:
+            continue
+        inc = [os.path.join(ROOT, "kernels", name)]
+        if name == "hstu_attention":
+            if cutlass is None:
+                print("hstu: CUTLASS headers not found (pip install nvidia-cutlass==4.2.0.0 or "
+                      "set CUTLASS_INCLUDE_DIR): skipping the attention kernel", file=sys.stderr)
+                continue
+            inc.append(cutlass)
+        exts.append(CUDAExtension(
+            module, srcs, include_dirs=inc,
+            extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc},
+        ))
+    if not exts:
+        return [], {}
+    return exts, {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

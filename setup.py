@@ -5,6 +5,7 @@ Knobs (environment):
                         test machines: "8.0;9.0".
   HSTU_KERNEL_DIMS      comma list of substrings; only instantiation files (kernels/*/instantiations/)
                         whose name contains one of them are built (e.g. "bf16_hdim128").
+  HSTU_KERNELS          comma list of kernel families to build (default: all), e.g. "hstu_attention".
   HSTU_SKIP_KERNELS=1   never build kernels.
   MAX_JOBS              parallel compile jobs (torch's ninja build).
   CUTLASS_INCLUDE_DIR   CUTLASS/CuTe headers; default: the nvidia-cutlass package's copy.
@@ -76,6 +77,9 @@ def _extensions():
     exts = []
     for name, module in (("hstu_attention", "hstu._hstu_attention_C"),
                          ("dynamic_embedding", "hstu._dynamic_embedding_C")):
+        wanted = [k.strip() for k in os.environ.get("HSTU_KERNELS", "").split(",") if k.strip()]
+        if wanted and name not in wanted:
+            continue
         srcs = _sources(name)
         if not srcs:
             continue

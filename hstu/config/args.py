@@ -1,0 +1,451 @@
+"""Gin-configurable, validated run settings.
+
+Seven dataclasses, one per concern. Every field is checked in ``__post_init__``; a bad value
+raises ``ValueError`` (or ``TypeError`` for a wrong type) whose message names the gin binding
+(``Class.field=value``) and what is allowed, so a launcher can print it and exit.
+
+Class and field names follow NVIDIA recsys-examples (``examples/hstu``) where they overlap, so
+its gin files load here; see ``docs/configuration.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import gin
+
+__all__ = [
+    "ARG_CLASSES",
+    "DatasetArgs",
+    "EmbeddingArgs",
+    "NetworkArgs",
+    "OptimizerArgs",
+    "RankingArgs",
+    "RetrievalArgs",
+    "SUPPORTED_DATASETS",
+    "TrainerArgs",
+]
+
+# Datasets the data layer knows (DESIGN.md "Data flow").
+SUPPORTED_DATASETS: tuple[str, ...] = (
+    "synthetic",
+    "ml-1m",
+    "ml-20m",
+    "kuairand-pure",
+    "kuairand-1k",
+    "kuairand-27k",
+)
+KERNEL_BACKENDS: tuple[str, ...] = ("cutlass",)
+DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
+LR_SCHEDULERS: tuple[str, ...] = ("constant", "cosine", "linear")
+EMBEDDING_BACKENDS: tuple[str, ...] = ("torchrec", "dynamic")
+SPARSE_OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adagrad", "rowwise_adagrad")
+INITIALIZERS: tuple[str, ...] = ("normal", "uniform", "truncated_normal", "constant")
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu")
+NEGATIVE_SAMPLING: tuple[str, ...] = ("random", "in_batch", "mixed")
+_METRIC_RE = re.compile(r"^(HR|NDCG)@([1-9][0-9]*)$|^MRR$")
+
+
+# --------------------------------------------------------------------------------------------
+# Field checks. Each takes the binding name ("Class.field") so messages point at the gin line.
+# --------------------------------------------------------------------------------------------
+
+
+def _binding(obj: Any, name: str) -> str:
+    return f"{type(obj).__name__}.{name}"
+
+
+def _int(obj: Any, name: str, *, min_value: int | None = None, what: str = "") -> int:
+    value = getattr(obj, name)
+    b = _binding(obj, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        # Accept integral floats written as e.g. 1e4 in a gin file.
+        if isinstance(value, float) and not isinstance(value, bool) and value.is_integer():
+            value = int(value)
+        else:
+            raise TypeError(
+                f"{b}={value!r} must be an integer, got {type(value).__name__}"
+                + (f" ({what})" if what else "")
+            )
+    if min_value is not None and value < min_value:
+        if min_value == 1:
+            raise ValueError(f"{b}={value!r} must be a positive integer")
+        if min_value == 0:
+            raise ValueError(f"{b}={value!r} must be a non-negative integer" + _hint(what))
+        raise ValueError(f"{b}={value!r} must be an integer >= {min_value}" + _hint(what))
+    object.__setattr__(obj, name, value)
+    return value
+
+
+def _hint(what: str) -> str:
+    return f" ({what})" if what else ""
+
+
+def _float(
+    obj: Any,
+    name: str,
+    *,
+    min_value: float | None = None,
+    max_value: float | None = None,
+    min_exclusive: bool = False,
+    max_exclusive: bool = False,
+    what: str = "",
+) -> float:
+    value = getattr(obj, name)
+    b = _binding(obj, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{b}={value!r} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{b}={value!r} must be a finite number")
+    lo_bad = min_value is not None and (value <= min_value if min_exclusive else value < min_value)
+    hi_bad = max_value is not None and (value >= max_value if max_exclusive else value > max_value)
+    if lo_bad or hi_bad:
+        lo = "" if min_value is None else ("(" if min_exclusive else "[") + f"{min_value:g}"
+        hi = "" if max_value is None else f"{max_value:g}" + (")" if max_exclusive else "]")
+        if max_value is None:
+            rng = f"> {min_value:g}" if min_exclusive else f">= {min_value:g}"
+        elif min_value is None:
+            rng = f"< {max_value:g}" if max_exclusive else f"<= {max_value:g}"
+        else:
+            rng = f"in {lo}, {hi}"
+        raise ValueError(f"{b}={value!r} must be {rng}" + _hint(what))
+    object.__setattr__(obj, name, value)
+    return value
+
+
+def _bool(obj: Any, name: str) -> bool:
+    value = getattr(obj, name)
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{_binding(obj, name)}={value!r} must be True or False, got {type(value).__name__}"
+        )
+    return value
+
+
+def _str(obj: Any, name: str, *, allow_empty: bool = True) -> str:
+    value = getattr(obj, name)
+    b = _binding(obj, name)
+    if not isinstance(value, str):
+        raise TypeError(f"{b}={value!r} must be a string, got {type(value).__name__}")
+    if not allow_empty and not value.strip():
+        raise ValueError(f"{b}={value!r} must be a non-empty string")
+    return value
+
+
+def _choice(obj: Any, name: str, allowed: Sequence[str]) -> str:
+    value = _str(obj, name)
+    if value not in allowed:
+        b = _binding(obj, name)
+        if len(allowed) == 1:
+            raise ValueError(f"{b}={value!r} is not supported: only {allowed[0]!r}")
+        options = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{b}={value!r} is not supported: choose one of {options}")
+    return value
+
+
+def _seq(obj: Any, name: str) -> tuple[Any, ...]:
+    """Gin gives lists or tuples; store a tuple so configs compare and hash alike."""
+    value = getattr(obj, name)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{_binding(obj, name)}={value!r} must be a list or tuple, got {type(value).__name__}"
+        )
+    value = tuple(value)
+    object.__setattr__(obj, name, value)
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# The seven argument classes.
+# --------------------------------------------------------------------------------------------
+
+
+@gin.configurable
+@dataclass
+class TrainerArgs:
+    """Loop lengths, batch sizes, evaluation, logging (TensorBoard) and checkpoints."""
+
+    train_batch_size: int = 32  # global, summed over ranks
+    eval_batch_size: int = 64  # global
+    max_train_iters: int = 200
+    max_eval_iters: int = 0  # 0 = the whole eval set
+    eval_interval: int = 100  # 0 = only at the end
+    log_interval: int = 10
+    ckpt_save_interval: int = 0  # 0 = only at the end, -1 = never
+    ckpt_save_dir: str = ""  # "" = <run_dir>/checkpoints
+    ckpt_load_dir: str = ""  # resume from here when set
+    seed: int = 1234
+    log_dir: str = "runs"  # TensorBoard + run directories live under it
+    run_name: str = ""  # "" = automatic (task + timestamp)
+    progress_bar: bool = True
+    peak_tflops: float = 0.0  # for MFU; 0 = 312 (A100 bf16 dense)
+
+    def __post_init__(self) -> None:
+        _int(self, "train_batch_size", min_value=1)
+        _int(self, "eval_batch_size", min_value=1)
+        _int(self, "max_train_iters", min_value=0)
+        _int(self, "max_eval_iters", min_value=0, what="0 = the whole eval set")
+        _int(self, "eval_interval", min_value=0, what="0 = evaluate only at the end")
+        _int(self, "log_interval", min_value=1)
+        _int(
+            self,
+            "ckpt_save_interval",
+            min_value=-1,
+            what="0 = save only at the end, -1 = never save",
+        )
+        _str(self, "ckpt_save_dir")
+        _str(self, "ckpt_load_dir")
+        _int(self, "seed", min_value=0)
+        _str(self, "log_dir", allow_empty=False)
+        name = _str(self, "run_name")
+        if "/" in name or "\\" in name or name in (".", ".."):
+            raise ValueError(
+                f"TrainerArgs.run_name={name!r} must be a plain directory name (no path "
+                "separators); set TrainerArgs.log_dir to choose the parent directory"
+            )
+        _bool(self, "progress_bar")
+        _float(self, "peak_tflops", min_value=0.0, what="0 = 312, the A100 bf16 peak")
+
+
+@gin.configurable
+@dataclass
+class DatasetArgs:
+    """Which dataset, where it lives, and the sequence shapes batches are cut to."""
+
+    dataset_name: str = "synthetic"
+    dataset_path: str = ""  # "" = data/<dataset_name>
+    max_history_seqlen: int = 128
+    max_num_candidates: int = 10
+    shuffle: bool = True
+    num_workers: int = 0
+    synthetic_num_users: int = 2000
+    synthetic_num_items: int = 1000
+    synthetic_seed: int = 0
+
+    def __post_init__(self) -> None:
+        _choice(self, "dataset_name", SUPPORTED_DATASETS)
+        _str(self, "dataset_path")
+        _int(self, "max_history_seqlen", min_value=1)
+        _int(self, "max_num_candidates", min_value=0)
+        _bool(self, "shuffle")
+        _int(self, "num_workers", min_value=0)
+        _int(self, "synthetic_num_users", min_value=1)
+        _int(self, "synthetic_num_items", min_value=2)
+        _int(self, "synthetic_seed", min_value=0)
+
+
+@gin.configurable
+@dataclass
+class NetworkArgs:
+    """HSTU stack shape, attention settings, kernel backend and compute dtype.
+
+    ``kv_channels`` is the per-head width of q/k/v and is independent of ``hidden_size``
+    (HSTU projects hidden_size -> heads * kv_channels), as in recsys-examples.
+    """
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 2
+    kv_channels: int = 32
+    hidden_dropout: float = 0.1
+    kernel_backend: str = "cutlass"
+    dtype_str: str = "bfloat16"
+    target_group_size: int = 1
+    max_attn_len: int = 0  # local window; 0 = unlimited
+    attn_alpha: float = 0.0  # 0 = 1/sqrt(kv_channels)
+    scaling_seqlen: int = 0  # 0 = the batch's max sequence length
+    num_position_embeddings: int = 0  # 0 = derived from DatasetArgs
+
+    def __post_init__(self) -> None:
+        _int(self, "num_layers", min_value=1)
+        _int(self, "hidden_size", min_value=1)
+        _int(self, "num_attention_heads", min_value=1)
+        _int(self, "kv_channels", min_value=1)
+        _float(self, "hidden_dropout", min_value=0.0, max_value=1.0, max_exclusive=True)
+        _choice(self, "kernel_backend", KERNEL_BACKENDS)
+        _choice(self, "dtype_str", DTYPES)
+        _int(self, "target_group_size", min_value=1)
+        _int(self, "max_attn_len", min_value=0, what="0 = no local window")
+        _float(self, "attn_alpha", min_value=0.0, what="0 = 1/sqrt(kv_channels)")
+        _int(self, "scaling_seqlen", min_value=0, what="0 = the batch's max sequence length")
+        _int(self, "num_position_embeddings", min_value=0, what="0 = derived from DatasetArgs")
+
+
+@gin.configurable
+@dataclass
+class OptimizerArgs:
+    """Dense optimizer and learning-rate schedule."""
+
+    optimizer_str: str = "adam"
+    learning_rate: float = 1e-3
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0  # SGD only
+    warmup_iters: int = 0
+    lr_scheduler: str = "constant"
+    min_lr_ratio: float = 0.0  # floor of cosine/linear decay, as a fraction of learning_rate
+    grad_clip_norm: float = 0.0  # 0 = no clipping
+
+    def __post_init__(self) -> None:
+        _choice(self, "optimizer_str", OPTIMIZERS)
+        _float(self, "learning_rate", min_value=0.0, min_exclusive=True)
+        _float(self, "adam_beta1", min_value=0.0, max_value=1.0, max_exclusive=True)
+        _float(self, "adam_beta2", min_value=0.0, max_value=1.0, max_exclusive=True)
+        _float(self, "adam_eps", min_value=0.0, min_exclusive=True)
+        _float(self, "weight_decay", min_value=0.0)
+        _float(self, "momentum", min_value=0.0, max_value=1.0, max_exclusive=True)
+        _int(self, "warmup_iters", min_value=0)
+        _choice(self, "lr_scheduler", LR_SCHEDULERS)
+        _float(self, "min_lr_ratio", min_value=0.0, max_value=1.0)
+        _float(self, "grad_clip_norm", min_value=0.0, what="0 = no clipping")
+
+
+@gin.configurable
+@dataclass
+class EmbeddingArgs:
+    """Embedding tables: backend, capacity of dynamic tables, sparse optimizer, init."""
+
+    embedding_backend: str = "torchrec"
+    item_capacity: int = 0  # dynamic tables; 0 = derived from the dataset
+    user_capacity: int = 0
+    sparse_optimizer_str: str = "adam"
+    sparse_learning_rate: float = 0.0  # 0 = OptimizerArgs.learning_rate
+    initializer: str = "normal"
+    init_std: float = 0.02  # std (normal), half-width (uniform) or the value (constant)
+    eviction_policy: str = "lru"
+
+    def __post_init__(self) -> None:
+        _choice(self, "embedding_backend", EMBEDDING_BACKENDS)
+        _int(self, "item_capacity", min_value=0, what="0 = derived from the dataset")
+        _int(self, "user_capacity", min_value=0, what="0 = derived from the dataset")
+        _choice(self, "sparse_optimizer_str", SPARSE_OPTIMIZERS)
+        _float(self, "sparse_learning_rate", min_value=0.0, what="0 = OptimizerArgs.learning_rate")
+        _choice(self, "initializer", INITIALIZERS)
+        _float(self, "init_std", min_value=0.0)
+        _choice(self, "eviction_policy", EVICTION_POLICIES)
+
+
+@gin.configurable
+@dataclass
+class RankingArgs:
+    """Multi-task ranking head: MLP hidden sizes, tasks, loss weights."""
+
+    prediction_head_arch: tuple[int, ...] = (256, 128)
+    num_tasks: int = 8
+    task_weights: tuple[float, ...] = ()  # empty = all 1.0
+    prediction_head_dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        arch = _seq(self, "prediction_head_arch")
+        for size in arch:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(
+                    f"RankingArgs.prediction_head_arch={list(arch)!r} must hold positive "
+                    f"integers (MLP hidden sizes), got {size!r}"
+                )
+        tasks = _int(self, "num_tasks", min_value=1)
+        weights = _seq(self, "task_weights")
+        for w in weights:
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0 or w != w:
+                raise ValueError(
+                    f"RankingArgs.task_weights={list(weights)!r} must hold non-negative "
+                    f"numbers, got {w!r}"
+                )
+        if weights and len(weights) != tasks:
+            raise ValueError(
+                f"RankingArgs.task_weights has {len(weights)} entries but "
+                f"RankingArgs.num_tasks={tasks}: give one weight per task, or () for all 1.0"
+            )
+        object.__setattr__(self, "task_weights", tuple(float(w) for w in weights))
+        _float(self, "prediction_head_dropout", min_value=0.0, max_value=1.0, max_exclusive=True)
+
+    def head_hidden_sizes(self) -> tuple[int, ...]:
+        """Hidden layer sizes of the MLP head (the num_tasks output layer is added after them).
+
+        recsys-examples files list the output layer last (``[512, 8]`` with 8 tasks); such a
+        trailing entry equal to ``num_tasks`` is taken as the output layer and dropped here.
+        """
+        arch = tuple(self.prediction_head_arch)
+        if arch and arch[-1] == self.num_tasks:
+            return arch[:-1]
+        return arch
+
+    def resolved_task_weights(self) -> tuple[float, ...]:
+        """Per-task loss weights, 1.0 each when ``task_weights`` is empty."""
+        return tuple(self.task_weights) if self.task_weights else (1.0,) * self.num_tasks
+
+
+@gin.configurable
+@dataclass
+class RetrievalArgs:
+    """Retrieval loss (sampled softmax) and evaluation metrics."""
+
+    num_negatives: int = 128
+    temperature: float = 0.05
+    negative_sampling: str = "random"
+    eval_metrics: tuple[str, ...] = (
+        "HR@10",
+        "NDCG@10",
+        "HR@50",
+        "NDCG@50",
+        "HR@200",
+        "NDCG@200",
+        "MRR",
+    )
+    eval_exclude_history: bool = True  # don't rank items the user has already seen
+
+    def __post_init__(self) -> None:
+        _int(self, "num_negatives", min_value=1)
+        _float(self, "temperature", min_value=0.0, min_exclusive=True)
+        _choice(self, "negative_sampling", NEGATIVE_SAMPLING)
+        metrics = _seq(self, "eval_metrics")
+        if not metrics:
+            raise ValueError(
+                "RetrievalArgs.eval_metrics=() must name at least one metric: "
+                "'HR@K', 'NDCG@K' (K a positive integer) or 'MRR'"
+            )
+        normalised = []
+        for m in metrics:
+            if not isinstance(m, str) or not _METRIC_RE.match(m.strip().upper()):
+                raise ValueError(
+                    f"RetrievalArgs.eval_metrics contains {m!r}, which is not supported: "
+                    "use 'HR@K', 'NDCG@K' (K a positive integer) or 'MRR'"
+                )
+            normalised.append(m.strip().upper())
+        dup = sorted({m for m in normalised if normalised.count(m) > 1})
+        if dup:
+            raise ValueError(f"RetrievalArgs.eval_metrics lists {dup} more than once")
+        object.__setattr__(self, "eval_metrics", tuple(normalised))
+        _bool(self, "eval_exclude_history")
+
+    def metric_ks(self) -> tuple[int, ...]:
+        """The distinct cut-offs K named in ``eval_metrics``, ascending."""
+        ks = {int(m.split("@")[1]) for m in self.eval_metrics if "@" in m}
+        return tuple(sorted(ks))
+
+
+ARG_CLASSES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        TrainerArgs,
+        DatasetArgs,
+        NetworkArgs,
+        OptimizerArgs,
+        EmbeddingArgs,
+        RankingArgs,
+        RetrievalArgs,
+    )
+}
+
+
+def field_names(cls: type) -> list[str]:
+    """The configurable field names of one argument class, in declaration order."""
+    return [f.name for f in fields(cls)]

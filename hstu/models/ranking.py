@@ -1,0 +1,64 @@
+"""RankingGR: multi-task ranking of candidates given the user's history and context."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hstu.data.batch import Batch
+from hstu.models.base import FeatureInfo, GenerativeRecommender, gather_outputs
+from hstu.modules.heads import MLPHead
+
+__all__ = ["RankingGR", "label_bits"]
+
+
+def label_bits(labels: torch.Tensor, num_tasks: int) -> torch.Tensor:
+    """Action bitmask [N] -> float targets [N, num_tasks]."""
+    shifts = torch.arange(num_tasks, device=labels.device)
+    return ((labels.long().view(-1, 1) >> shifts) & 1).float()
+
+
+class RankingGR(GenerativeRecommender):
+    """Candidates are the trailing target tokens; an MLP maps each to one logit per task."""
+
+    def __init__(
+        self,
+        info: FeatureInfo,
+        *,
+        num_tasks: int,
+        head_hidden: list[int],
+        head_dropout: float = 0.0,
+        task_weights: list[float] | None = None,
+        **kwargs,
+    ) -> None:
+        super().__init__(info, **kwargs)
+        self.num_tasks = num_tasks
+        self.head = MLPHead(self.hidden_size, list(head_hidden), num_tasks, head_dropout)
+        weights = torch.tensor(task_weights if task_weights else [1.0] * num_tasks)
+        if weights.numel() != num_tasks:
+            raise ValueError(
+                f"RankingArgs.task_weights has {weights.numel()} entries, expected num_tasks={num_tasks}"
+            )
+        self.register_buffer("task_weights", weights, persistent=False)
+
+    def forward(self, batch: Batch, loss_normalizer: float | None = None) -> dict[str, torch.Tensor]:
+        """Returns logits [N_cand, T], labels, per-task losses and the loss: task-weighted BCE
+        summed over tasks and candidates, divided by ``loss_normalizer`` (default: the number of
+        candidates here; the trainer passes global count / world size so that data-parallel
+        gradient averaging gives exactly the global mean)."""
+        y, layout, _, _ = self.encode(batch)
+        cand = gather_outputs(y, layout, ~layout.is_history)
+        logits = self.head(cand).float()
+        out = {"logits": logits, "num_tokens": torch.tensor(layout.num_tokens)}
+        if batch.labels is not None:
+            targets = label_bits(batch.labels, self.num_tasks)
+            per = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")  # [N, T]
+            n = max(1, per.shape[0])
+            task_losses = per.sum(0) / n
+            out["labels"] = batch.labels
+            out["task_losses"] = task_losses.detach()
+            total = (per * self.task_weights).sum()
+            out["loss"] = total / (loss_normalizer if loss_normalizer else n)
+            out["loss_sum"] = total.detach()
+            out["count"] = torch.tensor(float(per.shape[0]))
+        return out

@@ -1,0 +1,63 @@
+"""The one HSTU attention entry point the models call.
+
+CUDA tensors go to the compiled CUTLASS kernel (`hstu.ops.cuda_attention`); CPU tensors use the
+PyTorch reference (CPU development mode only, see DESIGN.md "Hardware policy"). The reference is
+not a selectable backend on GPU: a CUDA call without a built kernel is an error that says how to
+build it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hstu.ops import reference
+
+__all__ = ["hstu_attention", "compiled_attention_available"]
+
+_BUILD_HINT = (
+    "the compiled HSTU attention kernel is not available for this GPU. Build it with "
+    "`HSTU_CUDA_ARCH_LIST=\"8.0\" pip install --no-build-isolation -e .` (add \";9.0\" for "
+    "H100/H200 test machines) with nvcc and nvidia-cutlass==4.2.0.0 installed"
+)
+
+
+def compiled_attention_available() -> bool:
+    try:
+        from hstu.ops import cuda_attention
+    except ImportError:
+        return False
+    return bool(cuda_attention.is_available())
+
+
+def hstu_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    max_seqlen: int,
+    *,
+    num_contexts: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+    target_group_size: int = 1,
+    window_size: int = 0,
+    alpha: float | None = None,
+    scaling_seqlen: int | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Jagged HSTU attention; same signature and semantics as `hstu.ops.reference.hstu_attention`."""
+    kwargs = dict(
+        num_contexts=num_contexts,
+        num_targets=num_targets,
+        target_group_size=target_group_size,
+        window_size=window_size,
+        alpha=alpha,
+        scaling_seqlen=scaling_seqlen,
+        causal=causal,
+    )
+    if q.is_cuda:
+        if not compiled_attention_available():
+            raise RuntimeError(_BUILD_HINT)
+        from hstu.ops.cuda_attention import hstu_attention_cuda
+
+        return hstu_attention_cuda(q, k, v, seq_offsets, max_seqlen, **kwargs)
+    return reference.hstu_attention(q, k, v, seq_offsets, max_seqlen, **kwargs)

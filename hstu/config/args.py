@@ -30,7 +30,8 @@ __all__ = [
     "TrainerArgs",
 ]
 
-# Datasets the data layer knows (DESIGN.md "Data flow").
+# Datasets with a converter (DESIGN.md "Data flow"). dataset_name is not limited to these: any
+# plain name whose files were prepared under data/<name>/ (or DatasetArgs.dataset_path) loads.
 SUPPORTED_DATASETS: tuple[str, ...] = (
     "synthetic",
     "ml-1m",
@@ -39,6 +40,7 @@ SUPPORTED_DATASETS: tuple[str, ...] = (
     "kuairand-1k",
     "kuairand-27k",
 )
+_DATASET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 KERNEL_BACKENDS: tuple[str, ...] = ("cutlass",)
 DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
@@ -229,7 +231,14 @@ class DatasetArgs:
     synthetic_seed: int = 0
 
     def __post_init__(self) -> None:
-        _choice(self, "dataset_name", SUPPORTED_DATASETS)
+        name = _str(self, "dataset_name", allow_empty=False)
+        if not _DATASET_NAME_RE.match(name):
+            raise ValueError(
+                f"DatasetArgs.dataset_name={name!r} must be a plain name (letters, digits, "
+                "'-', '_', '.'), e.g. "
+                + ", ".join(repr(n) for n in SUPPORTED_DATASETS)
+                + "; put a path in DatasetArgs.dataset_path instead"
+            )
         _str(self, "dataset_path")
         _int(self, "max_history_seqlen", min_value=1)
         _int(self, "max_num_candidates", min_value=0)

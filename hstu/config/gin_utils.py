@@ -67,6 +67,18 @@ _RECSYS_EXAMPLES_HINTS: dict[str, str] = {
     "NetworkArgs.embedding_backend": "use EmbeddingArgs.embedding_backend",
     "NetworkArgs.norm_epsilon": "remove the line (LayerNorm eps is fixed)",
     "NetworkArgs.is_causal": "HSTU attention here is always causal; remove the line",
+    "NetworkArgs.recompute_input_layernorm": "remove the line (not configurable here)",
+    "NetworkArgs.recompute_input_silu": "remove the line (not configurable here)",
+    "NetworkArgs.item_embedding_dim": "embeddings have NetworkArgs.hidden_size columns; "
+    "remove the line",
+    "NetworkArgs.contextual_embedding_dim": "embeddings have NetworkArgs.hidden_size columns; "
+    "remove the line",
+    "RankingArgs.prediction_head_act_type": "the head uses ReLU; remove the line",
+    "RetrievalArgs.l2_norm_eps": "remove the line (fixed)",
+    "EmbeddingArgs.feature_names": "tables are defined by the dataset; remove the line",
+    "EmbeddingArgs.table_name": "tables are defined by the dataset; remove the line",
+    "EmbeddingArgs.item_vocab_size_or_capacity": "use EmbeddingArgs.item_capacity",
+    "EmbeddingArgs.sharding_type": "sharding is chosen by torchrec's planner; remove the line",
     "TensorModelParallelArgs": "tensor parallelism is not supported; remove these lines",
     "DynamicEmbeddingArgs": "set EmbeddingArgs.embedding_backend = 'dynamic' and "
     "EmbeddingArgs.item_capacity / user_capacity / eviction_policy",

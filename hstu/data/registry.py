@@ -1,0 +1,138 @@
+"""Dataset lookup: `DatasetArgs` -> `SequenceData` (generated or loaded from data/<name>/)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hstu.data.datasets import SampleSplits, build_ranking_samples, build_retrieval_samples
+from hstu.data.sequences import DATA_FILE, MANIFEST_FILE, SequenceData
+from hstu.data.synthetic import generate_synthetic
+
+__all__ = [
+    "SYNTHETIC_DATASET",
+    "load_sequence_data",
+    "resolve_dataset_dir",
+    "build_samples",
+]
+
+logger = logging.getLogger(__name__)
+
+SYNTHETIC_DATASET = "synthetic"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _prepare_command(name: str) -> str:
+    return f"python -m hstu.data.prepare --dataset {name} --source <path to the raw files>"
+
+
+def resolve_dataset_dir(dataset_name: str, dataset_path: str = "") -> tuple[Path, list[Path]]:
+    """The directory holding ``dataset_name``'s prepared files, and every place looked at.
+
+    An explicit ``dataset_path`` is used as given. Otherwise ``data/<name>`` is tried relative to
+    the working directory, then relative to the repository checkout.
+    """
+    if dataset_path:
+        path = Path(dataset_path).expanduser()
+        return path, [path]
+    candidates = [Path("data") / dataset_name, _REPO_ROOT / "data" / dataset_name]
+    for path in candidates:
+        if (path / DATA_FILE).exists() and (path / MANIFEST_FILE).exists():
+            return path, candidates
+    return candidates[0], candidates
+
+
+def _load_prepared(name: str, directory: Path, looked: list[Path]) -> SequenceData:
+    data_file, manifest = directory / DATA_FILE, directory / MANIFEST_FILE
+    if not data_file.exists() or not manifest.exists():
+        where = ", ".join(str(p.resolve()) for p in looked)
+        raise FileNotFoundError(
+            f"dataset {name!r} is not prepared: no {DATA_FILE} + {MANIFEST_FILE} in {where} "
+            f"(DatasetArgs.dataset_name={name!r}, DatasetArgs.dataset_path={str(directory)!r}). "
+            f"Prepare it with: {_prepare_command(name)}"
+        )
+    try:
+        data = SequenceData.load(directory)
+    except (ValueError, KeyError, json.JSONDecodeError, zipfile.BadZipFile, OSError) as err:
+        raise ValueError(
+            f"{data_file}: invalid prepared dataset: {err}. Re-create it with: "
+            f"{_prepare_command(name)}"
+        ) from err
+    _check_ids(data, data_file, name)
+    return data
+
+
+def _check_ids(data: SequenceData, data_file: Path, name: str) -> None:
+    """Reject empty data and negative ids with messages naming the file."""
+    if data.num_users == 0 or data.num_interactions == 0:
+        raise ValueError(
+            f"{data_file}: dataset {name!r} is empty ({data.num_users} users, "
+            f"{data.num_interactions} interactions); re-create it with: {_prepare_command(name)}"
+        )
+    for key in ("user_ids", "item_ids", "user_features"):
+        arr = getattr(data, key)
+        if arr.size and int(arr.min()) < 0:
+            flat = np.flatnonzero(arr.reshape(-1) < 0)[0]
+            raise ValueError(
+                f"{data_file}: {key} holds a negative id ({int(arr.reshape(-1)[flat])} at flat "
+                f"index {int(flat)}); ids must be >= 0. Re-create it with: {_prepare_command(name)}"
+            )
+
+
+def load_sequence_data(dataset_args: Any, num_tasks: int = 8) -> SequenceData:
+    """The `SequenceData` that ``dataset_args`` (a `DatasetArgs`) names.
+
+    ``"synthetic"`` is generated from ``synthetic_num_users``, ``synthetic_num_items`` and
+    ``synthetic_seed`` (with ``num_tasks`` action bits); any other name is loaded from
+    ``dataset_path`` or ``data/<name>/`` as written by ``python -m hstu.data.prepare``.
+    """
+    name = str(dataset_args.dataset_name)
+    if name == SYNTHETIC_DATASET:
+        for field in ("synthetic_num_users", "synthetic_num_items"):
+            value = getattr(dataset_args, field)
+            if int(value) < (1 if field == "synthetic_num_users" else 2):
+                raise ValueError(
+                    f"DatasetArgs.{field}={value!r} gives an empty synthetic dataset; use at least "
+                    f"{1 if field == 'synthetic_num_users' else 2}"
+                )
+        data = generate_synthetic(
+            num_users=int(dataset_args.synthetic_num_users),
+            num_items=int(dataset_args.synthetic_num_items),
+            seed=int(dataset_args.synthetic_seed),
+            num_tasks=int(num_tasks),
+        )
+        logger.info(
+            "synthetic dataset: %d users, %d items, %d interactions (seed %d)",
+            data.num_users,
+            int(data.item_corpus().size),
+            data.num_interactions,
+            int(dataset_args.synthetic_seed),
+        )
+        return data
+    directory, looked = resolve_dataset_dir(name, str(getattr(dataset_args, "dataset_path", "")))
+    data = _load_prepared(name, directory, looked)
+    logger.info(
+        "dataset %s from %s: %d users, %d items, %d interactions",
+        name,
+        directory,
+        data.num_users,
+        int(data.item_corpus().size),
+        data.num_interactions,
+    )
+    return data
+
+
+def build_samples(data: SequenceData, dataset_args: Any, task: str) -> SampleSplits:
+    """Train/eval samples for ``task`` ("ranking" or "retrieval") with ``dataset_args``' sizes."""
+    if task == "ranking":
+        return build_ranking_samples(
+            data, int(dataset_args.max_history_seqlen), int(dataset_args.max_num_candidates)
+        )
+    if task == "retrieval":
+        return build_retrieval_samples(data, int(dataset_args.max_history_seqlen))
+    raise ValueError(f"unknown task {task!r}: expected 'ranking' or 'retrieval'")

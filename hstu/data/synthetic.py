@@ -1,0 +1,326 @@
+"""Synthetic interaction data with planted, learnable signal (the embedded default dataset).
+
+The generative story, all driven by one ``numpy.random.Generator`` seeded from ``seed``:
+
+- Items belong to ``num_clusters`` latent clusters of equal size; inside a cluster popularity is
+  Zipf-distributed, and clusters themselves have Zipf-distributed global popularity.
+- Each user has a ``region`` (which tilts a sparse Dirichlet prior towards a few clusters), a
+  preference vector over clusters drawn from that prior, an ``age_group`` that shifts the user's
+  overall propensity to act, and a ``segment`` that reveals (noisily) the user's top cluster.
+- A sequence is a Markov chain over clusters: each step either stays in the previous item's
+  cluster (``stay_prob``), explores a globally popular cluster (``explore_prob``), or follows the
+  user's preferences. The item is then drawn from the cluster's Zipf popularity (repeats within a
+  user are resampled away unless ``allow_repeats``). Next-item retrieval is therefore learnable
+  well beyond popularity.
+- Each interaction carries a bitmask over ``num_tasks`` actions. Task 0 ("click") is Bernoulli
+  with logit = affinity(user, item) = preference for the item's cluster + item quality + user bias;
+  the other tasks are gated on a parent action (like needs click, share needs like, ...) and weigh
+  the affinity components differently ("dislike" runs the other way). Ranking AUC is thus learnable
+  from the user's history and the candidate item.
+- Sequence lengths are heavy-tailed (shifted lognormal, clipped); timestamps strictly increase.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from hstu.data.sequences import SequenceData
+
+__all__ = [
+    "generate_synthetic",
+    "generate_synthetic_with_latents",
+    "SyntheticLatents",
+    "SYNTHETIC_ACTION_NAMES",
+    "SYNTHETIC_FEATURE_NAMES",
+]
+
+logger = logging.getLogger(__name__)
+
+SYNTHETIC_ACTION_NAMES: tuple[str, ...] = (
+    "click",
+    "long_view",
+    "like",
+    "comment",
+    "share",
+    "follow",
+    "save",
+    "dislike",
+)
+SYNTHETIC_FEATURE_NAMES: tuple[str, ...] = ("user_id", "segment", "age_group", "region")
+
+# Per task: (parent task or -1, parent value required, weight on preference, weight on item
+# quality, weight on user bias, logit offset). A task can only fire where its parent has the
+# required value, which nests the tasks (share => like => click) and correlates their labels.
+_TASK_SPECS: tuple[tuple[int, int, float, float, float, float], ...] = (
+    (-1, 1, 1.0, 1.0, 1.0, 0.0),  # click
+    (0, 1, 1.5, 0.5, 0.5, -0.5),  # long_view
+    (0, 1, 1.2, 1.0, 0.5, -1.0),  # like
+    (0, 1, 1.0, 0.3, 1.0, -2.5),  # comment
+    (2, 1, 1.0, 0.5, 0.5, -1.5),  # share
+    (0, 1, 0.8, 0.0, 1.0, -3.0),  # follow
+    (1, 1, 1.0, 1.5, 0.0, -1.5),  # save
+    (0, 0, -1.5, -1.0, -0.5, -2.0),  # dislike (only without a click)
+)
+
+_NUM_AGE_GROUPS = 6
+_NUM_REGIONS = 8
+_NUM_SEGMENTS = 8
+_BASE_TIME = 1_600_000_000  # seconds; 2020-09-13
+
+
+@dataclass(frozen=True)
+class SyntheticLatents:
+    """The hidden truth behind a synthetic dataset (for tests and diagnostics, not for models).
+
+    item_cluster [I] cluster of each item id; user_pref [U, C] preference over clusters (rows sum
+    to 1); user_bias [U] propensity to act; item_quality [I]; affinity_scale: the preference term
+    spans [-affinity_scale, +affinity_scale].
+    """
+
+    item_cluster: np.ndarray
+    cluster_popularity: np.ndarray
+    user_pref: np.ndarray
+    user_bias: np.ndarray
+    item_quality: np.ndarray
+    affinity_scale: float
+
+    def preference_term(self, user_rows: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """Scaled preference of each user for each item's cluster, in [-scale, +scale]."""
+        pref = self.user_pref[user_rows, self.item_cluster[items]]
+        top = self.user_pref[user_rows].max(axis=1)
+        return self.affinity_scale * (2.0 * pref / top - 1.0)
+
+    def affinity(self, user_rows: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """The click logit of (user, item) pairs: preference + item quality + user bias."""
+        user_rows = np.asarray(user_rows)
+        items = np.asarray(items)
+        return (
+            self.preference_term(user_rows, items)
+            + self.item_quality[items]
+            + self.user_bias[user_rows]
+        )
+
+
+def _check_positive(name: str, value: int, minimum: int = 1) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(
+            f"generate_synthetic: {name} must be an integer >= {minimum}; got {value!r}"
+        )
+
+
+def _segment_starts(lengths: np.ndarray) -> np.ndarray:
+    starts = np.zeros(lengths.shape[0], dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return starts
+
+
+def generate_synthetic_with_latents(
+    num_users: int,
+    num_items: int,
+    seed: int,
+    num_tasks: int = 8,
+    *,
+    num_clusters: int = 0,
+    mean_seq_len: float = 60.0,
+    min_seq_len: int = 8,
+    max_seq_len: int = 1024,
+    seq_len_sigma: float = 1.0,
+    stay_prob: float = 0.5,
+    explore_prob: float = 0.15,
+    dirichlet_alpha: float = 0.05,
+    region_boost: float = 0.3,
+    zipf_exponent: float = 1.2,
+    affinity_scale: float = 2.0,
+    allow_repeats: bool = False,
+    name: str = "synthetic",
+) -> tuple[SequenceData, SyntheticLatents]:
+    """Generate the synthetic dataset and return it with its hidden latents.
+
+    ``num_clusters=0`` picks ``clip(num_items // 50, 2, 64)``. See the module docstring for the
+    generative story; every draw comes from ``numpy.random.default_rng(seed)``.
+    """
+    _check_positive("num_users", num_users)
+    _check_positive("num_items", num_items, 2)
+    _check_positive("num_tasks", num_tasks)
+    _check_positive("min_seq_len", min_seq_len, 2)
+    _check_positive("max_seq_len", max_seq_len, min_seq_len)
+    if num_tasks > 62:
+        raise ValueError(
+            f"generate_synthetic: num_tasks must be <= 62 (int64 bitmask); got {num_tasks}"
+        )
+    if stay_prob < 0.0 or explore_prob < 0.0 or stay_prob + explore_prob > 1.0:
+        raise ValueError(
+            f"generate_synthetic: need stay_prob, explore_prob >= 0 and stay_prob + explore_prob "
+            f"<= 1; got {stay_prob}, {explore_prob}"
+        )
+    if mean_seq_len <= min_seq_len:
+        raise ValueError(
+            f"generate_synthetic: mean_seq_len ({mean_seq_len}) must exceed min_seq_len ({min_seq_len})"
+        )
+    if num_clusters <= 0:
+        num_clusters = int(np.clip(num_items // 50, 2, 64))
+    num_clusters = min(num_clusters, num_items)
+    rng = np.random.default_rng(seed)
+    n_users, n_items, n_clusters = int(num_users), int(num_items), int(num_clusters)
+
+    # ---- items: clusters of equal size, Zipf popularity inside each cluster ------------------
+    perm = rng.permutation(n_items)
+    item_cluster = np.empty(n_items, dtype=np.int64)
+    item_cluster[perm] = np.arange(n_items) % n_clusters
+    # Items of cluster c sorted by popularity rank: order[cluster_start[c] : cluster_start[c+1]].
+    order = perm[np.argsort(np.arange(n_items) % n_clusters, kind="stable")]
+    cluster_size = np.bincount(item_cluster, minlength=n_clusters)
+    cluster_start = _segment_starts(cluster_size)
+    rank_in_cluster = np.arange(n_items) - np.repeat(cluster_start, cluster_size)
+    weights = (rank_in_cluster + 1.0) ** -zipf_exponent
+    cum = np.cumsum(weights)
+    seg_tot = np.add.reduceat(weights, cluster_start)
+    seg_before = cum[cluster_start] - weights[cluster_start]
+    within_cum = (cum - np.repeat(seg_before, cluster_size)) / np.repeat(seg_tot, cluster_size)
+    within_cum[cluster_start + cluster_size - 1] = 1.0
+    # Monotone across clusters: cluster c occupies (c, c + 1], so one searchsorted serves all.
+    global_cum = within_cum + np.repeat(np.arange(n_clusters, dtype=np.float64), cluster_size)
+    cluster_popularity = (np.arange(n_clusters) + 1.0) ** -0.7
+    cluster_popularity = rng.permutation(cluster_popularity / cluster_popularity.sum())
+    item_quality = rng.normal(0.0, 0.7, n_items)
+
+    def draw_items(clusters: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+        pos = np.searchsorted(global_cum, clusters + uniform, side="right")
+        pos = np.clip(
+            pos, cluster_start[clusters], cluster_start[clusters] + cluster_size[clusters] - 1
+        )
+        return order[pos]
+
+    # ---- users: region-tilted sparse Dirichlet preferences, age bias, segment ----------------
+    region = rng.integers(0, _NUM_REGIONS, n_users)
+    age_group = rng.integers(0, _NUM_AGE_GROUPS, n_users)
+    in_region = (np.arange(n_clusters)[None, :] % _NUM_REGIONS) == region[:, None]
+    alpha = dirichlet_alpha + region_boost * in_region
+    gam = rng.standard_gamma(alpha) + 1e-12
+    user_pref = gam / gam.sum(axis=1, keepdims=True)
+    top_cluster = user_pref.argmax(axis=1)
+    n_segments = min(_NUM_SEGMENTS, n_clusters)
+    segment = top_cluster * n_segments // n_clusters
+    noisy = rng.random(n_users) < 0.1
+    segment[noisy] = rng.integers(0, n_segments, int(noisy.sum()))
+    age_effect = np.linspace(-0.6, 0.6, _NUM_AGE_GROUPS)
+    user_bias = age_effect[age_group] + rng.normal(0.0, 0.3, n_users)
+
+    # ---- sequence lengths: shifted lognormal, heavy right tail --------------------------------
+    mu = np.log(mean_seq_len - min_seq_len) - 0.5 * seq_len_sigma**2
+    lengths = min_seq_len + np.floor(rng.lognormal(mu, seq_len_sigma, n_users)).astype(np.int64)
+    lengths = np.clip(lengths, min_seq_len, max_seq_len)
+    offsets = np.zeros(n_users + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    n = int(offsets[-1])
+    row = np.repeat(np.arange(n_users), lengths)
+    first = offsets[:-1]
+
+    # ---- clusters: Markov chain (stay / explore / prefer), vectorised by forward fill ---------
+    mode = rng.random(n)
+    stay = mode < stay_prob
+    stay[first] = False
+    explore = (~stay) & (mode < stay_prob + explore_prob)
+    pref_cum = np.cumsum(user_pref, axis=1)
+    fresh = (pref_cum[row] < rng.random(n)[:, None]).sum(axis=1)
+    fresh_explore = np.searchsorted(np.cumsum(cluster_popularity), rng.random(n), side="right")
+    fresh = np.where(explore, fresh_explore, fresh)
+    fresh = np.minimum(fresh, n_clusters - 1)
+    # A staying step copies the cluster of the latest non-staying step of the same user.
+    last_fresh = np.maximum.accumulate(np.where(stay, 0, np.arange(n)))
+    clusters = fresh[last_fresh]
+
+    items = draw_items(clusters, rng.random(n))
+    if not allow_repeats:
+        for round_ in range(12):
+            keys = row * n_items + items
+            _, first_idx = np.unique(keys, return_index=True)
+            dup = np.ones(n, dtype=bool)
+            dup[first_idx] = False
+            n_dup = int(dup.sum())
+            if n_dup == 0:
+                break
+            u = rng.random(n_dup)
+            if round_ >= 4:  # Zipf heads are exhausted: fall back to uniform within the cluster
+                c = clusters[dup]
+                items[dup] = order[cluster_start[c] + (u * cluster_size[c]).astype(np.int64)]
+            else:
+                items[dup] = draw_items(clusters[dup], u)
+
+    # ---- actions: nested multi-task bitmask driven by user x item affinity --------------------
+    latents = SyntheticLatents(
+        item_cluster=item_cluster,
+        cluster_popularity=cluster_popularity,
+        user_pref=user_pref,
+        user_bias=user_bias,
+        item_quality=item_quality,
+        affinity_scale=float(affinity_scale),
+    )
+    pref_term = latents.preference_term(row, items)
+    quality = item_quality[items]
+    ubias = user_bias[row]
+    fired = np.zeros((n, num_tasks), dtype=bool)
+    uniform = rng.random((n, num_tasks))
+    for k in range(num_tasks):
+        if k < len(_TASK_SPECS):
+            parent, need, w_pref, w_q, w_u, b = _TASK_SPECS[k]
+        else:  # extra generic tasks: gated on click, rarer and rarer
+            parent, need, w_pref, w_q, w_u, b = 0, 1, 1.0, 0.5, 0.5, -1.0 - 0.25 * k
+        logit = w_pref * pref_term + w_q * quality + w_u * ubias + b
+        fire = uniform[:, k] < 1.0 / (1.0 + np.exp(-logit))
+        if parent >= 0:
+            fire &= fired[:, parent] == bool(need)
+        fired[:, k] = fire
+    actions = (fired.astype(np.int64) << np.arange(num_tasks, dtype=np.int64)).sum(axis=1)
+
+    # ---- timestamps: per-user start + strictly positive gaps ---------------------------------
+    gaps = 1 + np.floor(rng.exponential(3600.0, n)).astype(np.int64)
+    gaps[first] = _BASE_TIME + rng.integers(0, 90 * 86400, n_users)
+    csum = np.cumsum(gaps)
+    timestamps = csum - np.repeat(csum[first] - gaps[first], lengths)
+
+    action_names = [
+        SYNTHETIC_ACTION_NAMES[k] if k < len(SYNTHETIC_ACTION_NAMES) else f"task_{k}"
+        for k in range(num_tasks)
+    ]
+    user_ids = np.arange(n_users, dtype=np.int64)
+    user_features = np.stack([user_ids, segment, age_group, region], axis=1).astype(np.int64)
+    data = SequenceData(
+        name=name,
+        user_ids=user_ids,
+        offsets=offsets,
+        item_ids=items.astype(np.int64),
+        actions=actions,
+        timestamps=timestamps.astype(np.int64),
+        user_features=user_features,
+        user_feature_names=list(SYNTHETIC_FEATURE_NAMES),
+        action_names=action_names,
+        extra={
+            "generator": "hstu.data.synthetic",
+            "seed": int(seed),
+            "num_items_requested": n_items,
+            "num_clusters": n_clusters,
+        },
+    )
+    logger.debug(
+        "synthetic data: %d users, %d interactions, %d items seen, %d clusters",
+        n_users,
+        n,
+        int(np.unique(items).size),
+        n_clusters,
+    )
+    return data, latents
+
+
+def generate_synthetic(
+    num_users: int, num_items: int, seed: int, num_tasks: int = 8, **kwargs
+) -> SequenceData:
+    """Deterministic synthetic ``SequenceData`` with planted signal (see module docstring).
+
+    Keyword arguments are those of :func:`generate_synthetic_with_latents`.
+    """
+    data, _ = generate_synthetic_with_latents(num_users, num_items, seed, num_tasks, **kwargs)
+    return data

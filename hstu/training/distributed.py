@@ -1,0 +1,110 @@
+"""Process group setup and torchrec DistributedModelParallel wrapping.
+
+Every run has a process group, also a single process (torchrec's sharded tables need one): under
+torchrun the env:// rendezvous, otherwise a private one-rank group on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["DistInfo", "init_distributed", "wrap_model", "all_reduce_sum", "barrier", "cleanup"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    owns_group: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(device_type: str) -> DistInfo:
+    """Joins (or creates) the default process group: NCCL on CUDA, gloo on CPU."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    owns = False
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
+        else:
+            store = dist.TCPStore("127.0.0.1", _free_port(), 1, True, timeout=timedelta(minutes=5))
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
+        owns = True
+    info = DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=backend,
+        owns_group=owns,
+    )
+    logger.info(
+        "process group: rank %d/%d, backend %s, device %s", info.rank, info.world_size, backend, device
+    )
+    return info
+
+
+def cleanup(info: DistInfo) -> None:
+    if info.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sums a few floats over all ranks (one collective)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def wrap_model(model: nn.Module, info: DistInfo) -> nn.Module:
+    """Shards the model's torchrec tables with DistributedModelParallel (dense parts under DDP).
+
+    The planner places tables for this world size; on CPU it plans for host memory.
+    """
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    sharders = [EmbeddingCollectionSharder()]
+    try:
+        from hstu.embeddings.sharding import dynamic_sharders  # type: ignore[attr-defined]
+
+        sharders += list(dynamic_sharders())
+    except ImportError:
+        pass
+    topology = Topology(world_size=info.world_size, compute_device=info.device.type)
+    planner = EmbeddingShardingPlanner(topology=topology)
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    return DistributedModelParallel(model, device=info.device, plan=plan, sharders=sharders)

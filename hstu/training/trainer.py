@@ -1,0 +1,399 @@
+"""The training loop: a short loop over components (data, model, optimizers, checkpointer, logger).
+
+``run_training(config, device_mode)`` is what both launchers call. It works the same on one CPU
+process (CPU development mode), N gloo processes, or N GPUs under torchrun.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from hstu.config.gin_utils import RunConfig
+from hstu.data.batch import Batch
+from hstu.data.loader import BatchIterator
+from hstu.data.registry import build_samples, load_sequence_data
+from hstu.embeddings import apply_sparse_optimizer
+from hstu.models.base import GenerativeRecommender
+from hstu.models.builder import build_model
+from hstu.modules.metrics import RankingMetrics, RetrievalEvaluator, ks_from_metric_names
+from hstu.training.checkpoint import Checkpointer, capture_rng_state, restore_rng_state
+from hstu.training.distributed import (
+    DistInfo,
+    all_reduce_sum,
+    barrier,
+    cleanup,
+    init_distributed,
+    wrap_model,
+)
+from hstu.training.logger import MetricLogger
+from hstu.training.optim import build_dense_optimizer, build_lr_scheduler, clip_grad_norm
+
+__all__ = ["TrainResult", "Trainer", "run_training"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, global mean loss)
+    evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    final_metrics: dict[str, float] = field(default_factory=dict)
+    checkpoint_dir: Path | None = None
+
+
+def _progress_enabled(cfg: RunConfig, info: DistInfo) -> bool:
+    return (
+        info.is_main
+        and cfg.trainer.progress_bar
+        and sys.stderr.isatty()
+        and not os.environ.get("CI")
+    )
+
+
+def _loss_count(batch: Batch, task: str) -> int:
+    """Number of loss terms in the batch: candidates (ranking) or next-item pairs (retrieval)."""
+    if task == "ranking":
+        return int(batch.num_candidates.sum())
+    return int(torch.clamp(batch.history_lengths() - 1, min=0).sum())
+
+
+class Trainer:
+    """Holds the components of one run; ``fit()`` trains, evaluates and checkpoints."""
+
+    def __init__(self, cfg: RunConfig, device_type: str = "cpu") -> None:
+        self.cfg = cfg
+        t = cfg.trainer
+        self.info = init_distributed(device_type)
+        self.device = self.info.device
+        torch.manual_seed(t.seed)
+        np.random.seed(t.seed % (2**32))
+
+        # data
+        num_tasks = cfg.ranking.num_tasks if cfg.task == "ranking" else 8
+        self.data = load_sequence_data(cfg.dataset, num_tasks=num_tasks)
+        splits = build_samples(self.data, cfg.dataset, cfg.task)
+        self.train_samples, self.eval_samples = splits.train, splits.eval
+        self.train_iter = BatchIterator(
+            self.train_samples,
+            t.train_batch_size,
+            shuffle=cfg.dataset.shuffle,
+            seed=t.seed,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            drop_last=True,
+        )
+        self.eval_iter = BatchIterator(
+            self.eval_samples,
+            t.eval_batch_size,
+            shuffle=False,
+            seed=t.seed,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            drop_last=False,
+            batch_size_binding="TrainerArgs.eval_batch_size",
+        )
+
+        # model
+        model = build_model(cfg, self.data)
+        sparse_lr = cfg.embedding.sparse_learning_rate or cfg.optimizer.learning_rate
+        apply_sparse_optimizer(
+            model.embedding_collection,
+            cfg.embedding.sparse_optimizer_str,
+            sparse_lr,
+            device_type=self.device.type,
+        )
+        self.model = wrap_model(model, self.info)
+        self.core: GenerativeRecommender = self.model.module
+        dense = [
+            p
+            for n, p in self.model.named_parameters()
+            if "embedding_collection" not in n and p.requires_grad
+        ]
+        self.num_dense_params = sum(p.numel() for p in dense)
+        self.dense_params = dense
+        self.optimizer = build_dense_optimizer(dense, cfg.optimizer)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, t.max_train_iters)
+        self.autocast_dtype = _DTYPES[cfg.network.dtype_str] if self.device.type == "cuda" else None
+
+        # run directory, logging, checkpoints
+        run_name = t.run_name or f"{cfg.task}-{cfg.dataset.dataset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        self.run_dir = Path(t.log_dir) / run_name
+        ckpt_dir = t.ckpt_save_dir or str(self.run_dir / "checkpoints")
+        self.checkpointer = Checkpointer(ckpt_dir)
+        if self.info.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfg.save(self.run_dir)
+        self.tb = MetricLogger(str(self.run_dir), enabled=self.info.is_main)
+        self.step = 0
+        if t.ckpt_load_dir:
+            self._load_checkpoint(t.ckpt_load_dir)
+        if self.info.is_main:
+            logger.info(
+                "model: %d dense parameters, tables %s; run directory %s",
+                self.num_dense_params,
+                [(s.name, s.num_embeddings, s.embedding_dim) for s in self.core.table_specs],
+                self.run_dir,
+            )
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def _state(self) -> dict:
+        return {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "fused_optimizer": self.model.fused_optimizer.state_dict(),
+            "dense_optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "train_iter": self.train_iter.state_dict(),
+            "rng": capture_rng_state(),
+        }
+
+    def save_checkpoint(self) -> Path:
+        path = self.checkpointer.save(
+            self.step,
+            self._state(),
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            extra_meta={"task": self.cfg.task, "dataset": self.cfg.dataset.dataset_name},
+        )
+        if self.info.is_main:
+            logger.info("checkpoint saved: %s", path)
+        return path
+
+    def _load_checkpoint(self, load_dir: str) -> None:
+        step, state, meta = self.checkpointer.load(
+            load_dir, rank=self.info.rank, world_size=self.info.world_size
+        )
+        saved_ws = int(meta.get("world_size", 1))
+        if saved_ws != self.info.world_size:
+            raise ValueError(
+                f"checkpoint {load_dir} was written by {saved_ws} processes but this run has "
+                f"{self.info.world_size}; torchrec tables are restored shard by shard, so resume "
+                f"with --nproc_per_node={saved_ws}"
+            )
+        self.model.load_state_dict(state["model"])
+        self.model.fused_optimizer.load_state_dict(state["fused_optimizer"])
+        self.optimizer.load_state_dict(state["dense_optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.train_iter.load_state_dict(state["train_iter"])
+        restore_rng_state(state["rng"])
+        self.step = int(step)
+        if self.info.is_main:
+            logger.info("resumed from %s at step %d", load_dir, self.step)
+
+    # ---- steps -----------------------------------------------------------------------------
+    def _autocast(self):
+        if self.autocast_dtype is None or self.autocast_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=self.autocast_dtype)
+
+    def train_step(self) -> dict[str, float]:
+        self.model.train()
+        batch = next(self.train_iter).to(self.device)
+        local_count = _loss_count(batch, self.cfg.task)
+        (global_count,) = all_reduce_sum([local_count], self.device)
+        normalizer = max(global_count, 1.0) / self.info.world_size
+        with self._autocast():
+            out = self.model(batch, loss_normalizer=normalizer)
+        out["loss"].backward()
+        grad_norm = clip_grad_norm(self.dense_params, self.cfg.optimizer.grad_clip_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, tokens, samples = all_reduce_sum(
+            [float(out["loss_sum"]), float(out["num_tokens"]), float(batch.batch_size)], self.device
+        )
+        result = {
+            "loss": loss_sum / max(global_count, 1.0),
+            "tokens": tokens,
+            "samples": samples,
+        }
+        if grad_norm is not None:
+            result["grad_norm"] = float(grad_norm)
+        if self.cfg.task == "ranking" and "task_losses" in out:
+            for name, value in zip(self._task_names(), out["task_losses"].tolist()):
+                result[f"task_loss/{name}"] = value
+        return result
+
+    def _task_names(self) -> list[str]:
+        names = list(self.data.action_names)[: self.cfg.ranking.num_tasks]
+        return names + [f"task{i}" for i in range(len(names), self.cfg.ranking.num_tasks)]
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        max_batches = self.cfg.trainer.max_eval_iters or None
+        loss_sum = count = 0.0
+        if self.cfg.task == "ranking":
+            metrics = RankingMetrics(self.cfg.ranking.num_tasks, self._task_names())
+        else:
+            rt = self.cfg.retrieval
+            corpus = torch.from_numpy(self.data.item_corpus())
+            evaluator = RetrievalEvaluator(
+                corpus, ks=ks_from_metric_names(rt.eval_metrics), exclude_history=rt.eval_exclude_history
+            )
+            corpus_emb = self._corpus_embeddings(corpus)
+        batches = self.eval_iter.eval_index_batches()
+        if max_batches:
+            batches = batches[:max_batches]
+        for idx in batches:
+            empty = len(idx) == 0
+            # every rank runs the same number of forwards (sharded tables are collective); a rank
+            # whose share of the last batch is empty runs sample 0 and discards it
+            batch = self.eval_samples.collate(idx if not empty else [0]).to(self.device)
+            with self._autocast():
+                out = self.model(batch)
+            if empty:
+                continue
+            if "loss_sum" in out:
+                loss_sum += float(out["loss_sum"])
+                count += float(out["count"])
+            if self.cfg.task == "ranking":
+                metrics.update(out["logits"].float().cpu(), batch.labels.cpu())
+            else:
+                evaluator.update(
+                    out["query"].float().cpu(),
+                    corpus_emb,
+                    batch.target_item_ids.cpu(),
+                    self._full_histories(batch) if rt.eval_exclude_history else None,
+                )
+        loss_sum, count = all_reduce_sum([loss_sum, count], self.device)
+        result = metrics.compute() if self.cfg.task == "ranking" else evaluator.compute()
+        if self.cfg.task == "ranking":
+            result["loss"] = loss_sum / max(count, 1.0)
+        return result
+
+    def _corpus_embeddings(self, corpus: torch.Tensor, chunk: int = 65536) -> torch.Tensor:
+        parts = []
+        for s in range(0, corpus.numel(), chunk):
+            ids = corpus[s : s + chunk].to(self.device)
+            with self._autocast():
+                parts.append(self.core.item_embeddings(ids).float().cpu())
+        return torch.cat(parts)
+
+    def _full_histories(self, batch: Batch) -> list[torch.Tensor]:
+        """Every item each eval user consumed before the held-out target (not only the window)."""
+        if not hasattr(self, "_user_row"):
+            self._user_row = {int(u): i for i, u in enumerate(self.data.user_ids.tolist())}
+        out = []
+        for uid in batch.user_ids.tolist():
+            row = self._user_row[int(uid)]
+            lo, hi = int(self.data.offsets[row]), int(self.data.offsets[row + 1])
+            out.append(torch.from_numpy(self.data.item_ids[lo : hi - 1]))
+        return out
+
+    # ---- the loop --------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        t = self.cfg.trainer
+        result = TrainResult(run_dir=self.run_dir)
+        bar = tqdm(
+            total=t.max_train_iters,
+            initial=self.step,
+            desc=f"{self.cfg.task} train",
+            disable=not _progress_enabled(self.cfg, self.info),
+            dynamic_ncols=True,
+        )
+        window_start = time.perf_counter()
+        window_steps = 0
+        window_tokens = window_samples = 0.0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        while self.step < t.max_train_iters:
+            stats = self.train_step()
+            self.step += 1
+            window_steps += 1
+            window_tokens += stats["tokens"]
+            window_samples += stats["samples"]
+            result.losses.append((self.step, stats["loss"]))
+            if not math.isfinite(stats["loss"]):
+                raise FloatingPointError(
+                    f"loss became {stats['loss']} at step {self.step}; lower "
+                    f"OptimizerArgs.learning_rate or set OptimizerArgs.grad_clip_norm"
+                )
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats['loss']:.4f}")
+            if self.step % t.log_interval == 0 or self.step == t.max_train_iters:
+                elapsed = time.perf_counter() - window_start
+                scalars = {
+                    "train/loss": stats["loss"],
+                    "train/lr": self.scheduler.get_last_lr()[0],
+                    "perf/step_time_ms": 1000.0 * elapsed / window_steps,
+                    "perf/samples_per_s": window_samples / elapsed,
+                    "perf/tokens_per_s": window_tokens / elapsed,
+                }
+                if "grad_norm" in stats:
+                    scalars["train/grad_norm"] = stats["grad_norm"]
+                for k, v in stats.items():
+                    if k.startswith("task_loss/"):
+                        scalars[f"train/{k}"] = v
+                if self.device.type == "cuda":
+                    scalars["perf/gpu_mem_allocated_gb"] = torch.cuda.memory_allocated(self.device) / 2**30
+                    scalars["perf/gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                self.tb.scalars(scalars, self.step)
+                if self.info.is_main and bar.disable:
+                    logger.info(
+                        "step %d/%d loss %.5f lr %.3g %.1f samples/s",
+                        self.step,
+                        t.max_train_iters,
+                        stats["loss"],
+                        scalars["train/lr"],
+                        scalars["perf/samples_per_s"],
+                    )
+                window_start, window_steps, window_tokens, window_samples = time.perf_counter(), 0, 0.0, 0.0
+            if t.eval_interval > 0 and self.step % t.eval_interval == 0 and self.step < t.max_train_iters:
+                self._run_eval(result)
+            if t.ckpt_save_interval > 0 and self.step % t.ckpt_save_interval == 0:
+                result.checkpoint_dir = self.save_checkpoint()
+        bar.close()
+        self._run_eval(result)
+        result.final_metrics = result.evals[-1][1] if result.evals else {}
+        if t.ckpt_save_interval >= 0:
+            result.checkpoint_dir = self.save_checkpoint()
+        self.tb.hparams(self._hparams(), {f"hparam/{k}": v for k, v in result.final_metrics.items()})
+        self.tb.flush()
+        barrier()
+        return result
+
+    def _run_eval(self, result: TrainResult) -> None:
+        start = time.perf_counter()
+        metrics = self.evaluate()
+        result.evals.append((self.step, metrics))
+        self.tb.scalars({f"eval/{k}": v for k, v in metrics.items()}, self.step)
+        if self.info.is_main:
+            shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+            logger.info("eval @ step %d (%.1fs): %s", self.step, time.perf_counter() - start, shown)
+
+    def _hparams(self) -> dict:
+        out = {"task": self.cfg.task}
+        for section in ("trainer", "dataset", "network", "optimizer", "embedding"):
+            obj = getattr(self.cfg, section)
+            for k, v in vars(obj).items():
+                if isinstance(v, (int, float, str, bool)):
+                    out[f"{type(obj).__name__}.{k}"] = v
+        return out
+
+    def close(self) -> None:
+        self.tb.close()
+        cleanup(self.info)
+
+
+def run_training(cfg: RunConfig, device_type: str = "cpu") -> TrainResult:
+    """Builds a Trainer for ``cfg``, trains to TrainerArgs.max_train_iters and returns the results."""
+    trainer = Trainer(cfg, device_type)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

@@ -201,6 +201,18 @@ OptimizerArgs.optimizer_str = 'adam'
     assert cfg.ranking.head_hidden_sizes() == (512,)
 
 
+def test_include_resolves_next_to_the_file_and_is_checked(tmp_path, monkeypatch):
+    write(tmp_path, "base.gin", "TrainerArgs.seed = 5\nTrainerArgs.log_interval = 1\n")
+    top = write(tmp_path, "top.gin", "include 'base.gin'\nTrainerArgs.log_interval = 2\n")
+    monkeypatch.chdir(tmp_path.parent)  # the include is relative to the file, not the cwd
+    cfg = load_config("ranking", [top], [])
+    assert (cfg.trainer.seed, cfg.trainer.log_interval) == (5, 2)
+    write(tmp_path, "bad.gin", "TrainerArgs.seed = 5\nFoo.x = 1\n")
+    top2 = write(tmp_path, "top2.gin", "include 'bad.gin'\n")
+    with pytest.raises(ConfigError, match=r"Unknown config class 'Foo'.*bad.gin, line 2"):
+        load_config("ranking", [top2], [])
+
+
 def test_split_bindings_keeps_brackets_and_quotes():
     out = split_bindings(["A.b = [1,\n 2]; C.d = 'x;y'  # c; not a binding\nE.f = 3", "  "])
     assert out == ["A.b = [1,\n 2]", "C.d = 'x;y'", "E.f = 3"]

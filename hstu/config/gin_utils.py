@@ -278,7 +278,21 @@ def _where(origin: str, line_num: int | None, is_file: bool) -> str:
     return f"{origin}, line {line_num}" if is_file and line_num is not None else origin
 
 
-def _check_statements(text: str, origin: str, is_file: bool, seen: dict[str, str]) -> None:
+def _check_include(filename: str, parent: str, seen: dict[str, str], depth: int) -> None:
+    """Check an included file like a top-level one (gin itself resolves it relative to cwd)."""
+    if depth > 20:
+        raise ConfigError(f"include {filename!r} in {parent}: includes nested too deep (a cycle?)")
+    for candidate in (Path(filename), Path(parent).parent / filename):
+        if candidate.is_file():
+            text = candidate.read_text(encoding="utf-8")
+            _check_statements(text, str(candidate), True, seen, depth + 1)
+            return
+    # Not found here: gin reports it when parsing (wrapped into a ConfigError).
+
+
+def _check_statements(
+    text: str, origin: str, is_file: bool, seen: dict[str, str], depth: int = 0
+) -> None:
     """Check every binding of one gin text names a known class and field and a literal value.
 
     ``seen`` maps "Class.field" to a description of the last place that set it.
@@ -289,8 +303,11 @@ def _check_statements(text: str, origin: str, is_file: bool, seen: dict[str, str
     except SyntaxError as exc:
         raise ConfigError(_syntax_message(exc, text, origin, is_file)) from None
     for st in statements:
+        if isinstance(st, config_parser.IncludeStatement) and is_file:
+            _check_include(st.filename, origin, seen, depth)
+            continue
         if not isinstance(st, config_parser.BindingStatement):
-            continue  # include/import statements: gin handles them (and reports their errors)
+            continue  # import statements: gin handles them (and reports their errors)
         line = (st.location.line_content or "").strip()
         where = _where(origin, st.location.line_num, is_file)
         if not st.arg_name:
@@ -362,11 +379,23 @@ def _clean_gin_message(exc: BaseException) -> str:
     return " ".join(s.strip() for s in keep if s.strip())
 
 
+def _drop_gin_path_probe(record: logging.LogRecord) -> bool:
+    """gin logs an ERROR for every search-path miss while resolving includes; drop those."""
+    return not str(record.msg).startswith("Path not found")
+
+
 def _parse(text: str, origin: str, filename: str | None) -> None:
     """Hand one checked gin text to gin, turning gin's own errors into ConfigError."""
     try:
         if filename is not None:
-            gin.parse_config_file(filename)
+            # Let `include 'x.gin'` also resolve next to the including file.
+            gin.add_config_file_search_path(str(Path(filename).resolve().parent))
+            root = logging.getLogger()
+            root.addFilter(_drop_gin_path_probe)
+            try:
+                gin.parse_config_file(filename)
+            finally:
+                root.removeFilter(_drop_gin_path_probe)
         else:
             gin.parse_config(text)
     except SyntaxError as exc:

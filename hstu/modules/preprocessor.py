@@ -72,11 +72,12 @@ class SequencePreprocessor(nn.Module):
         offsets[1:] = torch.cumsum(seq_lengths, 0)
         num_tokens = int(offsets[-1])
         max_seqlen = int(seq_lengths.max()) if b > 0 else 0
-        if max_seqlen - f > self.max_positions:
+        needed = int((hist_lengths + (num_cand > 0).long()).max()) if b > 0 else 0
+        if needed > self.max_positions:
             raise ValueError(
-                f"a sample has {max_seqlen - f} item tokens but the model has only "
-                f"{self.max_positions} positions (NetworkArgs.num_position_embeddings / "
-                f"DatasetArgs.max_history_seqlen)"
+                f"a sample needs {needed} positions (history + 1 for its candidates) but the model "
+                f"has {self.max_positions} (NetworkArgs.num_position_embeddings, default "
+                f"DatasetArgs.max_history_seqlen + 1)"
             )
 
         item_offsets = torch.zeros(b + 1, dtype=torch.long, device=device)

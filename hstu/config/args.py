@@ -325,7 +325,7 @@ class EmbeddingArgs:
     embedding_backend: str = "torchrec"
     item_capacity: int = 0  # dynamic tables; 0 = derived from the dataset
     user_capacity: int = 0
-    sparse_optimizer_str: str = "adam"
+    sparse_optimizer_str: str = "rowwise_adagrad"
     sparse_learning_rate: float = 0.0  # 0 = OptimizerArgs.learning_rate
     initializer: str = "normal"
     init_std: float = 0.02  # std (normal), half-width (uniform) or the value (constant)

@@ -38,6 +38,9 @@ def main(task: str, argv: Sequence[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"RuntimeError: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # e.g. a malformed HSTU_ALLOW_NON_A100 or LOCAL_RANK
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     from hstu.config.gin_utils import ConfigError
     from hstu.training.trainer import run_training

@@ -90,7 +90,7 @@ class SyntheticLatents:
     def preference_term(self, user_rows: np.ndarray, items: np.ndarray) -> np.ndarray:
         """Scaled preference of each user for each item's cluster, in [-scale, +scale]."""
         pref = self.user_pref[user_rows, self.item_cluster[items]]
-        top = self.user_pref[user_rows].max(axis=1)
+        top = self.user_pref.max(axis=1)[user_rows]
         return self.affinity_scale * (2.0 * pref / top - 1.0)
 
     def affinity(self, user_rows: np.ndarray, items: np.ndarray) -> np.ndarray:
@@ -109,6 +109,13 @@ def _check_positive(name: str, value: int, minimum: int = 1) -> None:
         raise ValueError(
             f"generate_synthetic: {name} must be an integer >= {minimum}; got {value!r}"
         )
+
+
+def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, e)`` for each pair."""
+    lengths = ends - starts
+    seg = _segment_starts(lengths)
+    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - seg, lengths)
 
 
 def _segment_starts(lengths: np.ndarray) -> np.ndarray:
@@ -224,8 +231,11 @@ def generate_synthetic_with_latents(
     stay = mode < stay_prob
     stay[first] = False
     explore = (~stay) & (mode < stay_prob + explore_prob)
+    # Per-user inverse-CDF draw in one searchsorted: user u's CDF is shifted into (u, u + 1].
     pref_cum = np.cumsum(user_pref, axis=1)
-    fresh = (pref_cum[row] < rng.random(n)[:, None]).sum(axis=1)
+    pref_cum[:, -1] = 1.0
+    flat_cum = (pref_cum + np.arange(n_users, dtype=np.float64)[:, None]).reshape(-1)
+    fresh = np.searchsorted(flat_cum, row + rng.random(n), side="right") - row * n_clusters
     fresh_explore = np.searchsorted(np.cumsum(cluster_popularity), rng.random(n), side="right")
     fresh = np.where(explore, fresh_explore, fresh)
     fresh = np.minimum(fresh, n_clusters - 1)
@@ -235,20 +245,25 @@ def generate_synthetic_with_latents(
 
     items = draw_items(clusters, rng.random(n))
     if not allow_repeats:
+        # Resample later repeats of an item within a user; each round only revisits the users
+        # that still have repeats.
+        active = np.arange(n, dtype=np.int64)
         for round_ in range(12):
-            keys = row * n_items + items
-            _, first_idx = np.unique(keys, return_index=True)
-            dup = np.ones(n, dtype=bool)
-            dup[first_idx] = False
-            n_dup = int(dup.sum())
-            if n_dup == 0:
+            keys = row[active] * n_items + items[active]
+            _, first_idx = np.unique(keys, return_index=True)  # stable: earliest occurrence
+            is_dup = np.ones(active.shape[0], dtype=bool)
+            is_dup[first_idx] = False
+            dup = active[is_dup]
+            if dup.size == 0:
                 break
-            u = rng.random(n_dup)
+            u = rng.random(dup.size)
+            c = clusters[dup]
             if round_ >= 4:  # Zipf heads are exhausted: fall back to uniform within the cluster
-                c = clusters[dup]
                 items[dup] = order[cluster_start[c] + (u * cluster_size[c]).astype(np.int64)]
             else:
-                items[dup] = draw_items(clusters[dup], u)
+                items[dup] = draw_items(c, u)
+            users = np.unique(row[dup])
+            active = _ranges(offsets[users], offsets[users + 1])
 
     # ---- actions: nested multi-task bitmask driven by user x item affinity --------------------
     latents = SyntheticLatents(
@@ -263,14 +278,13 @@ def generate_synthetic_with_latents(
     quality = item_quality[items]
     ubias = user_bias[row]
     fired = np.zeros((n, num_tasks), dtype=bool)
-    uniform = rng.random((n, num_tasks))
     for k in range(num_tasks):
         if k < len(_TASK_SPECS):
             parent, need, w_pref, w_q, w_u, b = _TASK_SPECS[k]
         else:  # extra generic tasks: gated on click, rarer and rarer
             parent, need, w_pref, w_q, w_u, b = 0, 1, 1.0, 0.5, 0.5, -1.0 - 0.25 * k
         logit = w_pref * pref_term + w_q * quality + w_u * ubias + b
-        fire = uniform[:, k] < 1.0 / (1.0 + np.exp(-logit))
+        fire = rng.random(n) < 1.0 / (1.0 + np.exp(-logit))
         if parent >= 0:
             fire &= fired[:, parent] == bool(need)
         fired[:, k] = fire
@@ -305,13 +319,7 @@ def generate_synthetic_with_latents(
             "num_clusters": n_clusters,
         },
     )
-    logger.debug(
-        "synthetic data: %d users, %d interactions, %d items seen, %d clusters",
-        n_users,
-        n,
-        int(np.unique(items).size),
-        n_clusters,
-    )
+    logger.debug("synthetic data: %d users, %d interactions, %d clusters", n_users, n, n_clusters)
     return data, latents
 
 

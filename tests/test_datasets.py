@@ -406,6 +406,8 @@ def _write_raw(directory, **overrides):
         ({"item_ids": np.array([1, -2, 3, 4, 5], dtype=np.int64)}, "negative item id -2"),
         ({"item_ids": np.array([1.0, 2.5, 3, 4, 5])}, "item_ids must be an integer"),
         ({"user_ids": np.array([0, -1], dtype=np.int64)}, "negative user id"),
+        ({"actions": np.array([0, 1, -1, 0, 0], dtype=np.int64)}, "actions holds a negative id"),
+        ({"timestamps": np.array([0, 2, 1, 3, 4], dtype=np.int64)}, "timestamps go backwards"),
     ],
 )
 def test_bad_ids_name_the_file(tmp_path, overrides, match):

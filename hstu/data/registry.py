@@ -74,7 +74,7 @@ def _check_ids(data: SequenceData, data_file: Path, name: str) -> None:
             f"{data_file}: dataset {name!r} is empty ({data.num_users} users, "
             f"{data.num_interactions} interactions); re-create it with: {_prepare_command(name)}"
         )
-    for key in ("user_ids", "item_ids", "user_features"):
+    for key in ("user_ids", "item_ids", "actions", "user_features"):
         arr = getattr(data, key)
         if arr.size and int(arr.min()) < 0:
             flat = np.flatnonzero(arr.reshape(-1) < 0)[0]
@@ -82,6 +82,16 @@ def _check_ids(data: SequenceData, data_file: Path, name: str) -> None:
                 f"{data_file}: {key} holds a negative id ({int(arr.reshape(-1)[flat])} at flat "
                 f"index {int(flat)}); ids must be >= 0. Re-create it with: {_prepare_command(name)}"
             )
+    # Samples are cut by position, so positions must be in time order inside each user.
+    same_user = np.repeat(np.arange(data.num_users), data.lengths())
+    back = (np.diff(data.timestamps) < 0) & (same_user[1:] == same_user[:-1])
+    if back.any():
+        i = int(np.flatnonzero(back)[0]) + 1
+        raise ValueError(
+            f"{data_file}: timestamps go backwards inside user {int(data.user_ids[same_user[i]])} "
+            f"(row {i}: {int(data.timestamps[i - 1])} -> {int(data.timestamps[i])}); each user's "
+            f"interactions must be sorted by time. Re-create it with: {_prepare_command(name)}"
+        )
 
 
 def load_sequence_data(dataset_args: Any, num_tasks: int = 8) -> SequenceData:
@@ -116,6 +126,16 @@ def load_sequence_data(dataset_args: Any, num_tasks: int = 8) -> SequenceData:
         return data
     directory, looked = resolve_dataset_dir(name, str(getattr(dataset_args, "dataset_path", "")))
     data = _load_prepared(name, directory, looked)
+    if data.num_tasks < num_tasks:
+        logger.warning(
+            "dataset %s has %d action types %s but %d tasks were requested; the extra tasks "
+            "never fire (set RankingArgs.num_tasks=%d for ranking)",
+            name,
+            data.num_tasks,
+            data.action_names,
+            num_tasks,
+            data.num_tasks,
+        )
     logger.info(
         "dataset %s from %s: %d users, %d items, %d interactions",
         name,

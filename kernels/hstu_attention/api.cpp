@@ -1,0 +1,300 @@
+// Torch face of the HSTU attention kernels: input checks (before any launch), the
+// TORCH_LIBRARY schema with CUDA and Meta implementations, and the Python module stub.
+//
+//   torch.ops.hstu_attention.fwd(q, k, v, seq_offsets, max_seqlen, num_contexts, num_targets,
+//                                target_group_size, window_size, alpha, inv_scale, causal) -> out
+//   torch.ops.hstu_attention.bwd(dout, q, k, v, seq_offsets, max_seqlen, num_contexts,
+//                                num_targets, target_group_size, window_size, alpha, inv_scale,
+//                                causal, deterministic) -> (dq, dk, dv)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "launch_registry.h"
+#include "params.h"
+
+namespace {
+
+using at::Tensor;
+constexpr int kMinBlockM = 64;  // smallest backward query tile (dQ semaphore rows)
+
+std::string shape_str(const Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+void check_qkv(const Tensor& t, const char* name, const Tensor& q) {
+  TORCH_CHECK_VALUE(t.is_cuda(), "hstu_attention: ", name, " must be a CUDA tensor; got ", t.device());
+  TORCH_CHECK_VALUE(t.device() == q.device(), "hstu_attention: ", name, " is on ", t.device(),
+              " but q is on ", q.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
+              "hstu_attention: ", name, " must be float16 or bfloat16; got ", t.scalar_type());
+  TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), "hstu_attention: ", name, " has dtype ",
+              t.scalar_type(), " but q has ", q.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 3, "hstu_attention: ", name, " must be jagged [T, H, D]; got shape ",
+              shape_str(t));
+  TORCH_CHECK_VALUE(t.is_contiguous(), "hstu_attention: ", name,
+              " must be contiguous (call .contiguous()); got strides ", t.strides());
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "hstu_attention: ", name,
+              " must be 16-byte aligned");
+}
+
+struct Checked {
+  int batch;
+  int64_t max_len;
+  Tensor cu32;
+  Tensor ctx32;
+  Tensor tgt32;
+};
+
+// Validates shapes, dtypes and the jagged metadata (on the host: one small device->host copy).
+Checked check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
+                     int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
+                     const std::optional<Tensor>& num_targets, int64_t target_group_size,
+                     int64_t window_size, double alpha, double inv_scale, bool causal) {
+  check_qkv(q, "q", q);
+  check_qkv(k, "k", q);
+  check_qkv(v, "v", q);
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) &&
+                  v.size(1) == q.size(1),
+              "hstu_attention: q, k, v must share [T, H]; got q", shape_str(q), " k",
+              shape_str(k), " v", shape_str(v));
+  TORCH_CHECK_VALUE(k.size(2) == q.size(2), "hstu_attention: q and k head dims differ: ", q.size(2),
+              " vs ", k.size(2));
+  TORCH_CHECK_VALUE(v.size(2) == q.size(2),
+              "hstu_attention: the CUDA kernel requires Dqk == Dv; got Dqk=", q.size(2),
+              " Dv=", v.size(2), " (use the reference implementation for Dqk != Dv)");
+  const int64_t d = q.size(2);
+  TORCH_CHECK_VALUE(d == 32 || d == 64 || d == 128 || d == 256,
+              "hstu_attention: head dim ", d, " is not supported; supported: 32, 64, 128, 256");
+  TORCH_CHECK_VALUE(q.size(1) >= 1 && q.size(1) <= 65535, "hstu_attention: number of heads ",
+              q.size(1), " must be in [1, 65535]");
+  TORCH_CHECK_VALUE(q.size(0) * q.size(1) * d < std::numeric_limits<int64_t>::max() / 4,
+              "hstu_attention: tensor too large");
+  TORCH_CHECK_VALUE(std::isfinite(alpha), "hstu_attention: alpha must be finite; got ", alpha);
+  TORCH_CHECK_VALUE(std::isfinite(inv_scale) && inv_scale > 0,
+              "hstu_attention: 1/scaling_seqlen must be finite and > 0; got ", inv_scale);
+  TORCH_CHECK_VALUE(target_group_size >= 1, "hstu_attention: target_group_size must be >= 1; got ",
+              target_group_size);
+  TORCH_CHECK_VALUE(window_size >= 0, "hstu_attention: window_size must be >= 0 (0 = no window); got ",
+              window_size);
+  TORCH_CHECK_VALUE(window_size <= std::numeric_limits<int32_t>::max(),
+              "hstu_attention: window_size out of int32 range: ", window_size);
+  TORCH_CHECK_VALUE(max_seqlen >= 0 && max_seqlen <= std::numeric_limits<int32_t>::max(),
+              "hstu_attention: max_seqlen must be in [0, 2^31); got ", max_seqlen);
+  TORCH_CHECK_VALUE(causal || (!num_contexts.has_value() && !num_targets.has_value() && window_size == 0),
+              "hstu_attention: causal=False does not combine with contexts, targets or a window");
+
+  TORCH_CHECK_VALUE(seq_offsets.dim() == 1 && seq_offsets.numel() >= 1,
+              "hstu_attention: seq_offsets must be 1-D [B+1]; got shape ", shape_str(seq_offsets));
+  TORCH_CHECK_TYPE(seq_offsets.scalar_type() == at::kInt || seq_offsets.scalar_type() == at::kLong,
+              "hstu_attention: seq_offsets must be int32 or int64; got ",
+              seq_offsets.scalar_type());
+  TORCH_CHECK_VALUE(seq_offsets.is_cpu() || seq_offsets.device() == q.device(),
+              "hstu_attention: seq_offsets is on ", seq_offsets.device(), " but q is on ",
+              q.device());
+  const int64_t batch = seq_offsets.numel() - 1;
+  TORCH_CHECK_VALUE(batch <= 65535, "hstu_attention: batch size ", batch, " exceeds 65535");
+  Tensor offs = seq_offsets.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* o = offs.data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(o[0] == 0, "hstu_attention: seq_offsets[0] must be 0; got ", o[0]);
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = o[b + 1] - o[b];
+    TORCH_CHECK_VALUE(len >= 0, "hstu_attention: seq_offsets must be non-decreasing; seq_offsets[", b,
+                "]=", o[b], " > seq_offsets[", b + 1, "]=", o[b + 1]);
+    max_len = std::max(max_len, len);
+  }
+  TORCH_CHECK_VALUE(o[batch] <= std::numeric_limits<int32_t>::max(),
+              "hstu_attention: seq_offsets[-1]=", o[batch], " exceeds the int32 range");
+  TORCH_CHECK_VALUE(o[batch] == q.size(0), "hstu_attention: seq_offsets[-1]=", o[batch],
+              " != number of tokens T=", q.size(0));
+  TORCH_CHECK_VALUE(max_len <= max_seqlen, "hstu_attention: a sequence has length ", max_len,
+              " > max_seqlen=", max_seqlen);
+
+  std::vector<int64_t> ctx(batch, 0), tgt(batch, 0);
+  auto check_counts = [&](const std::optional<Tensor>& t, const char* name,
+                          std::vector<int64_t>& out) -> Tensor {
+    if (!t.has_value()) return Tensor();
+    const Tensor& x = *t;
+    TORCH_CHECK_VALUE(x.dim() == 1 && x.size(0) == batch, "hstu_attention: ", name,
+                " must have shape [B]=[", batch, "]; got ", shape_str(x));
+    TORCH_CHECK_TYPE(x.scalar_type() == at::kInt || x.scalar_type() == at::kLong, "hstu_attention: ",
+                name, " must be int32 or int64; got ", x.scalar_type());
+    TORCH_CHECK_VALUE(x.is_cpu() || x.device() == q.device(), "hstu_attention: ", name, " is on ",
+                x.device(), " but q is on ", q.device());
+    Tensor h = x.to(at::kCPU, at::kLong).contiguous();
+    const int64_t* p = h.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t len = o[b + 1] - o[b];
+      TORCH_CHECK_VALUE(p[b] >= 0 && p[b] <= len, "hstu_attention: ", name, "[", b, "]=", p[b],
+                  " must be in [0, length=", len, "]");
+      out[b] = p[b];
+    }
+    return x.to(q.device(), at::kInt).contiguous();
+  };
+  Checked c;
+  c.ctx32 = check_counts(num_contexts, "num_contexts", ctx);
+  c.tgt32 = check_counts(num_targets, "num_targets", tgt);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK_VALUE(ctx[b] + tgt[b] <= o[b + 1] - o[b], "hstu_attention: num_contexts[", b, "]=",
+                ctx[b], " + num_targets[", b, "]=", tgt[b], " exceeds the sequence length ",
+                o[b + 1] - o[b]);
+  }
+  c.batch = int(batch);
+  c.max_len = max_len;
+  c.cu32 = seq_offsets.to(q.device(), at::kInt).contiguous();
+  return c;
+}
+
+hstu::HstuParams make_params(const Tensor& q, const Checked& c, int64_t max_seqlen,
+                             int64_t target_group_size, int64_t window_size, double alpha,
+                             double inv_scale, bool causal) {
+  hstu::HstuParams p;
+  p.q = q.data_ptr();
+  p.row_stride = q.size(1) * q.size(2);
+  p.head_stride = q.size(2);
+  p.cu_seqlens = c.cu32.data_ptr<int>();
+  p.num_contexts = c.ctx32.defined() ? c.ctx32.data_ptr<int>() : nullptr;
+  p.num_targets = c.tgt32.defined() ? c.tgt32.data_ptr<int>() : nullptr;
+  p.batch = c.batch;
+  p.heads = int(q.size(1));
+  p.head_dim = int(q.size(2));
+  // Grid size: only as many query/key blocks as the longest sequence needs.
+  p.max_seqlen = int(std::min<int64_t>(max_seqlen, c.max_len));
+  p.total = int(q.size(0));
+  p.target_group_size = int(std::min<int64_t>(target_group_size, std::numeric_limits<int>::max()));
+  p.window_size = int(window_size);
+  p.alpha = float(alpha);
+  p.inv_scale = float(inv_scale);
+  p.causal = causal;
+  p.dtype = q.scalar_type() == at::kBFloat16 ? hstu::DType::kBf16 : hstu::DType::kFp16;
+  return p;
+}
+
+void launch(hstu::Direction dir, hstu::HstuParams& p) {
+  hstu::Launcher fn = hstu::find_launcher(dir, p.dtype, p.head_dim);
+  const char* dt = p.dtype == hstu::DType::kBf16 ? "bf16" : "fp16";
+  TORCH_CHECK(fn != nullptr, "hstu_attention: the ", dir == hstu::Direction::kFwd ? "fwd" : "bwd",
+              " kernel for ", dt, " head dim ", p.head_dim,
+              " was not built (HSTU_KERNEL_DIMS filtered it out); rebuild with "
+              "HSTU_KERNEL_DIMS unset or including '",
+              dt, "_hdim", p.head_dim, "': pip install --no-build-isolation -e .");
+  cudaError_t err = fn(p, at::cuda::getCurrentCUDAStream().stream());
+  if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
+    (void)cudaGetLastError();
+    cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+    TORCH_CHECK(false, "hstu_attention: the extension hstu._hstu_attention_C has no code for ",
+                prop->name, " (SM ", prop->major, ".", prop->minor,
+                "); rebuild it for this GPU: HSTU_CUDA_ARCH_LIST=\"8.0;", prop->major, ".",
+                prop->minor, "\" pip install --no-build-isolation -e .");
+  }
+  TORCH_CHECK(err == cudaSuccess, "hstu_attention: kernel launch failed: ",
+              cudaGetErrorString(err));
+}
+
+Tensor fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
+                int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
+                const std::optional<Tensor>& num_targets, int64_t target_group_size,
+                int64_t window_size, double alpha, double inv_scale, bool causal) {
+  Checked c = check_inputs(q, k, v, seq_offsets, max_seqlen, num_contexts, num_targets,
+                           target_group_size, window_size, alpha, inv_scale, causal);
+  c10::cuda::CUDAGuard guard(q.device());
+  Tensor out = at::empty_like(v);
+  if (q.size(0) == 0) return out;
+  hstu::HstuParams p = make_params(q, c, max_seqlen, target_group_size, window_size, alpha,
+                                   inv_scale, causal);
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  launch(hstu::Direction::kFwd, p);
+  return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor> bwd_cuda(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& seq_offsets, int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
+    const std::optional<Tensor>& num_targets, int64_t target_group_size, int64_t window_size,
+    double alpha, double inv_scale, bool causal, bool deterministic) {
+  Checked c = check_inputs(q, k, v, seq_offsets, max_seqlen, num_contexts, num_targets,
+                           target_group_size, window_size, alpha, inv_scale, causal);
+  check_qkv(dout, "dout", q);
+  TORCH_CHECK_VALUE(dout.sizes() == v.sizes(), "hstu_attention: dout must have the output's shape ",
+              shape_str(v), "; got ", shape_str(dout));
+  c10::cuda::CUDAGuard guard(q.device());
+  Tensor dq = at::empty_like(q);
+  Tensor dk = at::empty_like(k);
+  Tensor dv = at::empty_like(v);
+  if (q.size(0) == 0) return {dq, dk, dv};
+  hstu::HstuParams p = make_params(q, c, max_seqlen, target_group_size, window_size, alpha,
+                                   inv_scale, causal);
+  Tensor dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+  Tensor sem;
+  if (deterministic) {
+    const int64_t m_blocks = (int64_t(p.max_seqlen) + kMinBlockM - 1) / kMinBlockM;
+    sem = at::zeros({int64_t(p.heads) * p.batch * std::max<int64_t>(m_blocks, 1)},
+                    q.options().dtype(at::kInt));
+    p.dq_semaphore = sem.data_ptr<int>();
+  }
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.dout = dout.data_ptr();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dq_accum = dq_accum.data_ptr<float>();
+  p.deterministic = deterministic;
+  launch(hstu::Direction::kBwd, p);
+  return {dq, dk, dv};
+}
+
+Tensor fwd_meta(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
+                int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
+                const std::optional<Tensor>& num_targets, int64_t target_group_size,
+                int64_t window_size, double alpha, double inv_scale, bool causal) {
+  TORCH_CHECK(v.size(2) == q.size(2), "hstu_attention: the CUDA kernel requires Dqk == Dv");
+  return at::empty_like(v);
+}
+
+std::tuple<Tensor, Tensor, Tensor> bwd_meta(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& seq_offsets, int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
+    const std::optional<Tensor>& num_targets, int64_t target_group_size, int64_t window_size,
+    double alpha, double inv_scale, bool causal, bool deterministic) {
+  return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hstu_attention, m) {
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, int max_seqlen, "
+      "Tensor? num_contexts, Tensor? num_targets, int target_group_size, int window_size, "
+      "float alpha, float inv_scale, bool causal) -> Tensor");
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor seq_offsets, int max_seqlen, "
+      "Tensor? num_contexts, Tensor? num_targets, int target_group_size, int window_size, "
+      "float alpha, float inv_scale, bool causal, bool deterministic) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(hstu_attention, CUDA, m) {
+  m.impl("fwd", &fwd_cuda);
+  m.impl("bwd", &bwd_cuda);
+}
+
+TORCH_LIBRARY_IMPL(hstu_attention, Meta, m) {
+  m.impl("fwd", &fwd_meta);
+  m.impl("bwd", &bwd_meta);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "HSTU attention CUDA kernels; the ops live in torch.ops.hstu_attention";
+}

@@ -1,0 +1,321 @@
+// HSTU attention backward: one CTA per (key block, sequence, head) keeps K, V and the dK, dV
+// accumulators on chip and walks the query blocks that can see its keys:
+//   S = Q K^T, dP = dO V^T                       (recomputed, fp32)
+//   P = SiLU(alpha S) / scale, dS = dP * alpha SiLU'(alpha S) / scale   (masked)
+//   dV += P^T dO, dK += dS^T Q                   (P, dS staged in shared memory as Element)
+//   dQ += dS K                                   (fp32 atomics into dq_accum; in deterministic
+//                                                 mode the key blocks of one query block take
+//                                                 turns in key-block order via a semaphore)
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "fwd_kernel.h"
+#include "kernel_traits.h"
+#include "mask.h"
+#include "params.h"
+#include "utils.h"
+
+namespace hstu {
+
+using namespace cute;
+
+__device__ __forceinline__ void semaphore_wait(const int* sem, int value) {
+  while (atomicAdd(const_cast<int*>(sem), 0) != value) {
+  }
+  __threadfence();
+}
+
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
+    hstu_bwd_kernel(const __grid_constant__ HstuParams p) {
+  using Element = typename Kt::Element;
+  constexpr int kBlockM = Kt::kBlockM;
+  constexpr int kBlockN = Kt::kBlockN;
+  constexpr int kHeadDim = Kt::kHeadDim;
+  constexpr int kQdOElems = int(size(typename Kt::SmemLayoutQdO{}));
+  extern __shared__ __align__(1024) char smem_[];
+
+  const int n_block = blockIdx.x;
+  const int bidb = blockIdx.y;
+  const int bidh = blockIdx.z;
+  const int tidx = threadIdx.x;
+  const int seq_start = p.cu_seqlens[bidb];
+  const int L = p.cu_seqlens[bidb + 1] - seq_start;
+  const int n0 = n_block * kBlockN;
+  if (n0 >= L) return;
+  const SeqMask mk = make_seq_mask(p, bidb, L);
+  const int n1 = min(n0 + kBlockN, L);
+  const int m_lo = mk.key_block_row_lo(n0) / kBlockM;
+  const int m_hi = (mk.key_block_row_hi(n0, n1) + kBlockM - 1) / kBlockM;
+  const int num_m_blocks = (L + kBlockM - 1) / kBlockM;
+  auto next_active = [&](int m) {
+    ++m;
+    while (m < m_hi && mk.tile_empty(m * kBlockM, (m + 1) * kBlockM, n0, n1)) ++m;
+    return m;
+  };
+  int* sem_row = p.deterministic ? p.dq_semaphore + (int64_t(bidh) * p.batch + bidb) *
+                                                        ((p.max_seqlen + kBlockM - 1) / kBlockM)
+                                 : nullptr;
+  // Deterministic mode: every key block takes its turn on every query block, active or not.
+  auto pass_through = [&](int from, int to) {
+    if (sem_row != nullptr && tidx == 0) {
+      for (int m = from; m < to; ++m) {
+        semaphore_wait(sem_row + m, n_block);
+        atomicExch(sem_row + m, n_block + 1);
+      }
+    }
+  };
+
+  const int64_t base = int64_t(seq_start) * p.row_stride + int64_t(bidh) * p.head_stride;
+  const Element* q_ptr = reinterpret_cast<const Element*>(p.q) + base;
+  const Element* k_ptr = reinterpret_cast<const Element*>(p.k) + base;
+  const Element* v_ptr = reinterpret_cast<const Element*>(p.v) + base;
+  const Element* do_ptr = reinterpret_cast<const Element*>(p.dout) + base;
+  float* dqacc_ptr = p.dq_accum + base;
+  Element* dk_ptr = reinterpret_cast<Element*>(p.dk) + base;
+  Element* dv_ptr = reinterpret_cast<Element*>(p.dv) + base;
+  auto row_tile = [&](auto* ptr, int row0, auto rows) {
+    return make_tensor(make_gmem_ptr(ptr + int64_t(row0) * p.row_stride),
+                       make_shape(rows, Int<kHeadDim>{}), make_stride(p.row_stride, _1{}));
+  };
+
+  Element* smem_base = reinterpret_cast<Element*>(smem_);
+  Tensor sQ = make_tensor(make_smem_ptr(smem_base), typename Kt::SmemLayoutQdO{});
+  Tensor sQt = make_tensor(sQ.data(), typename Kt::SmemLayoutQdOt{});
+  Tensor sQtNoSwizzle = make_tensor(sQ.data().get(), typename Kt::SmemLayoutQdOtNoSwizzle{});
+  Tensor sdO = make_tensor(sQ.data() + Kt::kStages * kQdOElems, typename Kt::SmemLayoutQdO{});
+  Tensor sdOt = make_tensor(sdO.data(), typename Kt::SmemLayoutQdOt{});
+  Tensor sdOtNoSwizzle = make_tensor(sdO.data().get(), typename Kt::SmemLayoutQdOtNoSwizzle{});
+  Tensor sK = make_tensor(sdO.data() + Kt::kStages * kQdOElems, typename Kt::SmemLayoutKV{});
+  Tensor sKt = make_tensor(sK.data(), typename Kt::SmemLayoutKt{});
+  Tensor sKtNoSwizzle = make_tensor(sK.data().get(), typename Kt::SmemLayoutKtNoSwizzle{});
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Kt::SmemLayoutKV{});
+  Tensor sP = make_tensor(sV.data() + size(sV), typename Kt::SmemLayoutPdS{});
+  Tensor sPt = make_tensor(sP.data(), typename Kt::SmemLayoutPdSt{});
+  Tensor sPtNoSwizzle = make_tensor(sP.data().get(), typename Kt::SmemLayoutPdStNoSwizzle{});
+  Tensor sdS = make_tensor(sP.data() + size(sP), typename Kt::SmemLayoutPdS{});
+  Tensor sdSt = make_tensor(sdS.data(), typename Kt::SmemLayoutPdSt{});
+  Tensor sdStNoSwizzle = make_tensor(sdS.data().get(), typename Kt::SmemLayoutPdStNoSwizzle{});
+
+  // Global -> shared.
+  typename Kt::GmemTiledCopyLoad gmem_tiled_copy;
+  auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
+  Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
+  Tensor tdOsdO = gmem_thr_copy.partition_D(sdO);
+  Tensor tKsK = gmem_thr_copy.partition_D(sK);
+  Tensor tVsV = gmem_thr_copy.partition_D(sV);
+  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV =
+      gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  auto load_qdo = [&](int m, int stage) {
+    const int off = stage * kQdOElems;
+    Tensor dq = make_tensor(tQsQ.data() + off, tQsQ.layout());
+    Tensor ddo = make_tensor(tdOsdO.data() + off, tdOsdO.layout());
+    Tensor gq = gmem_thr_copy.partition_S(row_tile(q_ptr, m * kBlockM, Int<kBlockM>{}));
+    Tensor gdo = gmem_thr_copy.partition_S(row_tile(do_ptr, m * kBlockM, Int<kBlockM>{}));
+    copy_rows_zfill(gmem_tiled_copy, gq, dq, tQcQ, L - m * kBlockM);
+    copy_rows_zfill(gmem_tiled_copy, gdo, ddo, tQcQ, L - m * kBlockM);
+  };
+
+  // MMAs and their shared -> register copies.
+  typename Kt::TiledMmaSdP tiled_mma_sdp;
+  auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(tidx);
+  Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);
+
+  typename Kt::TiledMmadKV tiled_mma_dkv;
+  auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(tidx);
+  Tensor tdVrPt = thr_mma_dkv.partition_fragment_A(sPtNoSwizzle);
+  Tensor tdVrdO = thr_mma_dkv.partition_fragment_B(sdOtNoSwizzle);
+  Tensor tdKrdSt = thr_mma_dkv.partition_fragment_A(sdStNoSwizzle);
+  Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQtNoSwizzle);
+
+  typename Kt::TiledMmadQ tiled_mma_dq;
+  auto thr_mma_dq = tiled_mma_dq.get_thread_slice(tidx);
+  Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKtNoSwizzle);
+
+  auto copy_QdO = make_tiled_copy_A(typename Kt::SmemCopyAtom{}, tiled_mma_sdp);
+  auto thr_copy_QdO = copy_QdO.get_thread_slice(tidx);
+  Tensor tSsQ = thr_copy_QdO.partition_S(sQ);
+  Tensor tdPsdO = thr_copy_QdO.partition_S(sdO);
+  auto copy_KV = make_tiled_copy_B(typename Kt::SmemCopyAtom{}, tiled_mma_sdp);
+  auto thr_copy_KV = copy_KV.get_thread_slice(tidx);
+  Tensor tSsK = thr_copy_KV.partition_S(sK);
+  Tensor tdPsV = thr_copy_KV.partition_S(sV);
+
+  auto copy_PdSt = make_tiled_copy_A(typename Kt::SmemCopyAtomT{}, tiled_mma_dkv);
+  auto thr_copy_PdSt = copy_PdSt.get_thread_slice(tidx);
+  Tensor tdVsPt = thr_copy_PdSt.partition_S(sPt);
+  Tensor tdKsdSt = thr_copy_PdSt.partition_S(sdSt);
+  auto copy_QdOt = make_tiled_copy_B(typename Kt::SmemCopyAtomT{}, tiled_mma_dkv);
+  auto thr_copy_QdOt = copy_QdOt.get_thread_slice(tidx);
+  Tensor tdVsdOt = thr_copy_QdOt.partition_S(sdOt);
+  Tensor tdKsQt = thr_copy_QdOt.partition_S(sQt);
+
+  auto copy_dS = make_tiled_copy_A(typename Kt::SmemCopyAtom{}, tiled_mma_dq);
+  auto thr_copy_dS = copy_dS.get_thread_slice(tidx);
+  Tensor tdQsdS = thr_copy_dS.partition_S(sdS);
+  auto copy_Kt = make_tiled_copy_B(typename Kt::SmemCopyAtomT{}, tiled_mma_dq);
+  auto thr_copy_Kt = copy_Kt.get_thread_slice(tidx);
+  Tensor tdQsKt = thr_copy_Kt.partition_S(sKt);
+
+  auto copy_PdS = make_tiled_copy_C(typename Kt::SmemCopyAtomR2S{}, tiled_mma_sdp);
+  auto thr_copy_PdS = copy_PdS.get_thread_slice(tidx);
+  Tensor tPsP = thr_copy_PdS.partition_D(sP);
+  Tensor tdSsdS = thr_copy_PdS.partition_D(sdS);
+
+  Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tdQcdQ =
+      thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+
+  Tensor acc_dk = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+
+  int m_block = m_lo;
+  if (m_block < m_hi && mk.tile_empty(m_block * kBlockM, (m_block + 1) * kBlockM, n0, n1)) {
+    m_block = next_active(m_block);
+  }
+  {
+    Tensor gk = gmem_thr_copy.partition_S(row_tile(k_ptr, n0, Int<kBlockN>{}));
+    Tensor gv = gmem_thr_copy.partition_S(row_tile(v_ptr, n0, Int<kBlockN>{}));
+    copy_rows_zfill(gmem_tiled_copy, gk, tKsK, tKVcKV, L - n0);
+    copy_rows_zfill(gmem_tiled_copy, gv, tVsV, tKVcKV, L - n0);
+  }
+  if (m_block < m_hi) load_qdo(m_block, 0);
+  cute::cp_async_fence();
+  pass_through(0, min(m_block, num_m_blocks));
+
+  const float alpha = p.alpha;
+  const float half_alpha = 0.5f * p.alpha;
+  const float scale = p.inv_scale;
+  const float alpha_scale = p.alpha * p.inv_scale;
+  int stage = 0;
+  while (m_block < m_hi) {
+    const int m0 = m_block * kBlockM;
+    const int next = next_active(m_block);
+    const int off = stage * kQdOElems;
+    cute::cp_async_wait<0>();
+    __syncthreads();
+    if (Kt::kDoubleBuffer && next < m_hi) {
+      load_qdo(next, stage ^ 1);
+      cute::cp_async_fence();
+    }
+
+    Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    clear(acc_dp);
+    gemm_ss(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + off, tSsQ.layout()), tSsK,
+            tiled_mma_sdp, copy_QdO, copy_KV, thr_copy_QdO, thr_copy_KV);
+    gemm_ss(acc_dp, tdPrdO, tdPrV, make_tensor(tdPsdO.data() + off, tdPsdO.layout()), tdPsV,
+            tiled_mma_sdp, copy_QdO, copy_KV, thr_copy_QdO, thr_copy_KV);
+    // sig = sigmoid(alpha s); P = alpha s sig / scale;
+    // dS = dP * alpha / scale * sig * (1 + alpha s (1 - sig)).
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_s); ++i) {
+      const float a = acc_s(i) * alpha;
+      const float sig = fmaf(0.5f, tanh_approx(acc_s(i) * half_alpha), 0.5f);
+      const float asig = a * sig;
+      acc_s(i) = asig * scale;
+      acc_dp(i) = acc_dp(i) * alpha_scale * (sig + asig - asig * sig);
+    }
+    if (!mk.tile_full(m0, m0 + kBlockM, n0, n1)) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        if (!mk.valid(m0 + get<0>(tScS(i)), n0 + get<1>(tScS(i)))) {
+          acc_s(i) = 0.f;
+          acc_dp(i) = 0.f;
+        }
+      }
+    }
+    {
+      Tensor rP = convert_fragment<Element>(acc_s);
+      Tensor rdS = convert_fragment<Element>(acc_dp);
+      copy(copy_PdS, thr_copy_PdS.retile_S(rP), tPsP);
+      copy(copy_PdS, thr_copy_PdS.retile_S(rdS), tdSsdS);
+    }
+    __syncthreads();
+
+    gemm_ss(acc_dv, tdVrPt, tdVrdO, tdVsPt, make_tensor(tdVsdOt.data() + off, tdVsdOt.layout()),
+            tiled_mma_dkv, copy_PdSt, copy_QdOt, thr_copy_PdSt, thr_copy_QdOt);
+    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, make_tensor(tdKsQt.data() + off, tdKsQt.layout()),
+            tiled_mma_dkv, copy_PdSt, copy_QdOt, thr_copy_PdSt, thr_copy_QdOt);
+
+    Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(acc_dq);
+    gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, copy_dS, copy_Kt, thr_copy_dS,
+            thr_copy_Kt);
+    Tensor gdQacc = make_tensor(make_gmem_ptr(dqacc_ptr + int64_t(m0) * p.row_stride),
+                                Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                make_stride(p.row_stride, _1{}));
+    Tensor tdQgdQacc = thr_mma_dq.partition_C(gdQacc);
+    if (sem_row != nullptr) {
+      if (tidx == 0) semaphore_wait(sem_row + m_block, n_block);
+      __syncthreads();
+    }
+    const int rows = L - m0;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); ++i) {
+      if (get<0>(tdQcdQ(i)) < rows) atomicAdd(&tdQgdQacc(i), acc_dq(i));
+    }
+    if (sem_row != nullptr) {
+      __threadfence();
+      __syncthreads();
+      if (tidx == 0) atomicExch(sem_row + m_block, n_block + 1);
+    }
+    pass_through(m_block + 1, min(next, num_m_blocks));
+    __syncthreads();
+    if (!Kt::kDoubleBuffer && next < m_hi) {
+      load_qdo(next, 0);
+      cute::cp_async_fence();
+    }
+    if (Kt::kDoubleBuffer) stage ^= 1;
+    m_block = next;
+  }
+  pass_through(max(m_block, 0), num_m_blocks);
+
+  // Epilogue: dK, dV -> shared (reusing sK, sV) -> global.
+  Tensor rdK = convert_fragment<Element>(acc_dk);
+  Tensor rdV = convert_fragment<Element>(acc_dv);
+  auto copy_dKV = make_tiled_copy_C(typename Kt::SmemCopyAtomR2S{}, tiled_mma_dkv);
+  auto thr_copy_dKV = copy_dKV.get_thread_slice(tidx);
+  cute::cp_async_wait<0>();
+  __syncthreads();
+  Tensor tdKsdK = thr_copy_dKV.partition_D(sK);
+  Tensor tdVsdV = thr_copy_dKV.partition_D(sV);
+  copy(copy_dKV, thr_copy_dKV.retile_S(rdK), tdKsdK);
+  copy(copy_dKV, thr_copy_dKV.retile_S(rdV), tdVsdV);
+  __syncthreads();
+  typename Kt::GmemTiledCopyStore gmem_tiled_copy_st;
+  auto gmem_thr_copy_st = gmem_tiled_copy_st.get_thread_slice(tidx);
+  Tensor tdKsK = gmem_thr_copy_st.partition_S(sK);
+  Tensor tdVsV = gmem_thr_copy_st.partition_S(sV);
+  Tensor tdKgdK = gmem_thr_copy_st.partition_D(row_tile(dk_ptr, n0, Int<kBlockN>{}));
+  Tensor tdVgdV = gmem_thr_copy_st.partition_D(row_tile(dv_ptr, n0, Int<kBlockN>{}));
+  copy_rows_store(gmem_tiled_copy_st, tdKsK, tdKgdK, tKVcKV, L - n0);
+  copy_rows_store(gmem_tiled_copy_st, tdVsV, tdVgdV, tKVcKV, L - n0);
+}
+
+// dq_accum (fp32) -> dq (Element), vectorised by 4.
+template <typename Element>
+__global__ void hstu_convert_dq_kernel(const float* __restrict__ acc, Element* __restrict__ out,
+                                       int64_t n) {
+  const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (i + 3 < n) {
+    const float4 a = *reinterpret_cast<const float4*>(acc + i);
+    out[i] = Element(a.x);
+    out[i + 1] = Element(a.y);
+    out[i + 2] = Element(a.z);
+    out[i + 3] = Element(a.w);
+  } else {
+    for (int64_t j = i; j < n; ++j) out[j] = Element(acc[j]);
+  }
+}
+
+}  // namespace hstu

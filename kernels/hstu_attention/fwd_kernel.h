@@ -1,0 +1,172 @@
+// HSTU attention forward: one CTA per (query block, sequence, head); K/V blocks stream through
+// shared memory (cp.async: V(n) lands while Q K(n)^T runs, K(next) while P V(n) runs).
+//   S = Q K^T (fp32), P = SiLU(alpha S) / scaling_seqlen masked, O += P V; no softmax, so no
+//   running max/sum and no rescaling of O.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "kernel_traits.h"
+#include "mask.h"
+#include "params.h"
+#include "utils.h"
+
+namespace hstu {
+
+using namespace cute;
+
+__device__ __forceinline__ SeqMask make_seq_mask(HstuParams const& p, int bidb, int L) {
+  SeqMask mk;
+  mk.L = L;
+  mk.c = p.num_contexts ? p.num_contexts[bidb] : 0;
+  const int t = p.num_targets ? p.num_targets[bidb] : 0;
+  mk.H = L - t;
+  mk.G = p.target_group_size;
+  mk.w = p.window_size;
+  mk.causal = p.causal;
+  return mk;
+}
+
+template <typename Kt>
+__global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
+    hstu_fwd_kernel(const __grid_constant__ HstuParams p) {
+  using Element = typename Kt::Element;
+  constexpr int kBlockM = Kt::kBlockM;
+  constexpr int kBlockN = Kt::kBlockN;
+  constexpr int kHeadDim = Kt::kHeadDim;
+  extern __shared__ __align__(1024) char smem_[];
+
+  // Heaviest (last) query blocks first: better tail behaviour under the causal mask.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int bidb = blockIdx.y;
+  const int bidh = blockIdx.z;
+  const int tidx = threadIdx.x;
+  const int seq_start = p.cu_seqlens[bidb];
+  const int L = p.cu_seqlens[bidb + 1] - seq_start;
+  const int m0 = m_block * kBlockM;
+  if (m0 >= L) return;
+  const SeqMask mk = make_seq_mask(p, bidb, L);
+  const int m1 = min(m0 + kBlockM, L);
+  const int n_lo = mk.row_block_key_lo(m0) / kBlockN;
+  const int n_hi = (mk.row_block_key_hi(m0, m1) + kBlockN - 1) / kBlockN;
+  auto empty = [&](int n) { return mk.tile_empty(m0, m1, n * kBlockN, (n + 1) * kBlockN); };
+  int n_block = n_hi - 1;
+  while (n_block >= n_lo && empty(n_block)) --n_block;
+
+  const int64_t base = int64_t(seq_start) * p.row_stride + int64_t(bidh) * p.head_stride;
+  const Element* q_ptr = reinterpret_cast<const Element*>(p.q) + base;
+  const Element* k_ptr = reinterpret_cast<const Element*>(p.k) + base;
+  const Element* v_ptr = reinterpret_cast<const Element*>(p.v) + base;
+  Element* o_ptr = reinterpret_cast<Element*>(p.o) + base;
+  auto row_tile = [&](const Element* ptr, int row0, auto rows) {
+    return make_tensor(make_gmem_ptr(ptr + int64_t(row0) * p.row_stride),
+                       make_shape(rows, Int<kHeadDim>{}), make_stride(p.row_stride, _1{}));
+  };
+  Tensor gQ = row_tile(q_ptr, m0, Int<kBlockM>{});
+
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem_)),
+                          typename Kt::SmemLayoutQ{});
+  Tensor sK = make_tensor(sQ.data() + size(sQ), typename Kt::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Kt::SmemLayoutKV{});
+  Tensor sVt = make_tensor(sV.data(), typename Kt::SmemLayoutVt{});
+  Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Kt::SmemLayoutVtNoSwizzle{});
+
+  typename Kt::GmemTiledCopyLoad gmem_tiled_copy;
+  auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
+  Tensor tQgQ = gmem_thr_copy.partition_S(gQ);
+  Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
+  Tensor tKsK = gmem_thr_copy.partition_D(sK);
+  Tensor tVsV = gmem_thr_copy.partition_D(sV);
+  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV =
+      gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  auto load_kv = [&](const Element* ptr, auto& dst, int n) {
+    Tensor g = row_tile(ptr, n * kBlockN, Int<kBlockN>{});
+    Tensor src = gmem_thr_copy.partition_S(g);
+    copy_rows_zfill(gmem_tiled_copy, src, dst, tKVcKV, L - n * kBlockN);
+  };
+
+  typename Kt::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_o);
+
+  auto smem_tiled_copy_Q = make_tiled_copy_A(typename Kt::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(tidx);
+  Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);
+  auto smem_tiled_copy_K = make_tiled_copy_B(typename Kt::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(tidx);
+  Tensor tSsK = smem_thr_copy_K.partition_S(sK);
+  auto smem_tiled_copy_V = make_tiled_copy_B(typename Kt::SmemCopyAtomT{}, tiled_mma);
+  auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
+  Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
+
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+
+  copy_rows_zfill(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, L - m0);
+  if (n_block >= n_lo) load_kv(k_ptr, tKsK, n_block);
+  cute::cp_async_fence();
+
+  const float half_alpha = 0.5f * p.alpha;
+  const float half_alpha_scale = 0.5f * p.alpha * p.inv_scale;
+  while (n_block >= n_lo) {
+    const int n0 = n_block * kBlockN;
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    cute::cp_async_wait<0>();
+    __syncthreads();
+    load_kv(v_ptr, tVsV, n_block);
+    cute::cp_async_fence();
+    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
+            smem_thr_copy_Q, smem_thr_copy_K);
+    // P = SiLU(alpha s) / scale = h' (1 + tanh(h)), h = alpha s / 2, h' = h / scale.
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_s); ++i) {
+      const float x = acc_s(i);
+      const float hs = x * half_alpha_scale;
+      acc_s(i) = fmaf(hs, tanh_approx(x * half_alpha), hs);
+    }
+    if (!mk.tile_full(m0, m1, n0, n0 + kBlockN)) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        if (!mk.valid(m0 + get<0>(tScS(i)), n0 + get<1>(tScS(i)))) acc_s(i) = 0.f;
+      }
+    }
+    cute::cp_async_wait<0>();
+    __syncthreads();
+    int next = n_block - 1;
+    while (next >= n_lo && empty(next)) --next;
+    if (next >= n_lo) {
+      load_kv(k_ptr, tKsK, next);
+      cute::cp_async_fence();
+    }
+    Tensor rP = convert_fragment<Element>(acc_s);
+    Tensor tOrP = make_tensor(rP.data(), acc_layout_as_A(rP.layout()));
+    gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+    n_block = next;
+  }
+
+  // Epilogue: registers -> shared (reusing sQ) -> 16-byte global stores.
+  Tensor rO = convert_fragment<Element>(acc_o);
+  Tensor sO = make_tensor(sQ.data(), typename Kt::SmemLayoutQ{});
+  auto smem_tiled_copy_O = make_tiled_copy_C(typename Kt::SmemCopyAtomR2S{}, tiled_mma);
+  auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
+  Tensor taccOrO = smem_thr_copy_O.retile_S(rO);
+  Tensor taccOsO = smem_thr_copy_O.partition_D(sO);
+  cute::cp_async_wait<0>();
+  __syncthreads();
+  copy(smem_tiled_copy_O, taccOrO, taccOsO);
+  __syncthreads();
+  Tensor gO = make_tensor(make_gmem_ptr(o_ptr + int64_t(m0) * p.row_stride),
+                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.row_stride, _1{}));
+  typename Kt::GmemTiledCopyStore gmem_tiled_copy_O;
+  auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
+  Tensor tOsO = gmem_thr_copy_O.partition_S(sO);
+  Tensor tOgO = gmem_thr_copy_O.partition_D(gO);
+  copy_rows_store(gmem_tiled_copy_O, tOsO, tOgO, tQcQ, L - m0);
+}
+
+}  // namespace hstu

@@ -1,0 +1,46 @@
+// Plain-C++ parameter block shared by the torch layer (api.cpp) and the kernels.
+// No ATen/torch and no CuTe here: both a host compiler and nvcc include it.
+#pragma once
+
+#include <cstdint>
+
+namespace hstu {
+
+enum class DType : int { kFp16 = 0, kBf16 = 1 };
+
+struct HstuParams {
+  // Jagged [T, H, D] tensors, contiguous: row stride H * D, head stride D (elements).
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;  // forward output
+
+  const void* dout = nullptr;  // backward inputs/outputs
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  float* dq_accum = nullptr;  // [T, H, D] fp32, zero-initialised
+  int* dq_semaphore = nullptr;  // [H, B, num_m_blocks] int32, zeroed; deterministic mode only
+
+  int64_t row_stride = 0;
+  int64_t head_stride = 0;
+
+  const int* cu_seqlens = nullptr;    // [B + 1] int32
+  const int* num_contexts = nullptr;  // [B] int32 or nullptr
+  const int* num_targets = nullptr;   // [B] int32 or nullptr
+
+  int batch = 0;
+  int heads = 0;
+  int head_dim = 0;
+  int max_seqlen = 0;
+  int total = 0;
+  int target_group_size = 1;
+  int window_size = 0;
+  float alpha = 1.f;      // multiplies <q, k> before SiLU
+  float inv_scale = 1.f;  // 1 / scaling_seqlen, multiplies SiLU(.)
+  bool causal = true;
+  bool deterministic = false;
+  DType dtype = DType::kBf16;
+};
+
+}  // namespace hstu

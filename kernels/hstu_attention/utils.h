@@ -1,0 +1,105 @@
+// Small device helpers: register-pipelined GEMMs over shared memory, layout reshapes,
+// predicated tile copies and the SiLU arithmetic.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+namespace hstu {
+
+using namespace cute;
+
+// One MUFU op: tanh.approx.f32 (max rel. error ~2^-11), the cheapest route to a sigmoid:
+// sigmoid(x) = 0.5 * (1 + tanh(x / 2)), silu(x) = x * sigmoid(x).
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// acc += A @ B^T, A and B both read from shared memory with ldmatrix; the k-slice i + 1 is
+// loaded into registers while the tensor cores work on slice i.
+template <class Acc, class FragA, class FragB, class SmemA, class SmemB, class TiledMma,
+          class CopyA, class CopyB, class ThrCopyA, class ThrCopyB>
+__device__ __forceinline__ void gemm_ss(Acc& acc, FragA& tCrA, FragB& tCrB, SmemA const& tCsA,
+                                        SmemB const& tCsB, TiledMma const& mma,
+                                        CopyA const& copy_a, CopyB const& copy_b,
+                                        ThrCopyA const& thr_a, ThrCopyB const& thr_b) {
+  auto tCrA_v = thr_a.retile_D(tCrA);
+  auto tCrB_v = thr_b.retile_D(tCrB);
+  copy(copy_a, tCsA(_, _, _0{}), tCrA_v(_, _, _0{}));
+  copy(copy_b, tCsB(_, _, _0{}), tCrB_v(_, _, _0{}));
+  CUTE_UNROLL
+  for (int i = 0; i < size<2>(tCrA); ++i) {
+    if (i < size<2>(tCrA) - 1) {
+      copy(copy_a, tCsA(_, _, i + 1), tCrA_v(_, _, i + 1));
+      copy(copy_b, tCsB(_, _, i + 1), tCrB_v(_, _, i + 1));
+    }
+    cute::gemm(mma, tCrA(_, _, i), tCrB(_, _, i), acc);
+  }
+}
+
+// acc += A @ B^T with A already in registers (P of the forward).
+template <class Acc, class FragA, class FragB, class SmemB, class TiledMma, class CopyB,
+          class ThrCopyB>
+__device__ __forceinline__ void gemm_rs(Acc& acc, FragA const& tCrA, FragB& tCrB,
+                                        SmemB const& tCsB, TiledMma const& mma,
+                                        CopyB const& copy_b, ThrCopyB const& thr_b) {
+  auto tCrB_v = thr_b.retile_D(tCrB);
+  copy(copy_b, tCsB(_, _, _0{}), tCrB_v(_, _, _0{}));
+  CUTE_UNROLL
+  for (int i = 0; i < size<2>(tCrA); ++i) {
+    if (i < size<2>(tCrA) - 1) copy(copy_b, tCsB(_, _, i + 1), tCrB_v(_, _, i + 1));
+    cute::gemm(mma, tCrA(_, _, i), tCrB(_, _, i), acc);
+  }
+}
+
+// m16n8k16 accumulator ((2,2), M, N) viewed as an A operand ((2,2,2), M, N/2): two adjacent n8
+// accumulator tiles form one k16 slice.
+template <class Layout>
+__device__ __forceinline__ constexpr auto acc_layout_as_A(Layout l) {
+  auto l2 = logical_divide(l, Shape<Underscore, Underscore, _2>{});
+  return make_layout(make_layout(get<0>(get<0>(l2)), get<1>(get<0>(l2)), get<0>(get<2>(l2))),
+                     get<1>(l2), get<1>(get<2>(l2)));
+}
+
+// fp32 fragment -> Element fragment of the same layout (packed cvt instructions).
+template <typename To, class Engine, class Layout>
+__device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& t) {
+  using From = typename Engine::value_type;
+  constexpr int N = decltype(size(t))::value;
+  cutlass::NumericArrayConverter<To, From, N> conv;
+  Tensor out = make_tensor<To>(t.layout());
+  *reinterpret_cast<cutlass::Array<To, N>*>(out.data()) =
+      conv(*reinterpret_cast<cutlass::Array<From, N> const*>(t.data()));
+  return out;
+}
+
+// Copy a [rows, D] global tile into shared memory; rows >= max_rows are zero-filled
+// (the zeros are what make out-of-sequence rows harmless: SiLU(0) = 0).
+template <class TiledCopy, class SrcT, class DstT, class CoordT>
+__device__ __forceinline__ void copy_rows_zfill(TiledCopy const& tiled_copy, SrcT const& src,
+                                                DstT& dst, CoordT const& coord, int max_rows) {
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(dst); ++m) {
+    if (get<0>(coord(0, m, 0)) < max_rows) {
+      copy(tiled_copy, src(_, m, _), dst(_, m, _));
+    } else {
+      clear(dst(_, m, _));
+    }
+  }
+}
+
+// Store a [rows, D] shared tile to global memory, rows >= max_rows skipped.
+template <class TiledCopy, class SrcT, class DstT, class CoordT>
+__device__ __forceinline__ void copy_rows_store(TiledCopy const& tiled_copy, SrcT const& src,
+                                                DstT& dst, CoordT const& coord, int max_rows) {
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(src); ++m) {
+    if (get<0>(coord(0, m, 0)) < max_rows) copy(tiled_copy, src(_, m, _), dst(_, m, _));
+  }
+}
+
+}  // namespace hstu

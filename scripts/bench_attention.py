@@ -1,0 +1,240 @@
+"""Benchmark the compiled HSTU attention kernel against the PyTorch reference (same run).
+
+Shapes, lengths, FLOP counting and timing follow DESIGN.md "Benchmarks": bf16, causal,
+alpha = 1/sqrt(d), lengths ~ randint(N // 2, N + 1) with seed 0, forward FLOPs
+sum_b H * L_b^2 * (Dqk + Dv), forward+backward = 3.5x, CUDA events, median of >= 20 runs.
+Prints one JSON object per line:
+
+    python scripts/bench_attention.py [--shapes short_d64,mid_d128] [--iters 20] [--out f.jsonl]
+
+The reference pads every sequence and materialises fp32 [B, H, N, N] scores: it is measured with
+fewer iterations (--ref-iters) and, when the full batch does not fit or --ref-max-elems is
+exceeded, on a batch prefix whose time is scaled up by the FLOP ratio; such rows say so in
+"ref_note".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+
+from hstu.ops import reference
+
+SHAPES = {
+    # name: (B, H, d, N, targets, contextual)
+    "short_d64": (64, 4, 64, 256, 0, 0),
+    "mid_d128": (32, 4, 128, 1024, 0, 0),
+    "long_d128": (16, 4, 128, 4096, 0, 0),
+    "long_d256": (8, 4, 256, 4096, 0, 0),
+    "rank_targets": (32, 4, 128, 2048, 100, 6),
+}
+
+
+def make_inputs(b: int, h: int, d: int, n: int, targets: int, contexts: int, device="cuda"):
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(n // 2, n + 1, (b,), generator=gen)
+    offsets = torch.zeros(b + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    total = int(offsets[-1])
+    tg = torch.Generator().manual_seed(1)
+    q, k, v, do = (
+        (torch.randn(total, h, d, generator=tg) * 0.5).to(device, torch.bfloat16) for _ in range(4)
+    )
+    kw = {}
+    if targets:
+        kw["num_targets"] = torch.full((b,), targets, dtype=torch.int32, device=device)
+    if contexts:
+        kw["num_contexts"] = torch.full((b,), contexts, dtype=torch.int32, device=device)
+    return lengths, offsets.to(device), q, k, v, do, kw
+
+
+def fwd_flops(lengths: torch.Tensor, h: int, d: int) -> float:
+    return float(h * (lengths.double() ** 2).sum() * (d + d))
+
+
+def time_ms(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_mb(fn) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def bench_impl(attn, q, k, v, do, offsets, n, kw, iters):
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+
+    def fwd():
+        with torch.no_grad():
+            attn(q, k, v, offsets, n, **kw)
+
+    def fwd_bwd():
+        out = attn(qg, kg, vg, offsets, n, **kw)
+        torch.autograd.grad(out, (qg, kg, vg), do)
+
+    return time_ms(fwd, iters), time_ms(fwd_bwd, iters), peak_mb(fwd_bwd)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--ref-iters", type=int, default=5)
+    ap.add_argument(
+        "--ref-max-elems",
+        type=float,
+        default=2.5e9,
+        help="max B*H*N*N score elements the reference may materialise at once",
+    )
+    ap.add_argument("--no-ref", action="store_true")
+    ap.add_argument(
+        "--extra",
+        action="store_true",
+        help="also: rank_targets lengths without masks, deterministic backward",
+    )
+    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    args = ap.parse_args()
+
+    from hstu.ops.cuda_attention import hstu_attention_cuda, is_available
+
+    if not is_available():
+        sys.exit("hstu._hstu_attention_C is not built / no CUDA GPU")
+    gpu = torch.cuda.get_device_name()
+    sink = open(args.out, "a") if args.out else None
+
+    def emit(rec: dict) -> None:
+        rec = {"bench": "hstu_attention", "gpu": gpu, **rec}
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if sink:
+            sink.write(line + "\n")
+            sink.flush()
+
+    runs = []
+    for name in args.shapes.split(","):
+        runs.append((name, SHAPES[name], {}, name))
+        if args.extra and name == "rank_targets":
+            runs.append((name + "_nomask", SHAPES[name][:4] + (0, 0), {}, name + "_nomask"))
+            runs.append((name + "_det", SHAPES[name], {"deterministic": True}, name))
+    for label, (b, h, d, n, tgt, ctx), extra, _ in runs:
+        lengths, offsets, q, k, v, do, kw = make_inputs(b, h, d, n, tgt, ctx)
+        flops = fwd_flops(lengths, h, d)
+        shape = dict(
+            shape=label, B=b, H=h, d=d, N=n, targets=tgt, contextual=ctx, tokens=int(lengths.sum())
+        )
+
+        def cuda_fn(*a, _extra=extra, **k2):
+            return hstu_attention_cuda(*a, **k2, **_extra)
+
+        f_ms, fb_ms, mem = bench_impl(cuda_fn, q, k, v, do, offsets, n, kw, args.iters)
+        emit(
+            {
+                **shape,
+                "impl": "cutlass",
+                "pass": "fwd",
+                "ms": f_ms,
+                "tflops": flops / f_ms / 1e9,
+                "iters": args.iters,
+            }
+        )
+        emit(
+            {
+                **shape,
+                "impl": "cutlass",
+                "pass": "fwd+bwd",
+                "ms": fb_ms,
+                "tflops": 3.5 * flops / fb_ms / 1e9,
+                "iters": args.iters,
+                "peak_mem_mb": mem,
+                "peak_mem_bytes_per_token": mem * 2**20 / max(int(lengths.sum()), 1),
+            }
+        )
+        if args.no_ref or extra:
+            continue
+        # Reference: a batch prefix small enough for its dense [B, H, N, N] fp32 buffers.
+        nb = b
+        while nb > 1 and nb * h * n * n > args.ref_max_elems:
+            nb //= 2
+        note = "full batch" if nb == b else f"first {nb} of {b} sequences, time scaled by FLOPs"
+        note += f", {args.ref_iters} iterations (median)"
+        while True:
+            try:
+                sub_len = lengths[:nb]
+                sub_tok = int(sub_len.sum())
+                sub_kw = {key: val[:nb] for key, val in kw.items()}
+                r_f, r_fb, r_mem = bench_impl(
+                    reference.hstu_attention,
+                    q[:sub_tok],
+                    k[:sub_tok],
+                    v[:sub_tok],
+                    do[:sub_tok],
+                    offsets[: nb + 1],
+                    n,
+                    sub_kw,
+                    args.ref_iters,
+                )
+                break
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                if nb == 1:
+                    r_f = r_fb = r_mem = math.nan
+                    note = "out of memory even for one sequence"
+                    break
+                nb //= 2
+                note = (
+                    f"first {nb} of {b} sequences (OOM above), time scaled by FLOPs, "
+                    f"{args.ref_iters} iterations (median)"
+                )
+        scale = flops / fwd_flops(lengths[:nb], h, d)
+        r_f, r_fb = r_f * scale, r_fb * scale
+        emit(
+            {
+                **shape,
+                "impl": "reference",
+                "pass": "fwd",
+                "ms": r_f,
+                "tflops": flops / r_f / 1e9,
+                "ref_note": note,
+                "speedup": r_f / f_ms,
+            }
+        )
+        emit(
+            {
+                **shape,
+                "impl": "reference",
+                "pass": "fwd+bwd",
+                "ms": r_fb,
+                "tflops": 3.5 * flops / r_fb / 1e9,
+                "ref_note": note,
+                "speedup": r_fb / fb_ms,
+                "peak_mem_mb_measured_batch": r_mem,
+            }
+        )
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    if sink:
+        sink.close()
+
+
+if __name__ == "__main__":
+    main()

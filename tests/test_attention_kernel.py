@@ -1,0 +1,265 @@
+"""The compiled HSTU attention kernel against the PyTorch reference, forward and backward.
+
+Inputs are bf16/fp16; the reference runs in fp32 on the same (rounded) inputs. The kernel feeds
+the tensor cores Element-precision P and dS (as FlashAttention does), so errors are measured
+relative to the largest reference magnitude:
+  forward   max|out - ref| <= FWD_TOL[dtype] * max|ref|
+  gradients max|g - ref|   <= BWD_TOL[dtype] * max|ref|
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hstu.ops import reference
+
+pytestmark = pytest.mark.gpu
+
+cuda_attention = pytest.importorskip("hstu.ops.cuda_attention")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if not cuda_attention.is_available():
+    pytest.skip("hstu._hstu_attention_C is not built", allow_module_level=True)
+
+FWD_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+BWD_TOL = {torch.bfloat16: 3e-2, torch.float16: 6e-3}
+DTYPES = [torch.bfloat16, torch.float16]
+HEAD_DIMS = [32, 64, 128, 256]
+# Empty sequences, length 1, lengths that are no multiple of any tile, and the max length.
+LENGTHS = [0, 1, 17, 130, 0, 257, 300, 64]
+MAX_SEQLEN = 300
+
+
+def _batch(lengths, heads, d, dtype, seed=0, offsets_dtype=torch.int32):
+    gen = torch.Generator().manual_seed(seed)
+    offsets = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=offsets_dtype)
+    total = int(offsets[-1])
+    q, k, v, do = (torch.randn(total, heads, d, generator=gen) for _ in range(4))
+    q, k, v, do = (x.to("cuda", dtype) for x in (q, k, v, do))
+    return q, k, v, do, offsets.cuda()
+
+
+def _counts(values, lengths):
+    return torch.tensor([min(c, L) for c, L in zip(values, lengths)], dtype=torch.int64).cuda()
+
+
+def _max_rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.float() - ref.float()).abs().max()) / max(float(ref.float().abs().max()), 1e-6)
+
+
+def _check(lengths, d, dtype, max_seqlen=MAX_SEQLEN, heads=2, backward=True, seed=0, **kw):
+    q, k, v, do, offsets = _batch(lengths, heads, d, dtype, seed=seed)
+    qr, kr, vr = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = reference.hstu_attention(qr, kr, vr, offsets, max_seqlen, **kw)
+    q.requires_grad_()
+    k.requires_grad_()
+    v.requires_grad_()
+    out = cuda_attention.hstu_attention_cuda(q, k, v, offsets, max_seqlen, **kw)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    err = _max_rel_err(out, ref)
+    assert err <= FWD_TOL[dtype], f"forward rel err {err:.3e} > {FWD_TOL[dtype]}"
+    if not backward:
+        return
+    ref.backward(do.float())
+    out.backward(do)
+    for name, g, gr in (("dq", q.grad, qr.grad), ("dk", k.grad, kr.grad), ("dv", v.grad, vr.grad)):
+        assert torch.isfinite(g).all(), name
+        err = _max_rel_err(g, gr)
+        assert err <= BWD_TOL[dtype], f"{name} rel err {err:.3e} > {BWD_TOL[dtype]}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_causal_every_dim_dtype(d: int, dtype: torch.dtype) -> None:
+    _check(LENGTHS, d, dtype)
+
+
+MASKS = {
+    "causal": dict(),
+    "noncausal": dict(causal=False),
+    "context": dict(ctx=[0, 1, 6, 3, 0, 70, 6, 64]),
+    "targets": dict(tgt=[0, 1, 5, 100, 0, 20, 7, 64]),
+    "targets_group3": dict(tgt=[0, 1, 5, 100, 0, 20, 7, 64], g=3),
+    "targets_group64": dict(tgt=[0, 1, 5, 100, 0, 200, 130, 64], g=64),
+    "window": dict(w=37),
+    "context_targets": dict(ctx=[0, 0, 4, 6, 0, 6, 90, 1], tgt=[0, 1, 5, 100, 0, 20, 7, 60]),
+    "context_window": dict(ctx=[0, 1, 4, 6, 0, 6, 90, 1], w=50),
+    "all": dict(ctx=[0, 0, 4, 6, 0, 6, 90, 1], tgt=[0, 1, 5, 100, 0, 20, 7, 60], g=2, w=70),
+}
+
+
+def _mask_kwargs(cfg, lengths):
+    kw = {}
+    ctx = cfg.get("ctx")
+    tgt = cfg.get("tgt")
+    if ctx is not None:
+        ctx = [min(c, L) for c, L in zip(ctx, lengths)]
+        kw["num_contexts"] = torch.tensor(ctx, dtype=torch.int64).cuda()
+    if tgt is not None:
+        ctx_used = ctx or [0] * len(lengths)
+        tgt = [min(t, L - c) for t, L, c in zip(tgt, lengths, ctx_used)]
+        kw["num_targets"] = torch.tensor(tgt, dtype=torch.int32).cuda()
+    if "g" in cfg:
+        kw["target_group_size"] = cfg["g"]
+    if "w" in cfg:
+        kw["window_size"] = cfg["w"]
+    if "causal" in cfg:
+        kw["causal"] = cfg["causal"]
+    return kw
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_masks(mask: str, d: int, dtype: torch.dtype) -> None:
+    _check(LENGTHS, d, dtype, **_mask_kwargs(MASKS[mask], LENGTHS))
+
+
+@pytest.mark.parametrize("d", [32, 256])
+def test_all_masks_small_and_large_dims(d: int) -> None:
+    _check(LENGTHS, d, torch.bfloat16, **_mask_kwargs(MASKS["all"], LENGTHS))
+
+
+def test_long_sequences_with_targets() -> None:
+    lengths = [1000, 1500, 0, 2048, 33]
+    cfg = dict(ctx=[6, 6, 0, 6, 6], tgt=[100, 100, 0, 100, 10])
+    _check(lengths, 128, torch.bfloat16, max_seqlen=2048, heads=2, **_mask_kwargs(cfg, lengths))
+
+
+def test_alpha_scaling_and_int64_offsets() -> None:
+    q, k, v, _, offsets = _batch(LENGTHS, 2, 64, torch.bfloat16, offsets_dtype=torch.int64)
+    kw = dict(alpha=0.3, scaling_seqlen=97)
+    ref = reference.hstu_attention(q.float(), k.float(), v.float(), offsets, MAX_SEQLEN, **kw)
+    out = cuda_attention.hstu_attention_cuda(q, k, v, offsets, MAX_SEQLEN, **kw)
+    assert _max_rel_err(out, ref) <= FWD_TOL[torch.bfloat16]
+
+
+def test_max_seqlen_larger_than_longest() -> None:
+    _check([5, 40], 64, torch.float16, max_seqlen=4096)
+
+
+def test_all_sequences_empty_or_no_tokens() -> None:
+    q, k, v, _, offsets = _batch([0, 0, 0], 2, 64, torch.bfloat16)
+    out = cuda_attention.hstu_attention_cuda(q, k, v, offsets, 8)
+    assert out.shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_deterministic_backward_is_bitwise_reproducible(d: int) -> None:
+    lengths = [700, 0, 1, 513, 129]
+    kw = _mask_kwargs(dict(ctx=[3, 0, 0, 6, 1], tgt=[50, 0, 1, 40, 10]), lengths)
+    q, k, v, do, offsets = _batch(lengths, 2, d, torch.bfloat16, seed=3)
+    grads = []
+    for _ in range(3):
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out = cuda_attention.hstu_attention_cuda(qq, kk, vv, offsets, 700, deterministic=True, **kw)
+        out.backward(do)
+        grads.append((qq.grad, kk.grad, vv.grad))
+    for g in grads[1:]:
+        for a, b in zip(grads[0], g):
+            assert torch.equal(a, b)
+    qr, kr, vr = (x.detach().float().requires_grad_() for x in (q, k, v))
+    reference.hstu_attention(qr, kr, vr, offsets, 700, **kw).backward(do.float())
+    assert _max_rel_err(grads[0][0], qr.grad) <= BWD_TOL[torch.bfloat16]
+
+
+def test_meta_shapes() -> None:
+    q = torch.empty(10, 2, 64, device="meta", dtype=torch.bfloat16)
+    offs = torch.empty(3, device="meta", dtype=torch.int32)
+    out = torch.ops.hstu_attention.fwd(q, q, q, offs, 8, None, None, 1, 0, 0.1, 0.1, True)
+    assert out.shape == (10, 2, 64) and out.device.type == "meta"
+    dq, dk, dv = torch.ops.hstu_attention.bwd(
+        q, q, q, q, offs, 8, None, None, 1, 0, 0.1, 0.1, True, False
+    )
+    assert dq.shape == dk.shape == dv.shape == (10, 2, 64)
+
+
+# --- error paths: bad input raises before any launch -------------------------------------------
+
+
+def _good():
+    q, k, v, _, offsets = _batch([3, 5], 2, 64, torch.bfloat16)
+    return q, k, v, offsets
+
+
+def _call(q, k, v, offsets, max_seqlen=8, **kw):
+    return cuda_attention.hstu_attention_cuda(q, k, v, offsets, max_seqlen, **kw)
+
+
+def test_error_dtype() -> None:
+    q, k, v, offs = _good()
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        _call(q.float(), k.float(), v.float(), offs)
+    with pytest.raises(TypeError, match="dtype"):
+        _call(q, k.half(), v, offs)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        _call(q, k, v, offs.float())
+
+
+def test_error_head_dims() -> None:
+    q, k, v, offs = _good()
+    with pytest.raises(ValueError, match="Dqk == Dv"):
+        _call(q, k, v[..., :32].contiguous(), offs)
+    with pytest.raises(ValueError, match="head dim 48 is not supported"):
+        _call(q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous(), offs)
+    with pytest.raises(ValueError, match="head dims differ"):
+        _call(q, k[..., :32].contiguous(), v, offs)
+
+
+def test_error_device_and_contiguity() -> None:
+    q, k, v, offs = _good()
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        _call(q, k.cpu(), v, offs)
+    kt = k.transpose(0, 1).contiguous().transpose(0, 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        torch.ops.hstu_attention.fwd(q, kt, v, offs, 8, None, None, 1, 0, 0.1, 0.1, True)
+
+
+def test_error_offsets() -> None:
+    q, k, v, offs = _good()
+    with pytest.raises(ValueError, match="non-decreasing"):
+        _call(q, k, v, torch.tensor([0, 6, 3, 8], dtype=torch.int32).cuda())
+    with pytest.raises(ValueError, match="number of tokens"):
+        _call(q, k, v, torch.tensor([0, 3, 7], dtype=torch.int32).cuda())
+    with pytest.raises(ValueError, match=r"seq_offsets\[0\] must be 0"):
+        _call(q, k, v, torch.tensor([1, 3, 8], dtype=torch.int32).cuda())
+    with pytest.raises(ValueError, match="max_seqlen"):
+        _call(q, k, v, offs, max_seqlen=4)
+    with pytest.raises(ValueError, match="1-D"):
+        _call(q, k, v, offs.view(1, 3))
+    with pytest.raises(ValueError, match="int32 range"):
+        big = torch.tensor([0, 2**31 + 5, 2**31 + 5], dtype=torch.int64).cuda()
+        _call(q, k, v, big, max_seqlen=2**31 - 1)
+
+
+def test_error_counts() -> None:
+    q, k, v, offs = _good()
+    with pytest.raises(ValueError, match=r"num_targets must have shape \[B\]"):
+        _call(q, k, v, offs, num_targets=torch.tensor([1, 1, 1]).cuda())
+    with pytest.raises(ValueError, match=r"num_targets\[0\]=4"):
+        _call(q, k, v, offs, num_targets=torch.tensor([4, 1]).cuda())
+    with pytest.raises(ValueError, match=r"num_contexts\[1\]=-1"):
+        _call(q, k, v, offs, num_contexts=torch.tensor([0, -1]).cuda())
+    with pytest.raises(ValueError, match="exceeds the sequence length"):
+        _call(
+            q,
+            k,
+            v,
+            offs,
+            num_contexts=torch.tensor([2, 0]).cuda(),
+            num_targets=torch.tensor([2, 0]).cuda(),
+        )
+    with pytest.raises(TypeError, match="int32 or int64"):
+        _call(q, k, v, offs, num_targets=torch.tensor([1.0, 1.0]).cuda())
+    with pytest.raises(ValueError, match="target_group_size"):
+        _call(q, k, v, offs, target_group_size=0)
+    with pytest.raises(ValueError, match="window_size"):
+        _call(q, k, v, offs, window_size=-1)
+    with pytest.raises(ValueError, match="causal=False"):
+        _call(q, k, v, offs, causal=False, window_size=2)
+    with pytest.raises(ValueError, match="scaling_seqlen"):
+        _call(q, k, v, offs, scaling_seqlen=0)

@@ -114,7 +114,7 @@ def find_file(
                 tried.append(cand)
                 if cand.is_file():
                     return cand
-    looked = sorted({str(p.parent) for p in tried})
+    looked = sorted({str(p.parent) for p in tried if p.parent.is_dir()}) or [str(source)]
     present = sorted(p.name for p in source.iterdir())[:20] if source.is_dir() else []
     raise FileNotFoundError(
         f"{what} {' or '.join(names)} not found (also tried .gz) in {', '.join(looked)}; "
@@ -408,7 +408,8 @@ def read_table(
 
 
 # ---- encodings -----------------------------------------------------------------------------------
-_UNKNOWN_STRINGS = frozenset({"", "unknown", "nan", "none", "null"})
+# Only these mean "missing" (ml-100k has a real occupation called "none").
+_UNKNOWN_STRINGS = frozenset({"", "unknown"})
 
 
 def encode_categorical(

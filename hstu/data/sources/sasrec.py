@@ -69,11 +69,11 @@ def parse_sequence_file(
         raise DataFormatError(f"{path}: empty file")
     counts = np.fromiter((len(line.split()) for line in lines), dtype=np.int64, count=len(lines))
 
-    def fail(mask: np.ndarray, problem: str) -> DataFormatError:
+    def fail(mask: np.ndarray, problem: str, hint: str = "") -> DataFormatError:
         bad = (np.flatnonzero(mask) + 1).tolist()
         more = f" (and {len(bad) - _MAX_REPORTED} more)" if len(bad) > _MAX_REPORTED else ""
         return DataFormatError(
-            f"{path}: {len(bad)} bad line(s): {problem}. {_quote(lines, bad)}{more}."
+            f"{path}: {len(bad)} bad line(s): {problem}. {_quote(lines, bad)}{more}.{hint}"
         )
 
     if (counts == 0).any():
@@ -92,7 +92,7 @@ def parse_sequence_file(
         first = lines[int(np.argmax(bad_lines))]
         if any(s in first for s in (",", ";", "|", "::")):
             hint = " The file must be whitespace-separated: wrong separator?"
-        raise fail(bad_lines, "ids must be integers separated by spaces or tabs" + hint) from None
+        raise fail(bad_lines, "ids must be integers separated by spaces or tabs", hint) from None
     line_of_token = np.repeat(np.arange(len(lines)), counts)
     if (ids < 0).any():
         neg = np.zeros(len(lines), dtype=bool)

@@ -138,8 +138,9 @@ class BatchIterator:
 
         The last partial global batch is kept. With several ranks, a remainder smaller than
         ``world_size`` is merged into the previous batch so that no rank gets an empty batch
-        while others compute (sharded embeddings need every rank in every forward); every rank
-        gets the same number of batches unless there are fewer samples than ranks.
+        while others compute (sharded embeddings need every rank in every forward). Every rank
+        gets the same number of batches; a local batch is empty only when the whole eval set is
+        smaller than ``world_size``.
         """
         order = self.epoch_order(0) if self.shuffle else np.arange(self.num_samples)
         bounds = list(range(0, self.num_samples, self.batch_size)) + [self.num_samples]

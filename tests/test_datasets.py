@@ -379,8 +379,9 @@ def test_missing_dataset_says_where_and_how(tmp_path, monkeypatch):
     msg = str(err.value)
     assert str(tmp_path / "data" / "ml-1m") in msg
     assert "python -m hstu.data.prepare --dataset ml-1m --source" in msg
-    with pytest.raises(FileNotFoundError, match="nowhere"):
+    with pytest.raises(FileNotFoundError, match="nowhere") as err:
         load_sequence_data(Args(dataset_name="ml-1m", dataset_path=str(tmp_path / "nowhere")))
+    assert f"--output {tmp_path / 'nowhere'}" in str(err.value)
 
 
 def _write_raw(directory, **overrides):

@@ -47,14 +47,17 @@ def resolve_dataset_dir(dataset_name: str, dataset_path: str = "") -> tuple[Path
     return candidates[0], candidates
 
 
-def _load_prepared(name: str, directory: Path, looked: list[Path]) -> SequenceData:
+def _load_prepared(
+    name: str, directory: Path, looked: list[Path], dataset_path: str
+) -> SequenceData:
     data_file, manifest = directory / DATA_FILE, directory / MANIFEST_FILE
     if not data_file.exists() or not manifest.exists():
-        where = ", ".join(str(p.resolve()) for p in looked)
+        where = ", ".join(dict.fromkeys(str(p.resolve()) for p in looked))
         raise FileNotFoundError(
             f"dataset {name!r} is not prepared: no {DATA_FILE} + {MANIFEST_FILE} in {where} "
-            f"(DatasetArgs.dataset_name={name!r}, DatasetArgs.dataset_path={str(directory)!r}). "
+            f"(DatasetArgs.dataset_name={name!r}, DatasetArgs.dataset_path={dataset_path!r}). "
             f"Prepare it with: {_prepare_command(name)}"
+            + ("" if directory == Path("data") / name else f" --output {directory}")
         )
     try:
         data = SequenceData.load(directory)
@@ -124,8 +127,9 @@ def load_sequence_data(dataset_args: Any, num_tasks: int = 8) -> SequenceData:
             int(dataset_args.synthetic_seed),
         )
         return data
-    directory, looked = resolve_dataset_dir(name, str(getattr(dataset_args, "dataset_path", "")))
-    data = _load_prepared(name, directory, looked)
+    dataset_path = str(getattr(dataset_args, "dataset_path", "") or "")
+    directory, looked = resolve_dataset_dir(name, dataset_path)
+    data = _load_prepared(name, directory, looked, dataset_path)
     if data.num_tasks < num_tasks:
         logger.warning(
             "dataset %s has %d action types %s but %d tasks were requested; the extra tasks "

@@ -433,3 +433,56 @@ def test_real_amazon_beauty(tmp_path):
     m = res.manifest
     assert (m["num_users"], m["num_items"], m["num_interactions"]) == (22363, 12101, 198502)
     assert m["stats"]["format"] == "lines"
+
+
+# ---- the dataset gin files -----------------------------------------------------------------------
+DATASET_CONFIGS = {
+    "ml_1m_retrieval.gin": ("retrieval", "ml-1m"),
+    "ml_1m_ranking.gin": ("ranking", "ml-1m"),
+    "ml_20m_retrieval.gin": ("retrieval", "ml-20m"),
+    "ml_20m_ranking.gin": ("ranking", "ml-20m"),
+    "ml_100k_ranking.gin": ("ranking", "ml-100k"),
+    "kuairand_pure_ranking.gin": ("ranking", "kuairand-pure"),
+    "kuairand_1k_ranking.gin": ("ranking", "kuairand-1k"),
+    "kuairand_27k_ranking.gin": ("ranking", "kuairand-27k"),
+    "sequences_retrieval.gin": ("retrieval", "sequences"),
+    "amazon_beauty_retrieval.gin": ("retrieval", "amazon-beauty"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DATASET_CONFIGS))
+def test_dataset_configs_load(name):
+    from hstu.config.gin_utils import load_config
+
+    task, dataset = DATASET_CONFIGS[name]
+    cfg = load_config(task, [REPO / "configs" / name])
+    assert cfg.dataset.dataset_name == dataset and dataset in DATASETS
+    if task == "ranking":  # one task per action bit the converter writes
+        assert cfg.ranking.num_tasks == (8 if dataset.startswith("kuairand") else 5)
+    if dataset in ("sequences", "amazon-beauty"):
+        assert cfg.dataset.dataset_path == f"data/{dataset}"
+
+
+def test_ml_1m_retrieval_config_is_the_paper_setup():
+    from hstu.config.gin_utils import load_config
+
+    cfg = load_config("retrieval", [REPO / "configs" / "ml_1m_retrieval.gin"])
+    n, d, r = cfg.network, cfg.dataset, cfg.retrieval
+    assert (n.num_layers, n.num_attention_heads, n.hidden_size, n.kv_channels) == (2, 1, 50, 50)
+    assert d.max_history_seqlen == 200 and cfg.trainer.train_batch_size == 128
+    assert (r.num_negatives, r.temperature, cfg.optimizer.learning_rate) == (128, 0.05, 1e-3)
+
+
+def test_prepared_output_loads_through_the_config(tmp_path):
+    """What prepare writes is what training loads (DatasetArgs.dataset_path -> SequenceData)."""
+    from hstu.config.gin_utils import load_config
+    from hstu.data.registry import load_sequence_data
+
+    res, _ = _prep("ml-100k", _copy("ml-100k", tmp_path), tmp_path)
+    cfg = load_config(
+        "ranking",
+        [REPO / "configs" / "ml_100k_ranking.gin"],
+        [f'DatasetArgs.dataset_path = "{res.output_dir}"'],
+    )
+    data = load_sequence_data(cfg.dataset, num_tasks=cfg.ranking.num_tasks)
+    assert data.num_interactions == 8 and data.num_tasks == cfg.ranking.num_tasks

@@ -109,7 +109,9 @@ class DynamicEmbeddingTable(nn.Module):
         self.dim = config.embedding_dim
         per_rank = -(-config.capacity // world_size)
         num_slots = -(-per_rank // BUCKET_SIZE) * BUCKET_SIZE
-        self.state = TableState.empty(num_slots, self.dim + config.state_dim, self.device)
+        # Rows padded to 4 floats so the kernels move them as float4.
+        self.width = -(-(self.dim + config.state_dim) // 4) * 4
+        self.state = TableState.empty(num_slots, self.width, self.device)
         self.step = 0
         self.lr = config.learning_rate
         self._counters = torch.zeros(5, dtype=torch.int64, device=self.device)
@@ -258,7 +260,7 @@ class DynamicEmbeddingTable(nn.Module):
         return {
             "keys": self.state.keys[slots].cpu(),
             "values": self.state.values[slots, :d].cpu(),
-            "optimizer_state": self.state.values[slots, d:].cpu(),
+            "optimizer_state": self.state.values[slots, d : d + self.config.state_dim].cpu(),
             "scores": self.state.scores[slots].cpu(),
             "step": torch.tensor(self.step, dtype=torch.int64),
             "embedding_dim": torch.tensor(d, dtype=torch.int64),
@@ -309,7 +311,7 @@ class DynamicEmbeddingTable(nn.Module):
         ok = slots >= 0
         s = slots[ok]
         self.state.values[s, : self.dim] = values[order][ok]
-        self.state.values[s, self.dim :] = opt_state[order][ok]
+        self.state.values[s, self.dim : self.dim + self.config.state_dim] = opt_state[order][ok]
         self.state.touched.zero_()
         dropped = int((~ok).sum())
         if dropped:

@@ -1,0 +1,148 @@
+"""Compiled dynamic hash table: the twin of `reference_table.py` (same functions, same semantics)
+running the CUDA kernels of kernels/dynamic_embedding (ops `torch.ops.hstu_dynemb.*`)."""
+
+from __future__ import annotations
+
+import torch
+
+from hstu.embeddings.reference_table import TableState
+
+__all__ = [
+    "available",
+    "require_kernels",
+    "bucket_of",
+    "find",
+    "insert",
+    "gather",
+    "update",
+    "erase",
+    "export",
+    "size",
+]
+
+_BUILD = (
+    'HSTU_KERNELS=dynamic_embedding HSTU_CUDA_ARCH_LIST="8.0" python setup.py build_ext --inplace'
+)
+_error: Exception | None = None
+try:
+    import hstu._dynamic_embedding_C  # noqa: F401  (registers torch.ops.hstu_dynemb)
+except Exception as e:  # ImportError, or a library built for another torch
+    _error = e
+
+
+def available() -> bool:
+    return _error is None
+
+
+def require_kernels() -> None:
+    if _error is not None:
+        raise RuntimeError(
+            f"the dynamic embedding CUDA kernels are not built ({_error}); build them with "
+            f"`{_BUILD}` (add ';9.0' to the arch list on H100), or pass backend='reference'"
+        )
+
+
+def _ops():
+    return torch.ops.hstu_dynemb
+
+
+def bucket_of(keys: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    return _ops().bucket_of(keys.contiguous(), num_buckets)
+
+
+def find(
+    state: TableState,
+    query: torch.Tensor,
+    touch: bool = False,
+    step: int = 0,
+    score_vals: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    query = query.contiguous()
+    if not touch:
+        return _ops().find(state.keys, query)
+    if score_vals is not None:
+        score_vals = score_vals.to(torch.int64).contiguous()
+    return _ops().find_touch(
+        state.keys, state.scores, state.touched, query, score_vals, step, accumulate
+    )
+
+
+def insert(
+    state: TableState,
+    keys: torch.Tensor,
+    seg_offsets: torch.Tensor,
+    seg_buckets: torch.Tensor,
+    score_vals: torch.Tensor,
+    step: int,
+    dim: int,
+    seed: int,
+    init: tuple[int, float, float, float, float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kind, p0, p1, p2, p3 = init
+    return _ops().insert(
+        state.keys,
+        state.scores,
+        state.touched,
+        state.values,
+        keys.contiguous(),
+        seg_offsets.contiguous(),
+        seg_buckets.contiguous(),
+        score_vals.to(torch.int64).contiguous(),
+        step,
+        dim,
+        seed,
+        kind,
+        p0,
+        p1,
+        p2,
+        p3,
+    )
+
+
+def gather(state: TableState, dim: int, slots: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    return _ops().gather(state.values, dim, slots.contiguous(), inverse.contiguous())
+
+
+def update(
+    state: TableState,
+    dim: int,
+    uniq: torch.Tensor,
+    slots: torch.Tensor,
+    inverse: torch.Tensor,
+    perm: torch.Tensor,
+    offsets: torch.Tensor,
+    grad: torch.Tensor,
+    opt: tuple[int, float, float, float, float, float],
+) -> None:
+    del inverse
+    code, lr, b1, b2, eps, wd = opt
+    _ops().update(
+        state.values,
+        dim,
+        state.keys,
+        uniq,
+        slots.contiguous(),
+        perm,
+        offsets,
+        grad.to(torch.float32).contiguous(),
+        code,
+        lr,
+        b1,
+        b2,
+        eps,
+        wd,
+    )
+
+
+def erase(state: TableState, keys: torch.Tensor) -> torch.Tensor:
+    return _ops().erase(state.keys, state.scores, state.touched, keys.contiguous())
+
+
+def export(state: TableState) -> torch.Tensor:
+    s = _ops().export(state.keys)
+    return s[torch.argsort(state.keys[s])]
+
+
+def size(state: TableState) -> int:
+    return int(_ops().size(state.keys))

@@ -1,0 +1,241 @@
+// Torch face of the dynamic-embedding kernels: input checks and op registration
+// (namespace hstu_dynemb). The Python side (hstu/embeddings/cuda_table.py) owns the tensors of a
+// table and calls these ops; hstu/embeddings/reference_table.py is the pure-PyTorch twin.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <cmath>
+
+#include "launch.h"
+
+namespace {
+
+using at::Tensor;
+
+void check_i64(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got ", t.dim(), "-D");
+}
+
+void check_table(const Tensor& keys) {
+  check_i64(keys, "keys");
+  TORCH_CHECK(keys.numel() > 0 && keys.numel() % dynemb::kBucket == 0,
+              "keys: the slot count must be a positive multiple of ", dynemb::kBucket, ", got ",
+              keys.numel());
+}
+
+void check_values(const Tensor& values, const Tensor& keys, int64_t dim) {
+  TORCH_CHECK(values.is_cuda() && values.scalar_type() == at::kFloat && values.is_contiguous() &&
+                  values.dim() == 2,
+              "values must be a contiguous 2-D float32 CUDA tensor");
+  TORCH_CHECK(values.size(0) == keys.numel(), "values has ", values.size(0), " rows for ",
+              keys.numel(), " slots");
+  TORCH_CHECK(dim > 0 && dim <= values.size(1), "dim=", dim, " out of range for width ",
+              values.size(1));
+  TORCH_CHECK(values.size(1) % 4 == 0, "values width must be a multiple of 4, got ",
+              values.size(1));
+}
+
+cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
+
+Tensor find(const Tensor& keys, const Tensor& query) {
+  check_table(keys);
+  check_i64(query, "query");
+  const c10::cuda::CUDAGuard guard(keys.device());
+  auto slots = at::empty_like(query);
+  dynemb::launch_find(keys.data_ptr<int64_t>(), keys.numel() / dynemb::kBucket,
+                      query.data_ptr<int64_t>(), query.numel(), slots.data_ptr<int64_t>(),
+                      nullptr, nullptr, nullptr, 0, 0, stream());
+  return slots;
+}
+
+Tensor find_touch(const Tensor& keys, const Tensor& scores, const Tensor& touched, const Tensor& query,
+                  const std::optional<Tensor>& score_vals, int64_t step, bool accumulate) {
+  check_table(keys);
+  check_i64(scores, "scores");
+  check_i64(touched, "touched");
+  check_i64(query, "query");
+  TORCH_CHECK(scores.numel() == keys.numel() && touched.numel() == keys.numel(),
+              "scores/touched must have one entry per slot");
+  if (score_vals) {
+    check_i64(*score_vals, "score_vals");
+    TORCH_CHECK(score_vals->numel() == query.numel(), "score_vals needs one value per query");
+  }
+  const c10::cuda::CUDAGuard guard(keys.device());
+  auto slots = at::empty_like(query);
+  dynemb::launch_find(keys.data_ptr<int64_t>(), keys.numel() / dynemb::kBucket,
+                      query.data_ptr<int64_t>(), query.numel(), slots.data_ptr<int64_t>(),
+                      scores.data_ptr<int64_t>(), touched.data_ptr<int64_t>(),
+                      score_vals ? score_vals->data_ptr<int64_t>() : nullptr, step,
+                      accumulate ? 2 : 1, stream());
+  return slots;
+}
+
+std::tuple<Tensor, Tensor> insert(const Tensor& keys, const Tensor& scores, const Tensor& touched, const Tensor& values,
+                                  const Tensor& new_keys, const Tensor& seg_offsets,
+                                  const Tensor& seg_buckets, const Tensor& score_vals,
+                                  int64_t step, int64_t dim, int64_t seed, int64_t init_kind,
+                                  double p0, double p1, double p2, double p3) {
+  check_table(keys);
+  check_i64(scores, "scores");
+  check_i64(touched, "touched");
+  check_values(values, keys, dim);
+  check_i64(new_keys, "new_keys");
+  check_i64(seg_offsets, "seg_offsets");
+  check_i64(seg_buckets, "seg_buckets");
+  check_i64(score_vals, "score_vals");
+  TORCH_CHECK(seg_offsets.numel() == seg_buckets.numel() + 1,
+              "seg_offsets needs one more entry than seg_buckets");
+  TORCH_CHECK(score_vals.numel() == new_keys.numel(), "score_vals needs one value per new key");
+  TORCH_CHECK(init_kind >= 0 && init_kind <= 3, "init_kind must be 0..3, got ", init_kind);
+  const c10::cuda::CUDAGuard guard(keys.device());
+  dynemb::InitParams init;
+  init.kind = static_cast<int>(init_kind);
+  init.seed_mix = dynemb::mix64(static_cast<uint64_t>(seed) + dynemb::kSeedSalt);
+  init.p0 = p0;
+  init.p1 = p1;
+  init.p2 = p2;
+  init.p3 = p3;
+  init.cdf_a = 0.5 * (1.0 + std::erf(p2 / std::sqrt(2.0)));
+  init.cdf_b = 0.5 * (1.0 + std::erf(p3 / std::sqrt(2.0)));
+  auto out_slots = at::empty_like(new_keys);
+  auto n_evicted = at::zeros({}, keys.options());
+  dynemb::launch_insert(keys.data_ptr<int64_t>(), scores.data_ptr<int64_t>(),
+                        touched.data_ptr<int64_t>(), values.data_ptr<float>(), values.size(1),
+                        static_cast<int>(dim), new_keys.data_ptr<int64_t>(),
+                        seg_offsets.data_ptr<int64_t>(), seg_buckets.data_ptr<int64_t>(),
+                        seg_buckets.numel(), score_vals.data_ptr<int64_t>(), step, init,
+                        out_slots.data_ptr<int64_t>(), n_evicted.data_ptr<int64_t>(), stream());
+  return {out_slots, n_evicted};
+}
+
+Tensor gather(const Tensor& values, int64_t dim, const Tensor& slots, const Tensor& inverse) {
+  TORCH_CHECK(values.is_cuda() && values.scalar_type() == at::kFloat && values.is_contiguous() &&
+                  values.dim() == 2 && values.size(1) % 4 == 0,
+              "values must be a contiguous [slots, 4k] float32 CUDA tensor");
+  TORCH_CHECK(dim > 0 && dim <= values.size(1), "dim out of range");
+  check_i64(slots, "slots");
+  check_i64(inverse, "inverse");
+  const c10::cuda::CUDAGuard guard(values.device());
+  auto out = at::empty({inverse.numel(), dim}, values.options());
+  dynemb::launch_gather(values.data_ptr<float>(), values.size(1), static_cast<int>(dim),
+                        slots.data_ptr<int64_t>(), inverse.data_ptr<int64_t>(), inverse.numel(),
+                        out.data_ptr<float>(), stream());
+  return out;
+}
+
+void update(const Tensor& values, int64_t dim, const Tensor& keys, const Tensor& uniq,
+            const Tensor& slots, const Tensor& perm, const Tensor& offsets, const Tensor& grad,
+            int64_t opt, double lr, double beta1, double beta2, double eps, double weight_decay) {
+  check_table(keys);
+  check_values(values, keys, dim);
+  check_i64(uniq, "uniq");
+  check_i64(slots, "slots");
+  check_i64(perm, "perm");
+  check_i64(offsets, "offsets");
+  TORCH_CHECK(grad.is_cuda() && grad.scalar_type() == at::kFloat && grad.is_contiguous() &&
+                  grad.dim() == 2 && grad.size(1) == dim,
+              "grad must be a contiguous [n, ", dim, "] float32 CUDA tensor");
+  TORCH_CHECK(perm.numel() == grad.size(0), "perm needs one entry per gradient row");
+  TORCH_CHECK(slots.numel() == uniq.numel() && offsets.numel() == uniq.numel() + 1,
+              "slots/offsets do not match uniq");
+  TORCH_CHECK(opt >= 0 && opt <= 3, "optimizer code must be 0..3, got ", opt);
+  const int64_t need = opt == 0 ? dim : opt == 1 ? 3 * dim + 1 : opt == 2 ? 2 * dim : dim + 1;
+  TORCH_CHECK(values.size(1) >= need, "values width ", values.size(1), " too small for optimizer ",
+              opt);
+  const c10::cuda::CUDAGuard guard(values.device());
+  dynemb::OptParams p{static_cast<int>(opt), static_cast<float>(lr), static_cast<float>(beta1),
+                      static_cast<float>(beta2), static_cast<float>(eps),
+                      static_cast<float>(weight_decay)};
+  dynemb::launch_update(values.data_ptr<float>(), values.size(1), static_cast<int>(dim),
+                        keys.data_ptr<int64_t>(), uniq.data_ptr<int64_t>(),
+                        slots.data_ptr<int64_t>(), perm.data_ptr<int64_t>(),
+                        offsets.data_ptr<int64_t>(), grad.data_ptr<float>(), uniq.numel(), p,
+                        stream());
+}
+
+Tensor erase(const Tensor& keys, const Tensor& scores, const Tensor& touched, const Tensor& query) {
+  check_table(keys);
+  check_i64(scores, "scores");
+  check_i64(touched, "touched");
+  check_i64(query, "query");
+  const c10::cuda::CUDAGuard guard(keys.device());
+  auto n = at::zeros({}, keys.options());
+  dynemb::launch_erase(keys.data_ptr<int64_t>(), scores.data_ptr<int64_t>(),
+                       touched.data_ptr<int64_t>(), keys.numel() / dynemb::kBucket,
+                       query.data_ptr<int64_t>(), query.numel(), n.data_ptr<int64_t>(), stream());
+  return n;
+}
+
+Tensor size(const Tensor& keys) {
+  check_table(keys);
+  const c10::cuda::CUDAGuard guard(keys.device());
+  auto n = at::zeros({}, keys.options());
+  dynemb::launch_size(keys.data_ptr<int64_t>(), keys.numel(), n.data_ptr<int64_t>(), stream());
+  return n;
+}
+
+Tensor export_slots(const Tensor& keys) {
+  check_table(keys);
+  const c10::cuda::CUDAGuard guard(keys.device());
+  const int64_t n = size(keys).item<int64_t>();
+  auto out = at::empty({n}, keys.options());
+  auto count = at::zeros({}, keys.options());
+  if (n > 0) {
+    dynemb::launch_export(keys.data_ptr<int64_t>(), keys.numel(), out.data_ptr<int64_t>(),
+                          count.data_ptr<int64_t>(), stream());
+  }
+  return out;
+}
+
+Tensor bucket_of(const Tensor& query, int64_t num_buckets) {
+  check_i64(query, "query");
+  TORCH_CHECK(num_buckets > 0, "num_buckets must be > 0");
+  const c10::cuda::CUDAGuard guard(query.device());
+  auto out = at::empty_like(query);
+  dynemb::launch_bucket_of(query.data_ptr<int64_t>(), query.numel(), num_buckets,
+                           out.data_ptr<int64_t>(), stream());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hstu_dynemb, m) {
+  m.def("find(Tensor keys, Tensor query) -> Tensor");
+  m.def(
+      "find_touch(Tensor keys, Tensor(a!) scores, Tensor(b!) touched, Tensor query, "
+      "Tensor? score_vals, int step, bool accumulate) -> Tensor");
+  m.def(
+      "insert(Tensor(a!) keys, Tensor(b!) scores, Tensor(c!) touched, Tensor(d!) values, "
+      "Tensor new_keys, Tensor seg_offsets, Tensor seg_buckets, Tensor score_vals, int step, "
+      "int dim, int seed, int init_kind, float p0, float p1, float p2, float p3) -> "
+      "(Tensor, Tensor)");
+  m.def("gather(Tensor values, int dim, Tensor slots, Tensor inverse) -> Tensor");
+  m.def(
+      "update(Tensor(a!) values, int dim, Tensor keys, Tensor uniq, Tensor slots, Tensor perm, "
+      "Tensor offsets, Tensor grad, int opt, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay) -> ()");
+  m.def("erase(Tensor(a!) keys, Tensor(b!) scores, Tensor(c!) touched, Tensor query) -> Tensor");
+  m.def("size(Tensor keys) -> Tensor");
+  m.def("export(Tensor keys) -> Tensor");
+  m.def("bucket_of(Tensor query, int num_buckets) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hstu_dynemb, CUDA, m) {
+  m.impl("find", &find);
+  m.impl("find_touch", &find_touch);
+  m.impl("insert", &insert);
+  m.impl("gather", &gather);
+  m.impl("update", &update);
+  m.impl("erase", &erase);
+  m.impl("size", &size);
+  m.impl("export", &export_slots);
+  m.impl("bucket_of", &bucket_of);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "HSTU dynamic embedding kernels (ops under torch.ops.hstu_dynemb)";
+}

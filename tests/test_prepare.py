@@ -270,13 +270,13 @@ def test_wrong_separator(tmp_path):
         _prep("ml-1m", src, tmp_path)
     msg = str(e.value)
     assert "ratings.dat: line 1" in msg and "'1,1193,5,978300760'" in msg
-    assert "comma" in msg and "wrong separator" in msg
+    assert "contains commas" in msg and "wrong separator" in msg
 
 
 def test_wrong_separator_in_header_file(tmp_path):
     src = _copy("ml-20m", tmp_path)
     (src / "ratings.csv").write_text((src / "ratings.csv").read_text().replace(",", "\t"))
-    with pytest.raises(DataFormatError, match=r"line 1 \(header\).*tab.*wrong separator"):
+    with pytest.raises(DataFormatError, match=r"line 1 \(header\).*contains tabs.*wrong separator"):
         _prep("ml-20m", src, tmp_path)
 
 

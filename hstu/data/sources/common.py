@@ -185,11 +185,12 @@ def _describe_sep(sep: str) -> str:
     return {"\t": "tab", ",": "comma", "|": "'|'", " ": "space", "::": "'::'"}.get(sep, repr(sep))
 
 
-def _wrong_sep_hint(text: str, sep: str) -> str:
-    others = [s for s in ("::", "\t", ",", "|", ";", " ") if s != sep and s in text]
-    if others:
+def _wrong_sep_hint(text: str, sep: str | None) -> str:
+    plural = {"::": "'::'", "\t": "tabs", ",": "commas", "|": "'|'", ";": "';'", " ": "spaces"}
+    others = [s for s in plural if s != sep and s in text]
+    if others and sep:
         return (
-            f" The line contains {_describe_sep(others[0])} but this format is "
+            f" The line contains {plural[others[0]]} but this format is "
             f"{_describe_sep(sep)}-separated: wrong separator or wrong file?"
         )
     return ""

@@ -8,6 +8,8 @@ import hashlib
 import json
 import logging
 import shutil
+import subprocess
+import sys
 import urllib.error
 import zipfile
 from pathlib import Path
@@ -373,6 +375,45 @@ def test_cli_reports_errors_without_traceback(tmp_path, caplog):
         main(["--dataset", "ml-2m"])
     with pytest.raises(ValueError, match="--format applies to the sequence-file datasets"):
         prepare_dataset("ml-1m", FIXTURES / "ml-1m", tmp_path, fmt="pairs")
+
+
+def test_command_line_entry_points(tmp_path):
+    """`python -m hstu.data.prepare` and scripts/prepare_data.py: exit codes and messages."""
+    out = tmp_path / "o"
+    ok = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--dataset", "sequences"]
+        + ["--source", str(FIXTURES / "sequences" / "lines.txt"), "--output", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "3 users, 5 items, 6 interactions" in ok.stderr
+    assert SequenceData.load(out).num_interactions == 6
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hstu.data.prepare",
+            "--dataset",
+            "ml-1m",
+            "--source",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert bad.returncode == 1
+    assert "ratings.dat not found" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_byte_order_mark_is_tolerated(tmp_path):
+    src = _copy("kuairand-pure", tmp_path)
+    path = src / "user_features_pure.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    _, d = _prep("kuairand-pure", src, tmp_path)
+    assert d.user_features[_user_row(d, 5), 1] == 1  # full_active
 
 
 def test_download_offline_error(tmp_path, monkeypatch):

@@ -232,19 +232,17 @@ def _check_numeric(
 ) -> np.ndarray:
     """Return the column as int64/float64, raising DataFormatError with line numbers if bad."""
     s = chunk[col.name]
-    values = pd.to_numeric(s, errors="coerce")
-    arr = values.to_numpy(dtype=np.float64, na_value=np.nan)
-    bad = np.isnan(arr)
     problem = f"column {col.name!r} must be {'an integer' if col.kind == 'int' else 'a number'}"
-    if col.kind == "int":
-        if pd.api.types.is_integer_dtype(s.dtype):
-            arr_i = s.to_numpy(dtype=np.int64)
-            arr = arr_i  # exact, no float round-trip for large ids / ms timestamps
-            bad = np.zeros(arr.shape, dtype=bool)
-        else:
+    if col.kind == "int" and pd.api.types.is_integer_dtype(s.dtype):
+        arr = s.to_numpy(dtype=np.int64)  # the common case: exact, no float round-trip
+        bad = np.zeros(arr.shape, dtype=bool)
+    else:
+        arr = pd.to_numeric(s, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+        bad = np.isnan(arr)
+        if col.kind == "int":
             with np.errstate(invalid="ignore"):
                 bad |= arr != np.floor(arr)
-            # Text such as "1.0" parses as numbers but is not an id in these formats.
+            # Text such as "1.0" parses as a number but is not an id in these formats.
             if not bad.any() and s.dtype == object:
                 bad |= ~s.astype(str).str.strip().str.fullmatch(r"[+-]?\d+").to_numpy()
     if bad.any():
@@ -295,9 +293,9 @@ def read_table(
     columns: Sequence[Column],
     header: bool,
     names: Sequence[str] | None = None,
-    encoding: str = "utf-8",
+    encoding: str = "utf-8-sig",  # plain UTF-8, tolerating a byte-order mark
     progress: bool = False,
-    chunksize: int = 2_000_000,
+    chunksize: int = 1_000_000,
     on_chunk: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
 ) -> tuple[dict[str, np.ndarray], int]:
     """Read a delimited file, validate ``columns`` and return ({name: array}, data rows).

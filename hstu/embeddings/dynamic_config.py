@@ -64,8 +64,11 @@ class DynamicEmbeddingConfig:
 
     def __post_init__(self) -> None:
         where = f"DynamicEmbeddingConfig(name={self.name!r})"
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"DynamicEmbeddingConfig.name={self.name!r}: must be a non-empty str")
+        if not isinstance(self.name, str) or not self.name or "." in self.name or "/" in self.name:
+            raise ValueError(
+                f"DynamicEmbeddingConfig.name={self.name!r}: must be a non-empty str without '.' "
+                "or '/'"
+            )
         for attr in ("embedding_dim", "capacity"):
             val = getattr(self, attr)
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:

@@ -244,6 +244,7 @@ class DynamicEmbeddingTable(nn.Module):
             "capacity": float(self.state.keys.numel()),
             "occupancy": rows / self.state.keys.numel(),
             "lookups": float(lookups),
+            "hits": float(hits),
             "hit_rate": hits / lookups if lookups else 0.0,
             "inserts": float(inserts),
             "evictions": float(evictions),
@@ -292,6 +293,8 @@ class DynamicEmbeddingTable(nn.Module):
         values = dump["values"].to(self.device, torch.float32)
         opt_state = dump["optimizer_state"].to(self.device, torch.float32)
         scores = dump["scores"].to(self.device, torch.int64)
+        if torch.unique(keys).numel() != keys.numel():
+            raise ValueError(f"table {name!r}: dump has duplicate keys")
         if self.world_size > 1:
             mine = reference_table.owner_of(keys, self.world_size) == self.rank
             keys, values, opt_state, scores = (
@@ -333,6 +336,8 @@ def concat_dumps(dumps: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor
     out = {
         k: torch.cat([d[k] for d in dumps]) for k in ("keys", "values", "optimizer_state", "scores")
     }
+    order = torch.argsort(out["keys"])  # ordered by key, like a single table's dump
+    out = {k: v[order] for k, v in out.items()}
     out["step"] = torch.stack([d["step"] for d in dumps]).max()
     for k in ("embedding_dim", "optimizer"):
         out[k] = dumps[0][k]
@@ -370,9 +375,14 @@ class DynamicEmbeddingCollection(nn.Module):
                         f"{c.name!r}"
                     )
                 self._feature_to_table[f] = c.name
-        self.tables = nn.ModuleDict({c.name: self._make_table(c) for c in tables})
+        # A plain dict (a ModuleDict would reject names such as "items" or "keys"); the tables
+        # are registered as children "table_<name>" so train()/eval() reach them.
+        self.tables: dict[str, DynamicEmbeddingTable] = {}
+        for c in tables:
+            self.tables[c.name] = self._make_table(c)
+            self.add_module(f"table_{c.name}", self.tables[c.name])
 
-    def _make_table(self, config: DynamicEmbeddingConfig) -> nn.Module:
+    def _make_table(self, config: DynamicEmbeddingConfig) -> DynamicEmbeddingTable:
         return DynamicEmbeddingTable(config, self.device, backend=self._backend)
 
     def embedding_configs(self) -> list[DynamicEmbeddingConfig]:

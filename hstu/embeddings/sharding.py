@@ -1,0 +1,196 @@
+"""Row-wise sharding of dynamic embedding tables across ranks (ids routed by hash).
+
+Each rank holds the rows of the ids with `owner_of(id, world_size) == rank` (a hash independent
+of the bucket hash). A lookup sends every id to its owner (all_to_all of ids), the owner looks
+it up (inserting, in training) in its local shard, and sends the rows back (all_to_all of
+embeddings); backward sends the gradients to the owners, where the fused optimizer updates the
+rows. The result equals one unsharded table fed the ids of all ranks (same ids -> same rows,
+gradients of an id summed over all ranks before its single update).
+
+Why not a torchrec ModuleSharder: torchrec's planner and DistributedModelParallel enumerate
+sharded *Parameters* (per table shards of a fixed [num_embeddings, dim] weight) and build
+ShardedModules around fbgemm lookup kernels; a dynamic table has no fixed-shape Parameter and owns
+its optimizer. So `ShardedDynamicEmbeddingCollection` does its own input/output dist with
+torch.distributed, holds no Parameter or buffer, and DistributedModelParallel (planner, DDP)
+leaves it alone while it shards the ordinary torchrec tables of the same model. Build the model,
+call `shard_dynamic_embeddings(model)`, then wrap it in DistributedModelParallel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
+from hstu.embeddings.dynamic_table import (
+    DynamicEmbeddingCollection,
+    DynamicEmbeddingTable,
+    concat_dumps,
+)
+from hstu.embeddings.reference_table import owner_of
+
+__all__ = [
+    "ShardedDynamicEmbeddingCollection",
+    "shard_dynamic_embeddings",
+    "merge_collection_dumps",
+]
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Rows [sum(in_splits), D] -> [sum(out_splits), D]; backward routes gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):  # type: ignore[override]
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), x.shape[1]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        g = grad.new_empty((sum(in_splits), grad.shape[1]))
+        dist.all_to_all_single(g, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return g, None, None, None
+
+
+class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection):
+    """DynamicEmbeddingCollection whose tables are split row-wise over the ranks of `group`
+    (capacity / world_size slots each). Same forward, stats, dump/load; `dump()` returns this
+    rank's rows, `load()` takes the merged dumps of any number of ranks (`merge_collection_dumps`)
+    and keeps the ids this rank owns. Every rank must call forward and backward together."""
+
+    def __init__(
+        self,
+        tables: list[DynamicEmbeddingConfig],
+        device: torch.device | str | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        backend: str = "auto",
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedDynamicEmbeddingCollection needs torch.distributed")
+        self._group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        super().__init__(tables, device, backend=backend)
+
+    def _make_table(self, config: DynamicEmbeddingConfig) -> DynamicEmbeddingTable:
+        return DynamicEmbeddingTable(
+            config,
+            self.device,
+            backend=self._backend,
+            world_size=self.world_size,
+            rank=self.rank,
+        )
+
+    def _route(self, table: DynamicEmbeddingTable, ids: torch.Tensor, scores):
+        w = self.world_size
+        ids = ids.to(self.device)
+        owner = owner_of(ids, w)
+        order = torch.argsort(owner, stable=True)
+        send_counts = torch.bincount(owner, minlength=w)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self._group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        recv_ids = ids.new_empty(sum(recv))
+        dist.all_to_all_single(recv_ids, ids[order], recv, send, group=self._group)
+        recv_scores = None
+        if scores is not None:
+            s = scores.to(self.device, torch.float64)[order]
+            recv_scores = s.new_empty(sum(recv))
+            dist.all_to_all_single(recv_scores, s, recv, send, group=self._group)
+        local = table(recv_ids, recv_scores)
+        rows = _AllToAllRows.apply(local, send, recv, self._group)
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)
+        return rows[inv]
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        jts = features.to_dict()
+        unknown = [f for f in jts if f not in self._feature_to_table]
+        if unknown:
+            raise ValueError(
+                f"features {unknown} have no dynamic table; configured: {self.feature_names()}"
+            )
+        out: dict[str, JaggedTensor] = {}
+        for table in self.tables.values():
+            # Every rank routes every table (an absent feature sends zero ids): the collectives
+            # must line up across ranks.
+            feats = [f for f in table.config.feature_names if f in jts]
+            for f in feats:
+                if jts[f].values().dtype not in (torch.int32, torch.int64):
+                    raise TypeError(
+                        f"feature {f!r}: ids must be int32/int64, got {jts[f].values().dtype}"
+                    )
+            vals = [jts[f].values().to(torch.int64) for f in feats]
+            ids = torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
+            scores = None
+            if table.config.eviction_policy == "custom" and feats:
+                ws = [jts[f].weights_or_none() for f in feats]
+                if all(w is not None for w in ws):
+                    scores = torch.cat(ws)
+            emb = self._route(table, ids, scores)
+            for f, e in zip(feats, torch.split(emb, [v.numel() for v in vals])):
+                out[f] = JaggedTensor(values=e, lengths=jts[f].lengths(), offsets=jts[f].offsets())
+        return out
+
+    def global_stats(self) -> dict[str, float]:
+        """Stats summed over ranks (rows, inserts, ...; rates recomputed)."""
+        local = self.stats()
+        keys = sorted(local)
+        t = torch.tensor([local[k] for k in keys], dtype=torch.float64)
+        if dist.get_backend(self._group) == "nccl":
+            t = t.to(self.device)
+        dist.all_reduce(t, group=self._group)
+        total = dict(zip(keys, t.cpu().tolist()))
+        for name in self.tables:
+            cap, rows = total[f"{name}/capacity"], total[f"{name}/rows"]
+            lookups = total[f"{name}/lookups"]
+            total[f"{name}/occupancy"] = rows / cap if cap else 0.0
+            total[f"{name}/hit_rate"] = total[f"{name}/hits"] / lookups if lookups else 0.0
+        return total
+
+
+def merge_collection_dumps(dumps: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Merge the `dump()` of every rank into one collection dump loadable by any rank count."""
+    tables = sorted({k.split("/", 1)[0] for k in dumps[0]})
+    out: dict[str, torch.Tensor] = {}
+    for t in tables:
+        per_rank = [
+            {k.split("/", 1)[1]: v for k, v in d.items() if k.startswith(t + "/")} for d in dumps
+        ]
+        for k, v in concat_dumps(per_rank).items():
+            out[f"{t}/{k}"] = v
+    return out
+
+
+def shard_dynamic_embeddings(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Replace every DynamicEmbeddingCollection inside model by its row-wise sharded twin (rows
+    it already holds move to their owners). Call before DistributedModelParallel."""
+    if isinstance(model, DynamicEmbeddingCollection) and not isinstance(
+        model, ShardedDynamicEmbeddingCollection
+    ):
+        return _shard_one(model, group)
+    for name, child in list(model.named_children()):
+        new = shard_dynamic_embeddings(child, group)
+        if new is not child:
+            setattr(model, name, new)
+    return model
+
+
+def _shard_one(
+    m: DynamicEmbeddingCollection, group: dist.ProcessGroup | None
+) -> ShardedDynamicEmbeddingCollection:
+    sharded = ShardedDynamicEmbeddingCollection(
+        m.embedding_configs(), m.device, group=group, backend=m._backend
+    )
+    # The unsharded modules are replicas (as DistributedModelParallel assumes): rank 0's rows
+    # are distributed to their owners.
+    obj = [m.dump() if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(obj, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    sharded.load(obj[0])
+    sharded.train(m.training)
+    return sharded

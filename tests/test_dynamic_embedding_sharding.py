@@ -1,0 +1,162 @@
+"""Row-wise sharded dynamic embeddings: 2 gloo processes on CPU must match one unsharded rank,
+next to a torchrec table sharded by DistributedModelParallel; dumps reload on other rank counts."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
+from hstu.embeddings.dynamic_table import DynamicEmbeddingCollection, DynamicEmbeddingTable
+from hstu.embeddings.sharding import merge_collection_dumps
+
+WORLD = 2
+STEPS = 4
+PER_RANK = 60
+
+
+def configs() -> list[DynamicEmbeddingConfig]:
+    return [
+        DynamicEmbeddingConfig(
+            "items", 8, 1024, ["item", "cand"], optimizer="adam", learning_rate=0.05, seed=1
+        ),
+        DynamicEmbeddingConfig(
+            "users", 4, 512, ["user"], optimizer="rowwise_adagrad", eviction_policy="lfu"
+        ),
+    ]
+
+
+def batch(step: int, rank: int) -> tuple[KeyedJaggedTensor, dict[str, torch.Tensor]]:
+    """Rank `rank`'s part of the global batch of `step` (identical on every process)."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    item = torch.randint(0, 150, (PER_RANK,), generator=g)
+    cand = torch.randint(0, 150, (PER_RANK // 2,), generator=g)
+    user = torch.randint(-40, 40, (PER_RANK // 3,), generator=g)
+    vals = torch.cat([item, cand, user])
+    lengths = torch.tensor([PER_RANK, PER_RANK // 2, PER_RANK // 3])
+    coef = {
+        "item": torch.randn(PER_RANK, 8, generator=g),
+        "cand": torch.randn(PER_RANK // 2, 8, generator=g),
+        "user": torch.randn(PER_RANK // 3, 4, generator=g),
+    }
+    kjt = KeyedJaggedTensor(keys=["item", "cand", "user"], values=vals, lengths=lengths)
+    return kjt, coef
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from torchrec import EmbeddingCollection, EmbeddingConfig
+
+        self.static = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(name="s", embedding_dim=4, num_embeddings=50, feature_names=["s"])
+            ],
+            device=torch.device("meta"),
+        )
+        self.dyn = DynamicEmbeddingCollection(configs())
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, static_kjt, dyn_kjt, coef):
+        out = self.dyn(dyn_kjt)
+        loss = sum((out[f].values() * coef[f]).sum() for f in coef)
+        s = self.static(static_kjt)["s"].values()
+        return loss + self.lin(s).sum()
+
+
+def _worker(rank: int, port: int, tmp: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from torchrec.distributed import DistributedModelParallel
+
+    from hstu.embeddings.sharding import shard_dynamic_embeddings
+
+    model = shard_dynamic_embeddings(Model())
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"))
+    static_kjt = KeyedJaggedTensor(
+        keys=["s"], values=torch.tensor([rank, 7]), lengths=torch.tensor([1, 1])
+    )
+    for step in range(STEPS):
+        kjt, coef = batch(step, rank)
+        dmp(static_kjt, kjt, coef).backward()
+    dyn = dmp.module.dyn
+    stats = dyn.global_stats()
+    dyn.eval()
+    with torch.no_grad():
+        probe = dyn(batch(0, rank)[0])
+    torch.save(
+        {
+            "dump": dyn.dump(),
+            "stats": stats,
+            "probe": {k: v.values() for k, v in probe.items()},
+            "type": type(dyn).__name__,
+            "n_dense": sum(1 for _ in dmp.parameters()),
+        },
+        os.path.join(tmp, f"rank{rank}.pt"),
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_rank_sharded_matches_one_rank_and_reloads(tmp_path):
+    mp.start_processes(
+        _worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn"
+    )
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    assert res[0]["type"] == "ShardedDynamicEmbeddingCollection"
+
+    # One unsharded rank fed the concatenated global batch.
+    ref = DynamicEmbeddingCollection(configs())
+    for step in range(STEPS):
+        parts = [batch(step, r) for r in range(WORLD)]
+        jts = [p[0].to_dict() for p in parts]
+        feats = ["item", "cand", "user"]
+        vals = torch.cat([torch.cat([j[f].values() for j in jts]) for f in feats])
+        lengths = torch.tensor([sum(j[f].values().numel() for j in jts) for f in feats])
+        out = ref(KeyedJaggedTensor(keys=feats, values=vals, lengths=lengths))
+        loss = sum((out[f].values() * torch.cat([p[1][f] for p in parts])).sum() for f in feats)
+        loss.backward()
+
+    merged = merge_collection_dumps([r["dump"] for r in res])
+    want = ref.dump()
+    for k, v in want.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(merged[k], v), k
+    # every id lives on exactly one rank, and both ranks hold some
+    sizes = [r["dump"]["items/keys"].numel() for r in res]
+    assert min(sizes) > 0 and sum(sizes) == want["items/keys"].numel()
+    ref_stats = ref.stats()
+    for k in ("items/rows", "items/inserts", "users/rows", "users/inserts"):
+        assert res[0]["stats"][k] == ref_stats[k], k
+
+    ref.eval()
+    with torch.no_grad():
+        probe = ref(batch(0, 0)[0])
+    for f, v in probe.items():
+        torch.testing.assert_close(res[0]["probe"][f], v.values(), rtol=1e-5, atol=1e-6)
+
+    # The merged checkpoint loads into 3 ranks (ownership filter) and back into 1.
+    for t in ("items", "users"):
+        sub = {k.split("/", 1)[1]: v for k, v in merged.items() if k.startswith(t + "/")}
+        c = next(c for c in configs() if c.name == t)
+        shards = [DynamicEmbeddingTable(c, world_size=3, rank=r) for r in range(3)]
+        for s in shards:
+            s.load(sub)
+        assert sum(s.size() for s in shards) == sub["keys"].numel()
+    one = DynamicEmbeddingCollection(configs())
+    one.load(merged)
+    for k, v in one.dump().items():
+        assert torch.equal(v, merged[k]), k

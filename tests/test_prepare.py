@@ -346,6 +346,17 @@ def test_short_long_and_blank_rows(tmp_path):
         _prep("ml-100k", src, tmp_path)
 
 
+def test_empty_files(tmp_path):
+    src = _copy("ml-1m", tmp_path)
+    (src / "users.dat").write_text("")
+    with pytest.raises(DataFormatError, match=r"users\.dat: line 1 is empty"):
+        _prep("ml-1m", src, tmp_path)
+    src = _copy("ml-20m", tmp_path / "b")
+    (src / "ratings.csv").write_text("userId,movieId,rating,timestamp\n")
+    with pytest.raises(DataFormatError, match=r"ratings\.csv: no data rows"):
+        _prep("ml-20m", src, tmp_path)
+
+
 def test_sequence_file_errors(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("1 10 11\n2 x 13\n3 14\n")

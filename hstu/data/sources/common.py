@@ -30,6 +30,8 @@ __all__ = [
     "DataFormatError",
     "BuildOptions",
     "BuildResult",
+    "Column",
+    "line_texts",
     "progress_default",
     "sha256_file",
     "find_file",
@@ -118,8 +120,9 @@ def find_file(
     present = sorted(p.name for p in source.iterdir())[:20] if source.is_dir() else []
     raise FileNotFoundError(
         f"{what} {' or '.join(names)} not found (also tried .gz) in {', '.join(looked)}; "
-        f"that directory holds: {present or 'nothing'}. Pass --source pointing at the directory "
-        f"with the official files, or omit --source to download them."
+        f"{source} holds: {present or 'nothing'}. Pass --source pointing at the directory with "
+        f"the official files (or omit --source to download the official release, where one "
+        f"exists)."
     )
 
 
@@ -307,6 +310,8 @@ def read_table(
     pack flags into a bitmask) to bound memory on huge files.
     """
     first = _first_line(path, encoding)
+    if not first.strip():
+        raise DataFormatError(f"{path}: line 1 is empty (an empty file or a leading blank line)")
     fields = first.split(sep)
     if header:
         found = [f.strip().strip('"') for f in fields]
@@ -319,7 +324,8 @@ def read_table(
                 f"{[c.name for c in columns]}."
             )
     else:
-        assert names is not None, "headerless tables need names"
+        if names is None:
+            raise ValueError("read_table(header=False) needs the column names")
         if len(fields) != len(names):
             hint = _wrong_sep_hint(first, sep) if len(fields) == 1 else ""
             raise DataFormatError(
@@ -339,20 +345,20 @@ def read_table(
             # The fast C parser takes one-character separators only: translate in memory
             # (multi-character separators occur only in the small MovieLens .dat files).
             stream = io.BytesIO(f.read().replace(sep.encode(), b"\x1f"))
-        reader = pd.read_csv(
-            stream,
-            sep="\x1f" if multi_char else sep,
-            header=0 if header else None,
-            names=None if header else list(names or []),
-            dtype=dtype or None,
-            keep_default_na=False,
-            na_values=[""],
-            skip_blank_lines=False,
-            chunksize=chunksize,
-            encoding=encoding,
-            engine="c",
-        )
         try:
+            reader = pd.read_csv(
+                stream,
+                sep="\x1f" if multi_char else sep,
+                header=0 if header else None,
+                names=None if header else list(names or []),
+                dtype=dtype or None,
+                keep_default_na=False,
+                na_values=[""],
+                skip_blank_lines=False,
+                chunksize=chunksize,
+                encoding=encoding,
+                engine="c",
+            )
             for chunk in reader:
                 first_line = n_rows + header_lines + 1
                 blank = chunk.isna().all(axis=1).to_numpy()
@@ -396,6 +402,8 @@ def read_table(
                 f"{path}: line {line} has {m.group(3)} {_describe_sep(sep)}-separated fields, "
                 f"expected {m.group(1)}: {text!r}."
             ) from e
+        except pd.errors.EmptyDataError as e:
+            raise DataFormatError(f"{path}: empty file") from e
         except UnicodeDecodeError as e:
             raise DataFormatError(
                 f"{path}: not {encoding} text ({e}); is this the right file?"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -69,33 +70,39 @@ class Model(torch.nn.Module):
         return loss + self.lin(s).sum()
 
 
-def _worker(rank: int, port: int, tmp: str) -> None:
+def _worker(rank: int, port: int, tmp: str, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dev = torch.device("cpu")
+    if backend == "nccl":
+        dev = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, rank=rank, world_size=WORLD)
     from torchrec.distributed import DistributedModelParallel
 
     from hstu.embeddings.sharding import shard_dynamic_embeddings
 
-    model = shard_dynamic_embeddings(Model())
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"))
+    model = Model()
+    model.dyn = DynamicEmbeddingCollection(configs(), dev)
+    model = shard_dynamic_embeddings(model)
+    dmp = DistributedModelParallel(model, device=dev)
     static_kjt = KeyedJaggedTensor(
         keys=["s"], values=torch.tensor([rank, 7]), lengths=torch.tensor([1, 1])
-    )
+    ).to(dev)
     for step in range(STEPS):
         kjt, coef = batch(step, rank)
-        dmp(static_kjt, kjt, coef).backward()
+        dmp(static_kjt, kjt.to(dev), {k: v.to(dev) for k, v in coef.items()}).backward()
     dyn = dmp.module.dyn
     stats = dyn.global_stats()
     dyn.eval()
     with torch.no_grad():
-        probe = dyn(batch(0, rank)[0])
+        probe = dyn(batch(0, rank)[0].to(dev))
     torch.save(
         {
             "dump": dyn.dump(),
             "stats": stats,
-            "probe": {k: v.values() for k, v in probe.items()},
+            "probe": {k: v.values().cpu() for k, v in probe.items()},
             "type": type(dyn).__name__,
-            "n_dense": sum(1 for _ in dmp.parameters()),
+            "backend": dyn.tables["items"].ops.__name__,
         },
         os.path.join(tmp, f"rank{rank}.pt"),
     )
@@ -110,11 +117,22 @@ def _free_port() -> int:
 
 
 def test_two_rank_sharded_matches_one_rank_and_reloads(tmp_path):
-    mp.start_processes(
-        _worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn"
-    )
+    _run_and_check(tmp_path, "gloo", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpu_nccl_sharded_kernels_match_one_cpu_rank(tmp_path):
+    _run_and_check(tmp_path, "nccl", rtol=1e-4, atol=2e-5)
+
+
+def _run_and_check(tmp_path, backend: str, rtol: float, atol: float) -> None:
+    args = (_free_port(), str(tmp_path), backend)
+    mp.start_processes(_worker, args=args, nprocs=WORLD, start_method="spawn")
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     assert res[0]["type"] == "ShardedDynamicEmbeddingCollection"
+    want_backend = "cuda_table" if backend == "nccl" else "reference_table"
+    assert res[0]["backend"].endswith(want_backend)
 
     # One unsharded rank fed the concatenated global batch.
     ref = DynamicEmbeddingCollection(configs())
@@ -132,7 +150,7 @@ def test_two_rank_sharded_matches_one_rank_and_reloads(tmp_path):
     want = ref.dump()
     for k, v in want.items():
         if v.is_floating_point():
-            torch.testing.assert_close(merged[k], v, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(merged[k], v, rtol=rtol, atol=atol)
         else:
             assert torch.equal(merged[k], v), k
     # every id lives on exactly one rank, and both ranks hold some
@@ -146,7 +164,7 @@ def test_two_rank_sharded_matches_one_rank_and_reloads(tmp_path):
     with torch.no_grad():
         probe = ref(batch(0, 0)[0])
     for f, v in probe.items():
-        torch.testing.assert_close(res[0]["probe"][f], v.values(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(res[0]["probe"][f], v.values(), rtol=rtol, atol=atol)
 
     # The merged checkpoint loads into 3 ranks (ownership filter) and back into 1.
     for t in ("items", "users"):

@@ -142,6 +142,8 @@ def prepare_dataset(
         return PrepareResult(output_dir=out, manifest=manifest, up_to_date=True)
 
     logger.info("%s: building from %s", dataset, ", ".join(str(p) for p in files.values()))
+    # A stale manifest must not vouch for a half-written rebuild if this run dies midway.
+    (out / MANIFEST_FILE).unlink(missing_ok=True)
     result = spec.build(files, BuildOptions(name=dataset, progress=progress, fmt=fmt))
     data = result.data
     for entry in inputs:

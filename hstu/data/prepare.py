@@ -142,8 +142,6 @@ def prepare_dataset(
         return PrepareResult(output_dir=out, manifest=manifest, up_to_date=True)
 
     logger.info("%s: building from %s", dataset, ", ".join(str(p) for p in files.values()))
-    # A stale manifest must not vouch for a half-written rebuild if this run dies midway.
-    (out / MANIFEST_FILE).unlink(missing_ok=True)
     result = spec.build(files, BuildOptions(name=dataset, progress=progress, fmt=fmt))
     data = result.data
     for entry in inputs:
@@ -164,6 +162,9 @@ def prepare_dataset(
         "sequence_length_range": _range(data.lengths()),
         "stats": result.stats,
     }
+    # A stale manifest must not vouch for a half-written output if this run dies while saving;
+    # a failed build above leaves the previous output untouched.
+    (out / MANIFEST_FILE).unlink(missing_ok=True)
     data.save(out, manifest=manifest)
     manifest = json.loads((out / MANIFEST_FILE).read_text())
     logger.info(

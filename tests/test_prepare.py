@@ -240,6 +240,16 @@ def test_rerun_noop_change_and_force(tmp_path, caplog):
     assert prepare_dataset("ml-100k", src, out, progress=False).up_to_date
 
 
+def test_failed_rebuild_keeps_previous_output(tmp_path):
+    src = _copy("ml-1m", tmp_path)
+    out = tmp_path / "out"
+    prepare_dataset("ml-1m", src, out, progress=False)
+    _edit(src / "ratings.dat", 2, "1::661::x::978302109")
+    with pytest.raises(DataFormatError, match="line 2"):
+        prepare_dataset("ml-1m", src, out, progress=False)
+    assert SequenceData.load(out).num_interactions == 10
+
+
 def test_rerun_with_other_format_rebuilds(tmp_path):
     src = FIXTURES / "sequences" / "pairs.txt"
     out = tmp_path / "o"

@@ -31,6 +31,7 @@ __all__ = [
     "BuildOptions",
     "BuildResult",
     "Column",
+    "byte_bar",
     "line_texts",
     "progress_default",
     "sha256_file",
@@ -79,21 +80,18 @@ def progress_default() -> bool:
 
 
 # ---- files ---------------------------------------------------------------------------------------
+def byte_bar(total: int | None, desc: str, progress: bool) -> tqdm:
+    """A tqdm bar counting bytes (disabled unless ``progress``)."""
+    return tqdm(
+        total=total, unit="B", unit_scale=True, desc=desc, disable=not progress, leave=False
+    )
+
+
 def sha256_file(path: Path, progress: bool = False) -> str:
     """Hex sha256 of a file's bytes (as stored: a .gz file is hashed compressed)."""
     h = hashlib.sha256()
     size = path.stat().st_size
-    with (
-        open(path, "rb") as f,
-        tqdm(
-            total=size,
-            unit="B",
-            unit_scale=True,
-            desc=f"sha256 {path.name}",
-            disable=not progress,
-            leave=False,
-        ) as bar,
-    ):
+    with open(path, "rb") as f, byte_bar(size, f"sha256 {path.name}", progress) as bar:
         while chunk := f.read(1 << 22):
             h.update(chunk)
             bar.update(len(chunk))
@@ -148,14 +146,7 @@ class _ProgressReader(io.RawIOBase):
 
 def open_binary(path: Path, progress: bool = False, desc: str | None = None) -> BinaryIO:
     """Open a (possibly gzip-compressed) file for binary reading; the bar counts on-disk bytes."""
-    bar = tqdm(
-        total=path.stat().st_size,
-        unit="B",
-        unit_scale=True,
-        desc=desc or f"read {path.name}",
-        disable=not progress,
-        leave=False,
-    )
+    bar = byte_bar(path.stat().st_size, desc or f"read {path.name}", progress)
     raw = io.BufferedReader(_ProgressReader(open(path, "rb"), bar), buffer_size=1 << 20)
     if path.suffix == ".gz":
         return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
@@ -235,7 +226,7 @@ def _check_numeric(
 ) -> np.ndarray:
     """Return the column as int64/float64, raising DataFormatError with line numbers if bad."""
     s = chunk[col.name]
-    problem = f"column {col.name!r} must be {'an integer' if col.kind == 'int' else 'a number'}"
+    problem = f"must be {'an integer' if col.kind == 'int' else 'a number'}"
     if col.kind == "int" and pd.api.types.is_integer_dtype(s.dtype):
         arr = s.to_numpy(dtype=np.int64)  # the common case: exact, no float round-trip
         bad = np.zeros(arr.shape, dtype=bool)
@@ -248,42 +239,28 @@ def _check_numeric(
             # Text such as "1.0" parses as a number but is not an id in these formats.
             if not bad.any() and s.dtype == object:
                 bad |= ~s.astype(str).str.strip().str.fullmatch(r"[+-]?\d+").to_numpy()
-    if bad.any():
-        idx = np.flatnonzero(bad)
-        raise _bad_rows_error(
-            path, idx[:_MAX_REPORTED] + first_line, problem, encoding, total=idx.size, sep=sep
-        )
-    if col.min_value is not None and (arr < col.min_value).any():
-        idx = np.flatnonzero(arr < col.min_value)
-        raise _bad_rows_error(
-            path,
-            idx[:_MAX_REPORTED] + first_line,
-            f"column {col.name!r} must be >= {col.min_value:g} (negative ids are not allowed)"
-            if col.min_value == 0
-            else f"column {col.name!r} must be >= {col.min_value:g}",
-            encoding,
-            total=idx.size,
-        )
-    if col.max_value is not None and (arr > col.max_value).any():
-        idx = np.flatnonzero(arr > col.max_value)
-        raise _bad_rows_error(
-            path,
-            idx[:_MAX_REPORTED] + first_line,
-            f"column {col.name!r} must be <= {col.max_value:g}",
-            encoding,
-            total=idx.size,
-        )
-    if col.allowed is not None:
-        ok = np.isin(arr, np.asarray(col.allowed, dtype=np.float64))
-        if not ok.all():
-            idx = np.flatnonzero(~ok)
+
+    def check(mask: np.ndarray, what: str, with_sep: bool = False) -> None:
+        if mask.any():
+            idx = np.flatnonzero(mask)
             raise _bad_rows_error(
                 path,
                 idx[:_MAX_REPORTED] + first_line,
-                f"column {col.name!r} must be one of {sorted(set(col.allowed))}",
+                f"column {col.name!r} {what}",
                 encoding,
                 total=idx.size,
+                sep=sep if with_sep else None,
             )
+
+    check(bad, problem, with_sep=True)
+    if col.min_value is not None:
+        neg = " (negative ids are not allowed)" if col.min_value == 0 else ""
+        check(arr < col.min_value, f"must be >= {col.min_value:g}{neg}")
+    if col.max_value is not None:
+        check(arr > col.max_value, f"must be <= {col.max_value:g}")
+    if col.allowed is not None:
+        allowed = np.asarray(col.allowed, dtype=np.float64)
+        check(~np.isin(arr, allowed), f"must be one of {sorted(set(col.allowed))}")
     if col.kind == "int":
         return arr.astype(np.int64, copy=False)
     return arr

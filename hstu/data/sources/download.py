@@ -13,7 +13,7 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
-from tqdm.auto import tqdm
+from hstu.data.sources.common import byte_bar
 
 __all__ = ["DownloadError", "download", "extract", "fetch_archive"]
 
@@ -37,16 +37,7 @@ def download(url: str, dest: Path, progress: bool = False) -> Path:
     try:
         with urllib.request.urlopen(url, timeout=_TIMEOUT_S) as resp:
             total = int(resp.headers.get("Content-Length") or 0) or None
-            with (
-                open(part, "wb") as out,
-                tqdm(
-                    total=total,
-                    unit="B",
-                    unit_scale=True,
-                    desc=f"download {dest.name}",
-                    disable=not progress,
-                ) as bar,
-            ):
+            with open(part, "wb") as out, byte_bar(total, f"download {dest.name}", progress) as bar:
                 while chunk := resp.read(1 << 20):
                     out.write(chunk)
                     bar.update(len(chunk))

@@ -111,6 +111,27 @@ def _result(
     return BuildResult(data=data, rows_read=rows_read, dropped={}, stats=stats)
 
 
+def _read_star_ratings(
+    path: Path, sep: str, names: tuple[str, str, str, str], opts: BuildOptions
+) -> tuple[dict[str, np.ndarray], int]:
+    """A headerless ``user item rating time`` file with whole-star ratings 1..5."""
+    user, item, rating, time = names
+    return read_table(
+        path,
+        sep=sep,
+        header=False,
+        names=list(names),
+        columns=[
+            Column(user, min_value=0),
+            Column(item, min_value=0),
+            Column(rating, min_value=1, max_value=5),
+            Column(time, min_value=0),
+        ],
+        encoding=_ENC,
+        progress=opts.progress,
+    )
+
+
 # ---- ml-1m ---------------------------------------------------------------------------------------
 def locate_ml_1m(source: Path) -> dict[str, Path]:
     sub = ("", "ml-1m")
@@ -121,20 +142,8 @@ def locate_ml_1m(source: Path) -> dict[str, Path]:
 
 
 def build_ml_1m(files: dict[str, Path], opts: BuildOptions) -> BuildResult:
-    ratings, n = read_table(
-        files["ratings"],
-        sep="::",
-        header=False,
-        names=["UserID", "MovieID", "Rating", "Timestamp"],
-        columns=[
-            Column("UserID", min_value=0),
-            Column("MovieID", min_value=0),
-            Column("Rating", min_value=1, max_value=5),
-            Column("Timestamp", min_value=0),
-        ],
-        encoding=_ENC,
-        progress=opts.progress,
-    )
+    cols = ("UserID", "MovieID", "Rating", "Timestamp")
+    ratings, n = _read_star_ratings(files["ratings"], "::", cols, opts)
     users, n_users = read_table(
         files["users"],
         sep="::",
@@ -166,7 +175,7 @@ def build_ml_1m(files: dict[str, Path], opts: BuildOptions) -> BuildResult:
         opts.name,
         ratings,
         n,
-        ("UserID", "MovieID", "Rating", "Timestamp"),
+        cols,
         table,
         vocabs,
         {"ratings": n, "users": n_users},
@@ -188,20 +197,8 @@ def locate_ml_100k(source: Path) -> dict[str, Path]:
 
 
 def build_ml_100k(files: dict[str, Path], opts: BuildOptions) -> BuildResult:
-    ratings, n = read_table(
-        files["ratings"],
-        sep="\t",
-        header=False,
-        names=["user_id", "item_id", "rating", "timestamp"],
-        columns=[
-            Column("user_id", min_value=0),
-            Column("item_id", min_value=0),
-            Column("rating", min_value=1, max_value=5),
-            Column("timestamp", min_value=0),
-        ],
-        encoding=_ENC,
-        progress=opts.progress,
-    )
+    cols = ("user_id", "item_id", "rating", "timestamp")
+    ratings, n = _read_star_ratings(files["ratings"], "\t", cols, opts)
     users, n_users = read_table(
         files["users"],
         sep="|",
@@ -245,7 +242,7 @@ def build_ml_100k(files: dict[str, Path], opts: BuildOptions) -> BuildResult:
         opts.name,
         ratings,
         n,
-        ("user_id", "item_id", "rating", "timestamp"),
+        cols,
         table,
         vocabs,
         rows_read,

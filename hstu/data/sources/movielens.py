@@ -87,13 +87,17 @@ def _user_feature_table(
 def _result(
     name: str,
     ratings: dict[str, np.ndarray],
-    n_rows: int,
-    user_cols: tuple[str, str, str, str],
-    table: dict[str, dict[int, int]] | None,
-    vocabs: dict[str, list[str]],
+    cols: tuple[str, str, str, str],
+    users_path: Path,
+    uids: np.ndarray,
+    feature_values: dict[str, list[str]],
+    vocabularies: dict[str, list[str] | None],
     rows_read: dict[str, int],
 ) -> BuildResult:
-    u, i, r, t = user_cols
+    """Encode the user file's features and build the sequences (ml-1m, ml-100k)."""
+    _check_unique_users(users_path, uids)
+    table, vocabs = _user_feature_table(uids, feature_values, vocabularies)
+    u, i, r, t = cols
     data, stats = build_sequence_data(
         name,
         users=ratings[u],
@@ -104,9 +108,7 @@ def _result(
         user_feature_table=table,
         extra={"action_encoding": "bit k set iff rating >= k+1 (k = 0..4)"},
     )
-    if table is not None:
-        known = set(next(iter(table.values())).keys())
-        stats["users_in_user_file_without_ratings"] = len(known - set(data.user_ids.tolist()))
+    stats["users_in_user_file_without_ratings"] = int(np.setdiff1d(uids, data.user_ids).size)
     stats["feature_vocabularies"] = vocabs
     return BuildResult(data=data, rows_read=rows_read, dropped={}, stats=stats)
 
@@ -159,10 +161,12 @@ def build_ml_1m(files: dict[str, Path], opts: BuildOptions) -> BuildResult:
         encoding=_ENC,
         progress=opts.progress,
     )
-    uids = users["UserID"]
-    _check_unique_users(files["users"], uids)
-    table, vocabs = _user_feature_table(
-        uids,
+    return _result(
+        opts.name,
+        ratings,
+        cols,
+        files["users"],
+        users["UserID"],
         {
             "sex": list(users["Gender"]),
             "age_group": [str(a) for a in users["Age"]],
@@ -170,14 +174,6 @@ def build_ml_1m(files: dict[str, Path], opts: BuildOptions) -> BuildResult:
             "zip_prefix": [z[:ZIP_PREFIX_LEN] for z in users["Zip-code"]],
         },
         {"sex": SEXES, "age_group": ML_1M_AGE_GROUPS, "occupation": ML_1M_OCCUPATIONS},
-    )
-    return _result(
-        opts.name,
-        ratings,
-        n,
-        cols,
-        table,
-        vocabs,
         {"ratings": n, "users": n_users},
     )
 
@@ -226,10 +222,12 @@ def build_ml_100k(files: dict[str, Path], opts: BuildOptions) -> BuildResult:
                 f"{files['users']}: occupation(s) {unknown[:5]} are not listed in "
                 f"{files['occupations']}; is this the right u.occupation?"
             )
-    uids = users["user_id"]
-    _check_unique_users(files["users"], uids)
-    table, vocabs = _user_feature_table(
-        uids,
+    return _result(
+        opts.name,
+        ratings,
+        cols,
+        files["users"],
+        users["user_id"],
         {
             "sex": list(users["gender"]),
             "age_group": [_age_group(int(a)) for a in users["age"]],
@@ -237,14 +235,6 @@ def build_ml_100k(files: dict[str, Path], opts: BuildOptions) -> BuildResult:
             "zip_prefix": [z[:ZIP_PREFIX_LEN] for z in users["zip_code"]],
         },
         {"sex": SEXES, "age_group": ML_1M_AGE_GROUPS, "occupation": occupations},
-    )
-    return _result(
-        opts.name,
-        ratings,
-        n,
-        cols,
-        table,
-        vocabs,
         rows_read,
     )
 

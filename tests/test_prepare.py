@@ -7,8 +7,8 @@ import gzip
 import hashlib
 import json
 import logging
+import runpy
 import shutil
-import subprocess
 import sys
 import urllib.error
 import zipfile
@@ -398,35 +398,24 @@ def test_cli_reports_errors_without_traceback(tmp_path, caplog):
         prepare_dataset("ml-1m", FIXTURES / "ml-1m", tmp_path, fmt="pairs")
 
 
-def test_command_line_entry_points(tmp_path):
-    """`python -m hstu.data.prepare` and scripts/prepare_data.py: exit codes and messages."""
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy re-run
+def test_command_line_entry_points(tmp_path, monkeypatch, caplog):
+    """`python -m hstu.data.prepare` and scripts/prepare_data.py (run in-process as __main__)."""
     out = tmp_path / "o"
-    ok = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--dataset", "sequences"]
-        + ["--source", str(FIXTURES / "sequences" / "lines.txt"), "--output", str(out)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert ok.returncode == 0, ok.stderr
-    assert "3 users, 5 items, 6 interactions" in ok.stderr
+    argv = ["prepare_data.py", "--dataset", "sequences", "--output", str(out)]
+    monkeypatch.setattr(sys, "argv", argv + ["--source", str(FIXTURES / "sequences" / "lines.txt")])
+    with caplog.at_level(logging.INFO, logger="hstu"), pytest.raises(SystemExit) as ok:
+        runpy.run_path(str(REPO / "scripts" / "prepare_data.py"), run_name="__main__")
+    assert ok.value.code == 0
+    assert "3 users, 5 items, 6 interactions" in caplog.text
     assert SequenceData.load(out).num_interactions == 6
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hstu.data.prepare",
-            "--dataset",
-            "ml-1m",
-            "--source",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert bad.returncode == 1
-    assert "ratings.dat not found" in bad.stderr and "Traceback" not in bad.stderr
+
+    caplog.clear()
+    monkeypatch.setattr(sys, "argv", ["prepare", "--dataset", "ml-1m", "--source", str(tmp_path)])
+    with caplog.at_level(logging.INFO, logger="hstu"), pytest.raises(SystemExit) as bad:
+        runpy.run_module("hstu.data.prepare", run_name="__main__")
+    assert bad.value.code == 1
+    assert "ratings.dat not found" in caplog.text
 
 
 def test_byte_order_mark_is_tolerated(tmp_path):

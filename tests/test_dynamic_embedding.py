@@ -300,3 +300,13 @@ def test_erase_and_backward_after_eviction_is_skipped():
     after = t.dump()
     assert torch.equal(before["values"], after["values"])
     assert t.erase(torch.tensor([100, 101, 5])) == 2 and t.size() == 30
+
+
+def test_low_precision_output_and_stats_keys():
+    t = DynamicEmbeddingTable(cfg(output_dtype="bfloat16", optimizer="adagrad"))
+    out = t(torch.tensor([1, 2, 2]))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert set(t.stats()) >= {"rows", "occupancy", "inserts", "evictions", "hit_rate", "overflows"}
+    with pytest.raises(ValueError, match="output_dtype"):
+        cfg(output_dtype="float64")

@@ -84,9 +84,11 @@ def test_launcher_config_errors_are_messages(tmp_path):
     proc = _torchrun(
         "ranking", _bindings(tmp_path) + ["--gin-bindings", "TrainerArgs.not_a_field=3"], allow=True
     )
-    assert proc.returncode == 2
-    assert "not_a_field" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    # our process exits 2 with a message; torchrun then reports the failed child itself
+    assert proc.returncode != 0
+    assert "config error: Unknown field 'TrainerArgs.not_a_field'" in proc.stderr
+    assert "exitcode: 2" in proc.stderr
+    assert f'File "{ROOT / "hstu"}' not in proc.stderr, "no traceback from our code"
 
 
 def test_launcher_missing_dataset_is_a_message(tmp_path):
@@ -95,6 +97,6 @@ def test_launcher_missing_dataset_is_a_message(tmp_path):
         "--gin-bindings", f"DatasetArgs.dataset_path='{tmp_path / 'nowhere'}'",
     ]
     proc = _torchrun("retrieval", args, allow=True)
-    assert proc.returncode == 2
+    assert proc.returncode != 0 and "exitcode: 2" in proc.stderr
     assert "nowhere" in proc.stderr and "hstu.data.prepare" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert f'File "{ROOT / "hstu"}' not in proc.stderr, "no traceback from our code"

@@ -18,12 +18,14 @@ logger = logging.getLogger("hstu")
 def _setup_logging(level: int) -> None:
     rank = int(os.environ.get("RANK", "0"))
     # rank 0 speaks at the chosen level; other ranks only report warnings and errors
+    # third-party libraries (fbgemm, torchrec) stay at WARNING; hstu's own loggers at `level`
     logging.basicConfig(
-        level=level if rank == 0 else max(level, logging.WARNING),
+        level=logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
         force=True,
     )
+    logging.getLogger("hstu").setLevel(level if rank == 0 else max(level, logging.WARNING))
 
 
 def main(task: str, argv: Sequence[str] | None = None) -> int:

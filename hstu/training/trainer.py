@@ -83,7 +83,12 @@ class Trainer:
         np.random.seed(t.seed % (2**32))
 
         # data
-        num_tasks = cfg.ranking.num_tasks if cfg.task == "ranking" else 8
+        # ranking needs RankingArgs.num_tasks action signals; retrieval needs none (the synthetic
+        # generator still makes 8)
+        if cfg.task == "ranking":
+            num_tasks = cfg.ranking.num_tasks
+        else:
+            num_tasks = 8 if cfg.dataset.dataset_name == "synthetic" else 0
         self.data = load_sequence_data(cfg.dataset, num_tasks=num_tasks)
         splits = build_samples(self.data, cfg.dataset, cfg.task)
         self.train_samples, self.eval_samples = splits.train, splits.eval

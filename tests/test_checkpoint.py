@@ -104,6 +104,30 @@ def test_crash_before_rename_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert Checkpointer.load(tmp_path)[0] == 1
 
 
+def test_interrupted_resave_of_same_step(tmp_path, monkeypatch):
+    ck = Checkpointer(tmp_path)
+    ck.save(5, _state(5))
+    real_replace = ckpt_mod.os.replace
+
+    def fail_moving_new_copy_in(src, dst):
+        if str(src).endswith("step_00000005.tmp"):
+            raise OSError("killed mid-swap (simulated)")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt_mod.os, "replace", fail_moving_new_copy_in)
+    with pytest.raises(OSError, match="simulated"):
+        ck.save(5, _state(6))
+    monkeypatch.undo()
+    # the old copy was put back
+    assert Checkpointer.load(tmp_path)[1]["data_position"]["index"] == 35
+    _assert_no_invalid_step_dir(tmp_path)
+    # a hard kill between the two renames leaves only step_X.old: load still finds it
+    real_replace(tmp_path / "step_00000005", tmp_path / "step_00000005.old")
+    assert Checkpointer.load(tmp_path)[0] == 5
+    ck.save(6, _state(6))
+    assert _step_dirs(tmp_path) == ["step_00000006"]
+
+
 def test_leftover_tmp_from_killed_process_is_ignored_then_cleaned(tmp_path):
     ck = Checkpointer(tmp_path)
     ck.save(1, _state(1))

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torchmetrics.classification import BinaryAUROC
 
 from hstu.modules.metrics import (
     RankingMetrics,
@@ -48,6 +47,9 @@ def test_binary_auc_single_class_is_nan():
 
 
 def test_binary_auc_matches_torchmetrics_with_ties():
+    # imported here so the spawned distributed workers do not pay for torchmetrics
+    from torchmetrics.classification import BinaryAUROC
+
     g = torch.Generator().manual_seed(0)
     scores = torch.randint(0, 7, (500,), generator=g).float() / 7  # many ties
     labels = (torch.rand(500, generator=g) < 0.3 + 0.4 * scores).long()

@@ -160,7 +160,11 @@ class Checkpointer:
             old = final.with_name(final.name + ".old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                os.replace(old, final)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
@@ -170,7 +174,7 @@ class Checkpointer:
         self._prune(keep=final.name)
 
     def _prune(self, keep: str) -> None:
-        for stale in self.save_dir.glob("step_*.tmp"):
+        for stale in [*self.save_dir.glob("step_*.tmp"), *self.save_dir.glob("step_*.old")]:
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
         if self.keep_last == 0:
@@ -218,6 +222,11 @@ class Checkpointer:
         if latest.is_file():
             name = latest.read_text().strip()
             target = path / name
+            swapped_out = path / (name + ".old")
+            if not (target / META_FILE).is_file() and (swapped_out / META_FILE).is_file():
+                # A re-save of the same step was interrupted between its two renames.
+                logger.warning("%s is missing; using its previous copy %s", target, swapped_out)
+                return swapped_out
             if not _STEP_DIR.match(name) or not (target / META_FILE).is_file():
                 raise FileNotFoundError(
                     f"{latest} names {name!r}, but {target} is not a complete checkpoint "

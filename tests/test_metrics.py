@@ -235,6 +235,7 @@ def test_popularity_scores_through_evaluator():
     ev = RetrievalEvaluator(corpus, ks=(1, 2), exclude_history=True)
     # target 1 behind 3 -> rank 2; with 3 in history -> rank 1.
     ev.update_scores(scores, torch.tensor([1, 1]), [torch.tensor([]), torch.tensor([3])])
+    torch.testing.assert_close(scores, torch.tensor([3.0, 2.0, 4.0, 1.0]))  # caller's copy intact
     out = ev.compute()
     assert out["MRR"] == pytest.approx(0.75)
     assert out["HR@1"] == pytest.approx(0.5)

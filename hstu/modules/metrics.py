@@ -384,9 +384,13 @@ class RetrievalEvaluator:
                 f"[C], got {tuple(scores.shape)}"
             )
         scores = scores.detach()
-        self._update(lambda s, e: scores[s:e].float(), b, target_ids, history_ids)
+        # copy: history exclusion writes -inf into the block, which must not reach the caller
+        self._update(
+            lambda s, e: scores[s:e].to(torch.float32, copy=True), b, target_ids, history_ids
+        )
 
     def _update(self, score_fn, batch_size: int, target_ids, history_ids) -> None:
+        """Shared body: ``score_fn(start, end)`` returns a fresh [end - start, C] float block."""
         target_ids = torch.as_tensor(target_ids).reshape(-1)
         if target_ids.numel() != batch_size:
             raise ValueError(
@@ -423,7 +427,6 @@ class RetrievalEvaluator:
                     cols = hist_col[lo:hi]
                     keep = hist_found[lo:hi] & (cols != target_col[start:end][rows])
                     if keep.any():
-                        scores = scores.clone()
                         scores[rows[keep].to(scores.device), cols[keep].to(scores.device)] = float(
                             "-inf"
                         )

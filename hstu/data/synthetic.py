@@ -192,7 +192,7 @@ def generate_synthetic_with_latents(
     global_cum = within_cum + np.repeat(np.arange(n_clusters, dtype=np.float64), cluster_size)
     cluster_popularity = (np.arange(n_clusters) + 1.0) ** -0.7
     cluster_popularity = rng.permutation(cluster_popularity / cluster_popularity.sum())
-    item_quality = rng.normal(0.0, 0.7, n_items)
+    item_quality = rng.normal(0.0, 1.0, n_items)
 
     def draw_items(clusters: np.ndarray, uniform: np.ndarray) -> np.ndarray:
         pos = np.searchsorted(global_cum, clusters + uniform, side="right")
@@ -213,7 +213,7 @@ def generate_synthetic_with_latents(
     segment = top_cluster * n_segments // n_clusters
     noisy = rng.random(n_users) < 0.1
     segment[noisy] = rng.integers(0, n_segments, int(noisy.sum()))
-    age_effect = np.linspace(-0.6, 0.6, _NUM_AGE_GROUPS)
+    age_effect = np.linspace(-1.0, 1.0, _NUM_AGE_GROUPS)
     user_bias = age_effect[age_group] + rng.normal(0.0, 0.3, n_users)
 
     # ---- sequence lengths: shifted lognormal, heavy right tail --------------------------------

@@ -79,7 +79,7 @@ def _prefill(m: DynamicEmbeddingCollection, dev: torch.device) -> None:
         m(kjt.to(dev))
 
 
-def _worker(rank: int, port: int, tmp: str, backend: str) -> None:
+def _worker(rank: int, port: int, tmp: str, backend: str, mode: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dev = torch.device("cpu")
     if backend == "nccl":
@@ -87,14 +87,20 @@ def _worker(rank: int, port: int, tmp: str, backend: str) -> None:
         torch.cuda.set_device(dev)
     dist.init_process_group(backend, rank=rank, world_size=WORLD)
     from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
 
-    from hstu.embeddings.sharding import shard_dynamic_embeddings
+    from hstu.embeddings.sharding import DynamicEmbeddingSharder, shard_dynamic_embeddings
 
     model = Model()
     model.dyn = DynamicEmbeddingCollection(configs(), dev)
     _prefill(model.dyn, dev)  # rows held before sharding move to their owners
-    model = shard_dynamic_embeddings(model)
-    dmp = DistributedModelParallel(model, device=dev)
+    if mode == "sharder":  # DMP's planner places the dynamic tables, the sharder shards them
+        sharders = [EmbeddingCollectionSharder(), DynamicEmbeddingSharder()]
+        dmp = DistributedModelParallel(model, device=dev, sharders=sharders)
+        plan = dmp.plan.get_plan_for_module("dyn")
+    else:  # sharded before DMP, which keeps the pre-sharded module
+        dmp = DistributedModelParallel(shard_dynamic_embeddings(model), device=dev)
+        plan = {}
     static_kjt = KeyedJaggedTensor(
         keys=["s"], values=torch.tensor([rank, 7]), lengths=torch.tensor([1, 1])
     ).to(dev)
@@ -113,6 +119,7 @@ def _worker(rank: int, port: int, tmp: str, backend: str) -> None:
             "probe": {k: v.values().cpu() for k, v in probe.items()},
             "type": type(dyn).__name__,
             "backend": dyn.tables["items"].ops.__name__,
+            "plan": {k: (v.sharding_type, list(v.ranks or [])) for k, v in (plan or {}).items()},
         },
         os.path.join(tmp, f"rank{rank}.pt"),
     )
@@ -126,21 +133,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_rank_sharded_matches_one_rank_and_reloads(tmp_path):
-    _run_and_check(tmp_path, "gloo", rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("mode", ["sharder", "pre_sharded"])
+def test_two_rank_sharded_matches_one_rank_and_reloads(tmp_path, mode):
+    _run_and_check(tmp_path, "gloo", mode, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_two_gpu_nccl_sharded_kernels_match_one_cpu_rank(tmp_path):
-    _run_and_check(tmp_path, "nccl", rtol=1e-4, atol=2e-5)
+    _run_and_check(tmp_path, "nccl", "sharder", rtol=1e-4, atol=2e-5)
 
 
-def _run_and_check(tmp_path, backend: str, rtol: float, atol: float) -> None:
-    args = (_free_port(), str(tmp_path), backend)
+def _run_and_check(tmp_path, backend: str, mode: str, rtol: float, atol: float) -> None:
+    args = (_free_port(), str(tmp_path), backend, mode)
     mp.start_processes(_worker, args=args, nprocs=WORLD, start_method="spawn")
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     assert res[0]["type"] == "ShardedDynamicEmbeddingCollection"
+    if mode == "sharder":
+        assert res[0]["plan"] == {"items": ("row_wise", [0, 1]), "users": ("row_wise", [0, 1])}
     want_backend = "cuda_table" if backend == "nccl" else "reference_table"
     assert res[0]["backend"].endswith(want_backend)
 

@@ -7,13 +7,13 @@ embeddings); backward sends the gradients to the owners, where the fused optimiz
 rows. The result equals one unsharded table fed the ids of all ranks (same ids -> same rows,
 gradients of an id summed over all ranks before its single update).
 
-Why not a torchrec ModuleSharder: torchrec's planner and DistributedModelParallel enumerate
-sharded *Parameters* (per table shards of a fixed [num_embeddings, dim] weight) and build
-ShardedModules around fbgemm lookup kernels; a dynamic table has no fixed-shape Parameter and owns
-its optimizer. So `ShardedDynamicEmbeddingCollection` does its own input/output dist with
-torch.distributed, holds no Parameter or buffer, and DistributedModelParallel (planner, DDP)
-leaves it alone while it shards the ordinary torchrec tables of the same model. Build the model,
-call `shard_dynamic_embeddings(model)`, then wrap it in DistributedModelParallel.
+Two ways in, both next to ordinary torchrec tables in one DistributedModelParallel:
+- `DynamicEmbeddingSharder()` in DMP's `sharders`: the planner sees each table as a [capacity,
+  dim] stand-in, places it row_wise, and DMP swaps in the sharded collection;
+- `shard_dynamic_embeddings(model)` before DMP: the collection becomes a (pre-sharded)
+  torchrec ShardedModule, which DMP keeps as it is.
+The sharded collection does its own input/output dist with torch.distributed (synchronous
+all_to_alls) and holds no Parameter or buffer, so DDP and the dense optimizer never see the rows.
 """
 
 from __future__ import annotations
@@ -21,6 +21,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import (
+    ModuleSharder,
+    ShardedModule,
+    ShardingEnv,
+    ShardingType,
+)
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
@@ -32,6 +39,7 @@ from hstu.embeddings.dynamic_table import (
 from hstu.embeddings.reference_table import owner_of
 
 __all__ = [
+    "DynamicEmbeddingSharder",
     "ShardedDynamicEmbeddingCollection",
     "shard_dynamic_embeddings",
     "merge_collection_dumps",
@@ -56,7 +64,7 @@ class _AllToAllRows(torch.autograd.Function):
         return g, None, None, None
 
 
-class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection):
+class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModule):
     """DynamicEmbeddingCollection whose tables are split row-wise over the ranks of `group`
     (capacity / world_size slots each). Same forward, stats, dump/load; `dump()` returns this
     rank's rows, `load()` takes the merged dumps of any number of ranks (`merge_collection_dumps`)
@@ -85,6 +93,24 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection):
             world_size=self.world_size,
             rank=self.rank,
         )
+
+    # torchrec's ShardedModule interface: forward() does input dist, lookup and output dist in
+    # one go (the all_to_alls are synchronous), so the split stages are not offered.
+    def create_context(self) -> None:
+        return None
+
+    @property
+    def unsharded_module_type(self) -> type[DynamicEmbeddingCollection]:
+        return DynamicEmbeddingCollection
+
+    def input_dist(self, ctx, *input, **kwargs):  # noqa: A002
+        raise NotImplementedError("ShardedDynamicEmbeddingCollection runs through forward()")
+
+    def compute(self, ctx, dist_input):
+        raise NotImplementedError("ShardedDynamicEmbeddingCollection runs through forward()")
+
+    def output_dist(self, ctx, output):
+        raise NotImplementedError("ShardedDynamicEmbeddingCollection runs through forward()")
 
     def _route(self, table: DynamicEmbeddingTable, ids: torch.Tensor, scores):
         w = self.world_size
@@ -167,6 +193,54 @@ def merge_collection_dumps(dumps: list[dict[str, torch.Tensor]]) -> dict[str, to
     return out
 
 
+class DynamicEmbeddingSharder(ModuleSharder[DynamicEmbeddingCollection]):
+    """torchrec sharder: pass it to DistributedModelParallel (`sharders=[...,
+    DynamicEmbeddingSharder()]`) and the planner places each dynamic table row-wise (its storage
+    estimated from capacity x dim), then DMP swaps the collection for its
+    `ShardedDynamicEmbeddingCollection`. The shard layout is by id hash, not by the planner's
+    row ranges: only the sharding type (row_wise over all ranks of the env) is taken from the
+    plan."""
+
+    def __init__(self, backend: str = "auto") -> None:
+        super().__init__()
+        self._backend = backend
+
+    @property
+    def module_type(self) -> type[DynamicEmbeddingCollection]:
+        return DynamicEmbeddingCollection
+
+    def shardable_parameters(self, module: DynamicEmbeddingCollection) -> dict[str, nn.Parameter]:
+        # Stand-ins of the table shapes for the planner only; never registered on the module.
+        return {
+            c.name: nn.Parameter(
+                torch.empty(c.num_slots, c.embedding_dim, device="meta"), requires_grad=False
+            )
+            for c in module.embedding_configs()
+        }
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return [ShardingType.ROW_WISE.value]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return [EmbeddingComputeKernel.FUSED.value]
+
+    def shard(
+        self,
+        module: DynamicEmbeddingCollection,
+        params,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedDynamicEmbeddingCollection:
+        for name, p in params.items():
+            if p.sharding_type != ShardingType.ROW_WISE.value:
+                raise ValueError(
+                    f"dynamic table {name!r}: sharding type {p.sharding_type!r} is not "
+                    "supported, only row_wise"
+                )
+        return _shard_one(module, env.process_group, device, self._backend)
+
+
 def shard_dynamic_embeddings(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
     """Replace every DynamicEmbeddingCollection inside model by its row-wise sharded twin (rows
     it already holds move to their owners). Call before DistributedModelParallel."""
@@ -182,15 +256,22 @@ def shard_dynamic_embeddings(model: nn.Module, group: dist.ProcessGroup | None =
 
 
 def _shard_one(
-    m: DynamicEmbeddingCollection, group: dist.ProcessGroup | None
+    m: DynamicEmbeddingCollection,
+    group: dist.ProcessGroup | None,
+    device: torch.device | None = None,
+    backend: str | None = None,
 ) -> ShardedDynamicEmbeddingCollection:
+    if device is None or m.device.type != "meta":
+        device = m.device
     sharded = ShardedDynamicEmbeddingCollection(
-        m.embedding_configs(), m.device, group=group, backend=m._backend
+        m.embedding_configs(), device, group=group, backend=backend or m._backend
     )
     # The unsharded modules are replicas (as DistributedModelParallel assumes): rank 0's rows
-    # are distributed to their owners.
-    obj = [m.dump() if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(obj, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    sharded.load(obj[0])
+    # are distributed to their owners. A module built on the meta device holds none.
+    if m.device.type != "meta":
+        obj = [m.dump() if dist.get_rank(group) == 0 else None]
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast_object_list(obj, src=src, group=group)
+        sharded.load(obj[0])
     sharded.train(m.training)
     return sharded

@@ -142,3 +142,62 @@ def test_large_insert_find_and_hash_agree():
     want = R.init_rows(keys[:1000].cpu(), 32, 0, t.config.init_args())
     got = t.state.values[slots[:1000], :32].cpu()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_dmp_sharder_on_cuda_one_rank_matches_unsharded():
+    """DistributedModelParallel (NCCL, 1 rank) places the dynamic table with DynamicEmbeddingSharder
+    next to a fused-TBE torchrec table; training matches an unsharded reference collection."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from hstu.embeddings.sharding import DynamicEmbeddingSharder
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        c = cfg(optimizer="adam", capacity=4096, learning_rate=0.01)
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.static = EmbeddingCollection(
+                    tables=[
+                        EmbeddingConfig(
+                            name="s", embedding_dim=16, num_embeddings=64, feature_names=["s"]
+                        )
+                    ],
+                    device=torch.device("meta"),
+                )
+                self.dyn = DynamicEmbeddingCollection([c], device="meta")
+
+            def forward(self, a, b, coef):
+                return (self.dyn(b)["f"].values() * coef).sum() + self.static(a)["s"].values().sum()
+
+        dmp = DistributedModelParallel(
+            M(), device=DEV, sharders=[EmbeddingCollectionSharder(), DynamicEmbeddingSharder()]
+        )
+        assert type(dmp.module.dyn).__name__ == "ShardedDynamicEmbeddingCollection"
+        assert dmp.plan.get_plan_for_module("dyn")["t"].sharding_type == "row_wise"
+        ref = DynamicEmbeddingCollection([c], "cpu")
+        g = torch.Generator().manual_seed(0)
+        a = KeyedJaggedTensor(
+            keys=["s"], values=torch.tensor([1, 2]), lengths=torch.tensor([2])
+        ).to(DEV)
+        for _ in range(6):
+            ids = torch.randint(0, 500, (200,), generator=g)
+            coef = torch.randn(200, 16, generator=g)
+            b = KeyedJaggedTensor(keys=["f"], values=ids, lengths=torch.tensor([120, 80]))
+            dmp(a, b.to(DEV), coef.to(DEV)).backward()
+            (ref(b)["f"].values() * coef).sum().backward()
+        assert_same_tables(dmp.module.dyn.tables["t"], ref.tables["t"])
+    finally:
+        dist.destroy_process_group()

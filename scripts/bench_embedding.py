@@ -158,6 +158,32 @@ def bench_train_step(skip_tbe: bool) -> None:
         (out * coef).sum().backward()
 
     tbe_ms = time_ms(tbe_step, iters=50, warmup=5)
+
+    from hstu.embeddings.sharding import DynamicEmbeddingSharder
+
+    class DynModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dyn = DynamicEmbeddingCollection([cfg], torch.device("meta"))
+
+        def forward(self, x):
+            return self.dyn(x)
+
+    dyn_dmp = DistributedModelParallel(DynModel(), device=dev, sharders=[DynamicEmbeddingSharder()])
+
+    def dyn_dmp_step():
+        out = dyn_dmp(kjt)["f"].values()
+        (out * coef).sum().backward()
+
+    dmp_ms = time_ms(dyn_dmp_step, iters=50, warmup=5)
+    emit(
+        bench="train_step",
+        impl="dynamic_dmp_sharder",
+        ids=n_ids,
+        unique=n_unique,
+        dim=dim,
+        ms=dmp_ms,
+    )
     emit(
         bench="train_step",
         impl="torchrec_fused_tbe_dmp",

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from hstu.data.batch import ITEM_FEATURE, Batch
 from hstu.embeddings import TableSpec, build_embedding_collection
@@ -59,12 +59,17 @@ class GenerativeRecommender(nn.Module):
         self.info = info
         self.hidden_size = hidden_size
         gen = torch.Generator().manual_seed(seed)
+        # fbgemm's TBE kernels need a row width that is a multiple of 4: wider rows, the first
+        # hidden_size columns used (the spare columns never receive gradient)
+        self.table_dim = (hidden_size + 3) // 4 * 4
         item_features = [ITEM_FEATURE] + ([EXTRA_ITEM_FEATURE] if self.uses_extra_items else [])
         specs = [
-            TableSpec(f"ctx_{name}", max(1, card), hidden_size, [name])
+            TableSpec(f"ctx_{name}", max(1, card), self.table_dim, [name])
             for name, card in zip(info.contextual_feature_names, info.contextual_cardinalities)
         ]
-        specs.append(TableSpec("item_table", max(1, info.item_vocab_size), hidden_size, item_features))
+        specs.append(
+            TableSpec("item_table", max(1, info.item_vocab_size), self.table_dim, item_features)
+        )
         self.table_specs = specs
         self.embedding_features = list(info.contextual_feature_names) + item_features
         self.embedding_collection = build_embedding_collection(
@@ -115,10 +120,18 @@ class GenerativeRecommender(nn.Module):
             values = torch.cat([values.long(), extra.to(values.device)])
         return KeyedJaggedTensor.from_lengths_sync(keys=names, values=values.long(), lengths=lengths)
 
-    def lookup(self, batch: Batch | None, extra_ids: torch.Tensor | None = None):
+    def lookup(
+        self, batch: Batch | None, extra_ids: torch.Tensor | None = None
+    ) -> dict[str, JaggedTensor]:
+        """feature -> JaggedTensor of [n, hidden_size] rows (table padding columns dropped)."""
         device = batch.user_ids.device if batch is not None else extra_ids.device
         out = self.embedding_collection(self._lookup_kjt(batch, extra_ids, device))
-        return out
+        if self.table_dim == self.hidden_size:
+            return out
+        return {
+            k: JaggedTensor(values=jt.values()[:, : self.hidden_size], lengths=jt.lengths())
+            for k, jt in out.items()
+        }
 
     # ---- encoder -----------------------------------------------------------------------------
     def encode(self, batch: Batch, extra_ids: torch.Tensor | None = None):

@@ -90,3 +90,47 @@ def test_instantiation_compiles_for_sm80(name: str, tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"nvcc failed for {name}:\n{proc.stderr[-6000:]}"
     assert (tmp_path / (name + ".o")).stat().st_size > 0
+
+
+def test_mask_rules_match_reference(tmp_path: Path) -> None:
+    """mask.h (host-compiled): its tile/row predicates agree with its element rule on every small
+    configuration, and the element rule equals the PyTorch reference mask."""
+    import torch
+
+    from hstu.ops.reference import hstu_attention_mask
+
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (set NVCC or CUDA_HOME, or put nvcc on PATH)")
+    exe = tmp_path / "mask_check"
+    build = subprocess.run(
+        [nvcc, "-O2", "-std=c++17", str(KERNEL_DIR / "tools" / "mask_check.cu"), "-o", str(exe)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:]
+    lines = run.stdout.splitlines()
+    assert "0 failures" in lines[0]
+    blocks = 0
+    idx = 1
+    while idx < len(lines):
+        _, L, c, t, g, w, causal = lines[idx].split()
+        L, c, t, g, w, causal = int(L), int(c), int(t), int(g), int(w), bool(int(causal))
+        rows = lines[idx + 1 : idx + 1 + L]
+        kernel = torch.tensor([[ch == "1" for ch in r] for r in rows])
+        ref = hstu_attention_mask(
+            torch.tensor([L]),
+            L,
+            torch.tensor([c]) if causal else None,
+            torch.tensor([t]) if causal else None,
+            g,
+            w,
+            causal,
+        )[0]
+        assert torch.equal(kernel, ref), f"mask differs for L={L} c={c} t={t} G={g} w={w}"
+        blocks += 1
+        idx += 1 + L
+    assert blocks >= 8

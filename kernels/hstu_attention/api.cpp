@@ -12,7 +12,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <deque>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -55,11 +57,12 @@ struct Checked {
   Tensor tgt32;
 };
 
-// Validates shapes, dtypes and the jagged metadata (on the host: one small device->host copy).
-Checked check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
-                     int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
-                     const std::optional<Tensor>& num_targets, int64_t target_group_size,
-                     int64_t window_size, double alpha, double inv_scale, bool causal) {
+// Per-call checks that need no device data: q/k/v tensors and the scalar arguments.
+void check_tensors_and_scalars(const Tensor& q, const Tensor& k, const Tensor& v,
+                               int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
+                               const std::optional<Tensor>& num_targets,
+                               int64_t target_group_size, int64_t window_size, double alpha,
+                               double inv_scale, bool causal) {
   check_qkv(q, "q", q);
   check_qkv(k, "k", q);
   check_qkv(v, "v", q);
@@ -93,6 +96,15 @@ Checked check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   TORCH_CHECK_VALUE(causal || (!num_contexts.has_value() && !num_targets.has_value() && window_size == 0),
               "hstu_attention: causal=False does not combine with contexts, targets or a window");
 
+}
+
+// Validates shapes, dtypes and the jagged metadata (on the host: one small device->host copy).
+Checked check_inputs_uncached(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
+                     int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
+                     const std::optional<Tensor>& num_targets, int64_t target_group_size,
+                     int64_t window_size, double alpha, double inv_scale, bool causal) {
+  check_tensors_and_scalars(q, k, v, max_seqlen, num_contexts, num_targets, target_group_size,
+                            window_size, alpha, inv_scale, causal);
   TORCH_CHECK_VALUE(seq_offsets.dim() == 1 && seq_offsets.numel() >= 1,
               "hstu_attention: seq_offsets must be 1-D [B+1]; got shape ", shape_str(seq_offsets));
   TORCH_CHECK_TYPE(seq_offsets.scalar_type() == at::kInt || seq_offsets.scalar_type() == at::kLong,
@@ -152,6 +164,82 @@ Checked check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Te
   c.batch = int(batch);
   c.max_len = max_len;
   c.cu32 = seq_offsets.to(q.device(), at::kInt).contiguous();
+  return c;
+}
+
+// The jagged metadata check needs the offsets on the host, i.e. a device sync. The same offsets
+// tensor is passed to every layer's forward and backward of a step, so the result is cached per
+// tensor object: an entry holds weak references to the offsets / num_contexts / num_targets
+// TensorImpls and their version counters, and is reused only while all of them are alive and
+// unmodified (an in-place write bumps the version and forces a new check).
+struct CacheKey {
+  using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl>;
+  std::optional<WeakImpl> offs, ctx, tgt;
+  int64_t offs_ver = 0, ctx_ver = 0, tgt_ver = 0;
+  bool has_ctx = false, has_tgt = false;
+  int64_t total = 0, max_seqlen = 0;
+  c10::Device device{c10::kCPU};
+};
+
+bool cacheable(const Tensor& t) { return !t.is_inference(); }
+
+bool same_tensor(const std::optional<CacheKey::WeakImpl>& w, const Tensor& t, int64_t ver) {
+  if (!w.has_value()) return false;
+  auto strong = w->lock();
+  return strong.defined() && strong.get() == t.unsafeGetTensorImpl() && t._version() == ver;
+}
+
+std::mutex g_cache_mutex;
+std::deque<std::pair<CacheKey, Checked>> g_cache;  // most recent first, at most kCacheSize
+constexpr size_t kCacheSize = 16;
+
+Checked check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
+                     int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
+                     const std::optional<Tensor>& num_targets, int64_t target_group_size,
+                     int64_t window_size, double alpha, double inv_scale, bool causal) {
+  const bool has_ctx = num_contexts.has_value(), has_tgt = num_targets.has_value();
+  const bool use_cache = cacheable(seq_offsets) && (!has_ctx || cacheable(*num_contexts)) &&
+                         (!has_tgt || cacheable(*num_targets));
+  if (use_cache) {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    for (auto& [key, val] : g_cache) {
+      if (key.total != q.size(0) || key.max_seqlen != max_seqlen || key.device != q.device() ||
+          key.has_ctx != has_ctx || key.has_tgt != has_tgt ||
+          !same_tensor(key.offs, seq_offsets, key.offs_ver) ||
+          (has_ctx && !same_tensor(key.ctx, *num_contexts, key.ctx_ver)) ||
+          (has_tgt && !same_tensor(key.tgt, *num_targets, key.tgt_ver))) {
+        continue;
+      }
+      Checked hit = val;
+      // Metadata verified earlier; the per-call (cheap, host-only) checks still run.
+      check_tensors_and_scalars(q, k, v, max_seqlen, num_contexts, num_targets,
+                                target_group_size, window_size, alpha, inv_scale, causal);
+      return hit;
+    }
+  }
+  Checked c = check_inputs_uncached(q, k, v, seq_offsets, max_seqlen, num_contexts, num_targets,
+                                    target_group_size, window_size, alpha, inv_scale, causal);
+  if (use_cache) {
+    CacheKey key;
+    key.offs.emplace(seq_offsets.getIntrusivePtr());
+    key.offs_ver = seq_offsets._version();
+    if (has_ctx) {
+      key.ctx.emplace(num_contexts->getIntrusivePtr());
+      key.ctx_ver = num_contexts->_version();
+    }
+    if (has_tgt) {
+      key.tgt.emplace(num_targets->getIntrusivePtr());
+      key.tgt_ver = num_targets->_version();
+    }
+    key.has_ctx = has_ctx;
+    key.has_tgt = has_tgt;
+    key.total = q.size(0);
+    key.max_seqlen = max_seqlen;
+    key.device = q.device();
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    g_cache.emplace_front(std::move(key), c);
+    if (g_cache.size() > kCacheSize) g_cache.pop_back();
+  }
   return c;
 }
 

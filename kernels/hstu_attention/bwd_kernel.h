@@ -225,15 +225,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       acc_s(i) = asig * scale;
       acc_dp(i) = acc_dp(i) * alpha_scale * (sig + asig - asig * sig);
     }
-    if (!mk.tile_full(m0, m0 + kBlockM, n0, n1)) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) {
-        if (!mk.valid(m0 + get<0>(tScS(i)), n0 + get<1>(tScS(i)))) {
-          acc_s(i) = 0.f;
-          acc_dp(i) = 0.f;
-        }
-      }
-    }
+    if (!mk.tile_full(m0, m0 + kBlockM, n0, n1)) apply_mask(mk, tScS, m0, n0, acc_s, acc_dp);
     {
       Tensor rP = convert_fragment<Element>(acc_s);
       Tensor rdS = convert_fragment<Element>(acc_dp);

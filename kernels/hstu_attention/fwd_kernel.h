@@ -36,8 +36,9 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   constexpr int kHeadDim = Kt::kHeadDim;
   extern __shared__ __align__(1024) char smem_[];
 
-  // Heaviest (last) query blocks first: better tail behaviour under the causal mask.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
+  // Heaviest query blocks first for a short tail: block 0 (it holds the contextual rows, which
+  // see the whole history), then the last block down to block 1 (causal work shrinks with m).
+  const int m_block = blockIdx.x == 0 ? 0 : int(gridDim.x) - int(blockIdx.x);
   const int bidb = blockIdx.y;
   const int bidh = blockIdx.z;
   const int tidx = threadIdx.x;
@@ -129,12 +130,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       const float hs = x * half_alpha_scale;
       acc_s(i) = fmaf(hs, tanh_approx(x * half_alpha), hs);
     }
-    if (!mk.tile_full(m0, m1, n0, n0 + kBlockN)) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) {
-        if (!mk.valid(m0 + get<0>(tScS(i)), n0 + get<1>(tScS(i)))) acc_s(i) = 0.f;
-      }
-    }
+    if (!mk.tile_full(m0, m1, n0, n0 + kBlockN)) apply_mask(mk, tScS, m0, n0, acc_s);
     cute::cp_async_wait<0>();
     __syncthreads();
     int next = n_block - 1;

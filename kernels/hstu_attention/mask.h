@@ -13,6 +13,9 @@
 
 namespace hstu {
 
+__host__ __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+__host__ __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
 struct SeqMask {
   int L;  // sequence length
   int c;  // contextual tokens (leading)
@@ -21,9 +24,9 @@ struct SeqMask {
   int w;  // local window on ids (0 = none)
   bool causal;
 
-  __device__ __forceinline__ int id(int p) const { return c > 0 ? max(p - c + 1, 0) : p; }
+  __host__ __device__ __forceinline__ int id(int p) const { return c > 0 ? (p - c + 1 > 0 ? p - c + 1 : 0) : p; }
 
-  __device__ __forceinline__ bool valid(int i, int j) const {
+  __host__ __device__ __forceinline__ bool valid(int i, int j) const {
     if (!causal) return true;
     const int ii = id(i), ij = id(j);
     bool ok = (i == j) || (ii > ij);
@@ -34,7 +37,7 @@ struct SeqMask {
   }
 
   // Smallest key any rule lets row i (< L) see; monotone non-decreasing in i.
-  __device__ __forceinline__ int key_lo(int i) const {
+  __host__ __device__ __forceinline__ int key_lo(int i) const {
     if (!causal || w == 0) return 0;
     if (c > 0 && i < c) return 0;  // contextual rows see all history
     const int lim = id(i) - w;     // keys need id(j) >= lim
@@ -42,37 +45,63 @@ struct SeqMask {
     return c > 0 ? lim + c - 1 : lim;
   }
 
+  // The keys row i (< L) sees, as two half-open intervals [lo1, hi1) U [lo2, hi2) (DESIGN.md rules
+  // solved per row): contextual rows see the history [0, H); other history rows [key_lo, i];
+  // target rows the history [key_lo, H) plus their own group's targets up to themselves.
+  __host__ __device__ __forceinline__ void row_keys(int i, int& lo1, int& hi1, int& lo2, int& hi2) const {
+    lo2 = 0;
+    hi2 = 0;
+    if (!causal) {
+      lo1 = 0;
+      hi1 = L;
+      return;
+    }
+    if (c > 0 && i < c) {
+      lo1 = 0;
+      hi1 = H;
+      return;
+    }
+    lo1 = key_lo(i);
+    if (i < H) {
+      hi1 = i + 1;
+      return;
+    }
+    hi1 = H;
+    lo2 = imax(lo1, H + ((i - H) / G) * G);
+    hi2 = i + 1;
+  }
+
   // Key range [lo, hi) of a row block [m0, m1) (m1 clamped to L by the caller).
-  __device__ __forceinline__ int row_block_key_lo(int m0) const { return key_lo(m0); }
-  __device__ __forceinline__ int row_block_key_hi(int m0, int m1) const {
+  __host__ __device__ __forceinline__ int row_block_key_lo(int m0) const { return key_lo(m0); }
+  __host__ __device__ __forceinline__ int row_block_key_hi(int m0, int m1) const {
     if (!causal) return L;
-    if (c > 0 && m0 < c) return min(L, max(H, m1));
+    if (c > 0 && m0 < c) return imin(L, imax(H, m1));
     return m1;
   }
 
   // Row range [lo, hi) that can see a key block [n0, n1) (n1 clamped to L).
-  __device__ __forceinline__ int key_block_row_lo(int n0) const {
+  __host__ __device__ __forceinline__ int key_block_row_lo(int n0) const {
     if (!causal) return 0;
     return (c > 0 && n0 < H) ? 0 : n0;
   }
-  __device__ __forceinline__ int key_block_row_hi(int n0, int n1) const {
+  __host__ __device__ __forceinline__ int key_block_row_hi(int n0, int n1) const {
     if (!causal) return L;
     int hi = L;
     // For rows past the contextual ones key_lo(i) = i - w once the window bites, so rows up to
     // max(n1, c) + w still reach this block.
-    if (w > 0) hi = min(hi, max(n1, c) + w);
-    if (n0 >= H) hi = min(hi, H + ((n1 - 1 - H) / G + 1) * G);  // only same-group targets
+    if (w > 0) hi = imin(hi, imax(n1, c) + w);
+    if (n0 >= H) hi = imin(hi, H + ((n1 - 1 - H) / G + 1) * G);  // only same-group targets
     return hi;
   }
 
   // True only if no pair of the tile [m0, m1) x [n0, n1) is valid (conservative).
-  __device__ __forceinline__ bool tile_empty(int m0, int m1, int n0, int n1) const {
-    m1 = min(m1, L);
-    n1 = min(n1, L);
+  __host__ __device__ __forceinline__ bool tile_empty(int m0, int m1, int n0, int n1) const {
+    m1 = imin(m1, L);
+    n1 = imin(n1, L);
     if (m0 >= m1 || n0 >= n1) return true;
     if (!causal) return false;
     if (c > 0 && m0 < c && n0 < H) return false;
-    const int r0 = c > 0 ? max(m0, c) : m0;  // first non-contextual row
+    const int r0 = c > 0 ? imax(m0, c) : m0;  // first non-contextual row
     if (r0 >= m1) return true;
     if (n0 > m1 - 1) return true;             // causal: every key after every row
     if (key_lo(r0) > n1 - 1) return true;    // window (key_lo is monotone)
@@ -85,10 +114,10 @@ struct SeqMask {
   }
 
   // True only if every in-sequence pair of the tile is valid (so no per-element mask is needed).
-  __device__ __forceinline__ bool tile_full(int m0, int m1, int n0, int n1) const {
+  __host__ __device__ __forceinline__ bool tile_full(int m0, int m1, int n0, int n1) const {
     if (!causal) return true;
-    m1 = min(m1, L);
-    n1 = min(n1, L);
+    m1 = imin(m1, L);
+    n1 = imin(n1, L);
     if (m0 >= m1 || n0 >= n1) return true;
     if (c > 0 && m1 <= c) return n1 <= H;  // contextual rows: all history
     if (c > 0 && m0 < c) return false;

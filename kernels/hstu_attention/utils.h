@@ -102,4 +102,30 @@ __device__ __forceinline__ void copy_rows_store(TiledCopy const& tiled_copy, Src
   }
 }
 
+// Zero every element of the m16n8k16 accumulators (((2,2), MMA_M, MMA_N), all of one layout)
+// whose (row, key) pair the mask rejects. tScS holds each element's (row, col) in the tile.
+template <class Mask, class CoordT, class... Accs>
+__device__ __forceinline__ void apply_mask(Mask const& mk, CoordT const& tScS, int m0, int n0,
+                                           Accs&... accs) {
+  auto& acc0 = (accs, ...);
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<1>(acc0); ++mi) {
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      int lo1, hi1, lo2, hi2;
+      mk.row_keys(m0 + get<0>(tScS(make_coord(0, r), mi, 0)), lo1, hi1, lo2, hi2);
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<2>(acc0); ++ni) {
+        CUTE_UNROLL
+        for (int cc = 0; cc < 2; ++cc) {
+          const int j = n0 + get<1>(tScS(make_coord(cc, r), mi, ni));
+          if (!((j >= lo1 && j < hi1) || (j >= lo2 && j < hi2))) {
+            ((accs(make_coord(cc, r), mi, ni) = 0.f), ...);
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace hstu

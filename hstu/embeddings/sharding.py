@@ -209,6 +209,11 @@ class DynamicEmbeddingSharder(ModuleSharder[DynamicEmbeddingCollection]):
     def module_type(self) -> type[DynamicEmbeddingCollection]:
         return DynamicEmbeddingCollection
 
+    @property
+    def fused_params(self) -> dict:
+        """No TBE cache/prefetch settings (the planner's estimators read this)."""
+        return {}
+
     def shardable_parameters(self, module: DynamicEmbeddingCollection) -> dict[str, nn.Parameter]:
         # Stand-ins of the table shapes for the planner only; never registered on the module.
         return {

@@ -115,6 +115,8 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
     def _route(self, table: DynamicEmbeddingTable, ids: torch.Tensor, scores):
         w = self.world_size
         ids = ids.to(self.device)
+        if w == 1:  # every id is local: no collective to line up
+            return table(ids, scores)
         owner = owner_of(ids, w)
         order = torch.argsort(owner, stable=True)
         send_counts = torch.bincount(owner, minlength=w)

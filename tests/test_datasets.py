@@ -373,11 +373,16 @@ def test_load_prepared_dataset(tmp_path, monkeypatch):
 
 
 def test_missing_dataset_says_where_and_how(tmp_path, monkeypatch):
+    import hstu.data.registry as registry
+
+    # Hermetic: neither the working directory nor the "checkout" holds a prepared ml-1m.
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(registry, "_REPO_ROOT", tmp_path / "checkout")
     with pytest.raises(FileNotFoundError) as err:
         load_sequence_data(Args(dataset_name="ml-1m"))
     msg = str(err.value)
     assert str(tmp_path / "data" / "ml-1m") in msg
+    assert str(tmp_path / "checkout" / "data" / "ml-1m") in msg
     assert "python -m hstu.data.prepare --dataset ml-1m --source" in msg
     with pytest.raises(FileNotFoundError, match="nowhere") as err:
         load_sequence_data(Args(dataset_name="ml-1m", dataset_path=str(tmp_path / "nowhere")))

@@ -70,13 +70,22 @@ def _extensions():
         return [], {}
     cutlass = _cutlass_include()
     nvcc = [
-        "-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr",
-        "--expt-extended-lambda", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-        "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-lineinfo",
+        "-O3",
+        "-std=c++17",
+        "--use_fast_math",
+        "--expt-relaxed-constexpr",
+        "--expt-extended-lambda",
+        "-U__CUDA_NO_HALF_OPERATORS__",
+        "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        "-lineinfo",
     ] + _arch_flags()
     exts = []
-    for name, module in (("hstu_attention", "hstu._hstu_attention_C"),
-                         ("dynamic_embedding", "hstu._dynamic_embedding_C")):
+    for name, module in (
+        ("hstu_attention", "hstu._hstu_attention_C"),
+        ("dynamic_embedding", "hstu._dynamic_embedding_C"),
+    ):
         wanted = [k.strip() for k in os.environ.get("HSTU_KERNELS", "").split(",") if k.strip()]
         if wanted and name not in wanted:
             continue
@@ -86,14 +95,21 @@ def _extensions():
         inc = [os.path.join(ROOT, "kernels", name)]
         if name == "hstu_attention":
             if cutlass is None:
-                print("hstu: CUTLASS headers not found (pip install nvidia-cutlass==4.2.0.0 or "
-                      "set CUTLASS_INCLUDE_DIR): skipping the attention kernel", file=sys.stderr)
+                print(
+                    "hstu: CUTLASS headers not found (pip install nvidia-cutlass==4.2.0.0 or "
+                    "set CUTLASS_INCLUDE_DIR): skipping the attention kernel",
+                    file=sys.stderr,
+                )
                 continue
             inc.append(cutlass)
-        exts.append(CUDAExtension(
-            module, srcs, include_dirs=inc,
-            extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc},
-        ))
+        exts.append(
+            CUDAExtension(
+                module,
+                srcs,
+                include_dirs=inc,
+                extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc},
+            )
+        )
     if not exts:
         return [], {}
     return exts, {"build_ext": BuildExtension.with_options(use_ninja=True)}

@@ -37,9 +37,20 @@ def _run(task: str, tmp_path: Path) -> subprocess.CompletedProcess:
         args += ["--gin-bindings", b]
     env = dict(os.environ, HSTU_ALLOW_NON_A100="1", PYTHONPATH=str(ROOT))
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-         str(ROOT / "scripts" / f"pretrain_gr_{task}.py"), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            str(ROOT / "scripts" / f"pretrain_gr_{task}.py"),
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 

@@ -33,7 +33,11 @@ TINY = [
 
 
 def _env(allow: bool) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSTU_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HSTU_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
+    }
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
     if allow:
@@ -43,8 +47,13 @@ def _env(allow: bool) -> dict[str, str]:
 
 def _torchrun(task: str, args: list[str], allow: bool, nproc: int = 1, timeout: int = 300):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(ROOT / "scripts" / f"pretrain_gr_{task}.py"), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(ROOT / "scripts" / f"pretrain_gr_{task}.py"),
+        *args,
     ]
     return subprocess.run(
         cmd, cwd=ROOT, env=_env(allow), capture_output=True, text=True, timeout=timeout
@@ -93,8 +102,10 @@ def test_launcher_config_errors_are_messages(tmp_path):
 
 def test_launcher_missing_dataset_is_a_message(tmp_path):
     args = _bindings(tmp_path) + [
-        "--gin-bindings", "DatasetArgs.dataset_name='ml-1m'",
-        "--gin-bindings", f"DatasetArgs.dataset_path='{tmp_path / 'nowhere'}'",
+        "--gin-bindings",
+        "DatasetArgs.dataset_name='ml-1m'",
+        "--gin-bindings",
+        f"DatasetArgs.dataset_path='{tmp_path / 'nowhere'}'",
     ]
     proc = _torchrun("retrieval", args, allow=True)
     assert proc.returncode != 0 and "exitcode: 2" in proc.stderr

@@ -45,9 +45,12 @@ def test_ranking_shapes_and_loss_value():
     n = int(batch.num_candidates.sum())
     assert out["logits"].shape == (n, cfg.ranking.num_tasks)
     targets = label_bits(batch.labels, cfg.ranking.num_tasks)
-    expected = torch.nn.functional.binary_cross_entropy_with_logits(
-        out["logits"], targets, reduction="sum"
-    ) / n
+    expected = (
+        torch.nn.functional.binary_cross_entropy_with_logits(
+            out["logits"], targets, reduction="sum"
+        )
+        / n
+    )
     torch.testing.assert_close(out["loss"], expected)
 
 
@@ -56,7 +59,9 @@ def test_ranking_candidates_do_not_see_each_other():
     change another candidate's logits (DESIGN.md target mask with target_group_size=1)."""
     _, _, splits, model = _setup("ranking")
     model.eval()
-    idx = [i for i in range(len(splits.eval)) if splits.eval.collate([i]).num_candidates[0] >= 3][:1]
+    idx = [i for i in range(len(splits.eval)) if splits.eval.collate([i]).num_candidates[0] >= 3][
+        :1
+    ]
     batch = splits.eval.collate(idx)
     base = model(batch)["logits"]
     kjt = batch.features
@@ -111,7 +116,9 @@ def test_retrieval_loss_and_eval_query():
 @pytest.mark.parametrize("sampling", ["random", "in_batch", "mixed"])
 def test_retrieval_negative_sampling_modes(sampling):
     _, _, splits, model = _setup(
-        "retrieval", f"RetrievalArgs.negative_sampling='{sampling}'", "RetrievalArgs.num_negatives=8"
+        "retrieval",
+        f"RetrievalArgs.negative_sampling='{sampling}'",
+        "RetrievalArgs.num_negatives=8",
     )
     model.train()
     out = model(splits.train.collate(list(range(4))))

@@ -34,7 +34,9 @@ SMALL = [
 
 def _cfg(task: str, tmp_path: Path, *extra: str):
     return load_config(
-        task, [], SMALL + [f"TrainerArgs.log_dir='{tmp_path}'", "TrainerArgs.run_name='run'", *extra]
+        task,
+        [],
+        SMALL + [f"TrainerArgs.log_dir='{tmp_path}'", "TrainerArgs.run_name='run'", *extra],
     )
 
 
@@ -58,7 +60,15 @@ def test_ranking_learns_planted_signal(tmp_path):
     last = np.mean([loss for _, loss in result.losses[-10:]])
     assert last < first
     scalars = read_scalars(str(result.run_dir))
-    for tag in ("train/loss", "train/lr", "perf/samples_per_s", "perf/tokens_per_s", "perf/step_time_ms", "eval/loss", f"eval/{main_task}"):
+    for tag in (
+        "train/loss",
+        "train/lr",
+        "perf/samples_per_s",
+        "perf/tokens_per_s",
+        "perf/step_time_ms",
+        "eval/loss",
+        f"eval/{main_task}",
+    ):
         assert tag in scalars, (tag, sorted(scalars))
     assert [s for s, _ in scalars["train/loss"]] == [25, 50, 75, 100, 125, 150]
 
@@ -92,7 +102,9 @@ def test_retrieval_beats_popularity(tmp_path):
         hist = []
         for uid in batch.user_ids.tolist():
             row = int(np.flatnonzero(data.user_ids == uid)[0])
-            hist.append(torch.from_numpy(data.item_ids[data.offsets[row] : data.offsets[row + 1] - 1]))
+            hist.append(
+                torch.from_numpy(data.item_ids[data.offsets[row] : data.offsets[row + 1] - 1])
+            )
         ev.update_scores(pop, batch.target_item_ids, hist)
     pop_hr = ev.compute()["HR@10"]
     assert model_hr > 1.3 * pop_hr, (model_hr, pop_hr)
@@ -106,7 +118,15 @@ def test_resume_continues_exactly(tmp_path):
         "TrainerArgs.log_interval=5",
         "NetworkArgs.hidden_dropout=0.2",
     ]
-    full = run_training(_cfg("ranking", tmp_path / "a", "TrainerArgs.max_train_iters=12", "TrainerArgs.ckpt_save_interval=-1", *common))
+    full = run_training(
+        _cfg(
+            "ranking",
+            tmp_path / "a",
+            "TrainerArgs.max_train_iters=12",
+            "TrainerArgs.ckpt_save_interval=-1",
+            *common,
+        )
+    )
     first = run_training(_cfg("ranking", tmp_path / "b", "TrainerArgs.max_train_iters=6", *common))
     ckpt = first.checkpoint_dir
     assert ckpt is not None and (Path(ckpt) / "meta.json").exists()
@@ -124,12 +144,21 @@ def test_resume_continues_exactly(tmp_path):
     expected = [loss for _, loss in full.losses[6:]]
     got = [loss for _, loss in resumed.losses]
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose([loss for _, loss in first.losses], [loss for _, loss in full.losses[:6]], rtol=1e-6)
+    np.testing.assert_allclose(
+        [loss for _, loss in first.losses], [loss for _, loss in full.losses[:6]], rtol=1e-6
+    )
 
 
 def test_bad_inputs_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="hstu.data.prepare"):
-        run_training(_cfg("ranking", tmp_path, "DatasetArgs.dataset_name='ml-1m'", f"DatasetArgs.dataset_path='{tmp_path / 'none'}'"))
+        run_training(
+            _cfg(
+                "ranking",
+                tmp_path,
+                "DatasetArgs.dataset_name='ml-1m'",
+                f"DatasetArgs.dataset_path='{tmp_path / 'none'}'",
+            )
+        )
     with pytest.raises(ValueError, match="train_batch_size"):
         run_training(_cfg("ranking", tmp_path, "TrainerArgs.train_batch_size=100000"))
 
@@ -166,9 +195,21 @@ def test_two_processes_match_one(tmp_path):
         env = {k: v for k, v in os.environ.items() if not k.startswith("HSTU_")}
         env["OMP_NUM_THREADS"] = "1"
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-             str(script), str(ROOT), json.dumps(bindings), str(out)],
-            env=env, capture_output=True, text=True, timeout=600,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={nproc}",
+                str(script),
+                str(ROOT),
+                json.dumps(bindings),
+                str(out),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         curves[nproc] = json.loads(out.read_text())

@@ -108,7 +108,9 @@ class SequenceData:
             raise ValueError(f"{self.name}: user_feature_names must name each user feature column")
         if n and self.item_ids.min() < 0:
             bad = int(np.argmax(self.item_ids < 0))
-            raise ValueError(f"{self.name}: negative item id {int(self.item_ids[bad])} at row {bad}")
+            raise ValueError(
+                f"{self.name}: negative item id {int(self.item_ids[bad])} at row {bad}"
+            )
         if u and self.user_ids.min() < 0:
             raise ValueError(f"{self.name}: negative user id")
         if self.user_features.size and self.user_features.min() < 0:

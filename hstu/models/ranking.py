@@ -41,7 +41,9 @@ class RankingGR(GenerativeRecommender):
             )
         self.register_buffer("task_weights", weights, persistent=False)
 
-    def forward(self, batch: Batch, loss_normalizer: float | None = None) -> dict[str, torch.Tensor]:
+    def forward(
+        self, batch: Batch, loss_normalizer: float | None = None
+    ) -> dict[str, torch.Tensor]:
         """Returns logits [N_cand, T], labels, per-task losses and the loss: task-weighted BCE
         summed over tasks and candidates, divided by ``loss_normalizer`` (default: the number of
         candidates here; the trainer passes global count / world size so that data-parallel

@@ -60,7 +60,9 @@ class RetrievalGR(GenerativeRecommender):
         )
         return self.item_corpus[idx]
 
-    def forward(self, batch: Batch, loss_normalizer: float | None = None) -> dict[str, torch.Tensor]:
+    def forward(
+        self, batch: Batch, loss_normalizer: float | None = None
+    ) -> dict[str, torch.Tensor]:
         """Training: sampled-softmax loss over every (position -> next item) pair.
 
         With ``batch.target_item_ids`` set (evaluation), also returns the query embedding of each
@@ -71,7 +73,9 @@ class RetrievalGR(GenerativeRecommender):
         ids = item_values(batch).to(y.device)
         out: dict[str, torch.Tensor] = {"num_tokens": torch.tensor(layout.num_tokens)}
         # position p predicts item p + 1 of the same sample
-        has_next = layout.is_history & (layout.item_pos + 1 < layout.history_lengths[layout.item_sample])
+        has_next = layout.is_history & (
+            layout.item_pos + 1 < layout.history_lengths[layout.item_sample]
+        )
         src = has_next.nonzero().squeeze(1)
         q = self.normalize(gather_outputs(y, layout, has_next))
         pos_ids = ids[src + 1]
@@ -81,11 +85,15 @@ class RetrievalGR(GenerativeRecommender):
         if neg_ids is not None and neg_emb is not None and neg_emb.shape[0] > 0:
             neg = self.normalize(neg_emb)
             neg_logit = q @ neg.t() / self.temperature
-            neg_logit = neg_logit.masked_fill(pos_ids.view(-1, 1) == neg_ids.view(1, -1), float("-inf"))
+            neg_logit = neg_logit.masked_fill(
+                pos_ids.view(-1, 1) == neg_ids.view(1, -1), float("-inf")
+            )
             logits.append(neg_logit)
         if self.negative_sampling in ("in_batch", "mixed") and self.training:
             ib_logit = q @ pos.t() / self.temperature
-            ib_logit = ib_logit.masked_fill(pos_ids.view(-1, 1) == pos_ids.view(1, -1), float("-inf"))
+            ib_logit = ib_logit.masked_fill(
+                pos_ids.view(-1, 1) == pos_ids.view(1, -1), float("-inf")
+            )
             logits.append(ib_logit)
         all_logits = torch.cat(logits, dim=1)
         n = all_logits.shape[0]
@@ -98,7 +106,9 @@ class RetrievalGR(GenerativeRecommender):
         out["loss_sum"] = total.detach()
         out["count"] = torch.tensor(float(n))
         if batch.target_item_ids is not None:
-            last = layout.is_history & (layout.item_pos + 1 == layout.history_lengths[layout.item_sample])
+            last = layout.is_history & (
+                layout.item_pos + 1 == layout.history_lengths[layout.item_sample]
+            )
             # every eval sample has >= 1 history item, so `last` selects exactly one row per sample
             out["query"] = self.normalize(gather_outputs(y, layout, last))
         return out

@@ -58,7 +58,9 @@ def check_attention_inputs(
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k head dims differ: {q.shape[2]} vs {k.shape[2]}")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
-        raise TypeError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(
+            f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if seq_offsets.dim() != 1 or seq_offsets.numel() < 1:
         raise ValueError(f"seq_offsets must be 1-D [B+1]; got shape {tuple(seq_offsets.shape)}")
     if seq_offsets.dtype not in (torch.int32, torch.int64):
@@ -187,8 +189,16 @@ def hstu_attention(
     defaults to max_seqlen.
     """
     check_attention_inputs(
-        q, k, v, seq_offsets, max_seqlen, num_contexts, num_targets, target_group_size,
-        window_size, causal,
+        q,
+        k,
+        v,
+        seq_offsets,
+        max_seqlen,
+        num_contexts,
+        num_targets,
+        target_group_size,
+        window_size,
+        causal,
     )
     dqk = q.shape[2]
     alpha = 1.0 / math.sqrt(dqk) if alpha is None else float(alpha)

@@ -62,5 +62,10 @@ def main(task: str, argv: Sequence[str] | None = None) -> int:
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         shown = ", ".join(f"{k}={v:.4f}" for k, v in result.final_metrics.items())
-        logger.info("done: %d steps; final eval: %s; run directory %s", len(result.losses), shown, result.run_dir)
+        logger.info(
+            "done: %d steps; final eval: %s; run directory %s",
+            len(result.losses),
+            shown,
+            result.run_dir,
+        )
     return 0

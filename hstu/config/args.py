@@ -42,6 +42,8 @@ SUPPORTED_DATASETS: tuple[str, ...] = (
 )
 _DATASET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 KERNEL_BACKENDS: tuple[str, ...] = ("cutlass",)
+# "hstu": pointwise SiLU attention; "softmax": the SASRec-style baseline (same layer otherwise)
+ATTENTION_TYPES: tuple[str, ...] = ("hstu", "softmax")
 DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
 LR_SCHEDULERS: tuple[str, ...] = ("constant", "cosine", "linear")
@@ -270,6 +272,7 @@ class NetworkArgs:
     attn_alpha: float = 0.0  # 0 = 1/sqrt(kv_channels)
     scaling_seqlen: int = 0  # 0 = the batch's max sequence length
     num_position_embeddings: int = 0  # 0 = derived from DatasetArgs
+    attention_type: str = "hstu"  # "softmax" = SASRec-style baseline in the same layer
 
     def __post_init__(self) -> None:
         _int(self, "num_layers", min_value=1)
@@ -284,6 +287,7 @@ class NetworkArgs:
         _float(self, "attn_alpha", min_value=0.0, what="0 = 1/sqrt(kv_channels)")
         _int(self, "scaling_seqlen", min_value=0, what="0 = the batch's max sequence length")
         _int(self, "num_position_embeddings", min_value=0, what="0 = derived from DatasetArgs")
+        _choice(self, "attention_type", ATTENTION_TYPES)
 
 
 @gin.configurable

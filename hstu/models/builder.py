@@ -10,7 +10,7 @@ from hstu.models.base import FeatureInfo, GenerativeRecommender
 from hstu.models.ranking import RankingGR
 from hstu.models.retrieval import RetrievalGR
 
-__all__ = ["feature_info", "build_model"]
+__all__ = ["feature_info", "build_model", "set_attention_type"]
 
 
 def feature_info(data: SequenceData, cfg: RunConfig) -> FeatureInfo:
@@ -27,6 +27,27 @@ def feature_info(data: SequenceData, cfg: RunConfig) -> FeatureInfo:
 
 def build_model(cfg: RunConfig, data: SequenceData) -> GenerativeRecommender:
     """The unsharded model, initialised deterministically from TrainerArgs.seed."""
+    model = _build_model(cfg, data)
+    set_attention_type(model, cfg.network.attention_type)
+    return model
+
+
+def set_attention_type(model: GenerativeRecommender, attention_type: str) -> None:
+    """NetworkArgs.attention_type onto every encoder layer ("softmax": the SASRec-style baseline).
+
+    Set after construction so the models' constructors stay untouched; the attention has no
+    parameters of its own, so both types start from the same seeded weights.
+    """
+    for layer in model.encoder.layers:
+        if not hasattr(layer, "attention_type"):
+            raise ValueError(
+                f"NetworkArgs.attention_type={attention_type!r}: encoder layer "
+                f"{type(layer).__name__} has no attention_type switch"
+            )
+        layer.attention_type = attention_type
+
+
+def _build_model(cfg: RunConfig, data: SequenceData) -> GenerativeRecommender:
     net = cfg.network
     common = dict(
         hidden_size=net.hidden_size,

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hstu.modules.softmax_attention import ATTENTION_TYPES, softmax_attention
 from hstu.ops import hstu_attention
 
 __all__ = ["AttentionInputs", "HSTULayer", "HSTUEncoder"]
@@ -42,8 +43,16 @@ class HSTULayer(nn.Module):
         alpha: float | None = None,
         scaling_seqlen: int | None = None,
         eps: float = 1e-6,
+        attention_type: str = "hstu",
     ) -> None:
         super().__init__()
+        if attention_type not in ATTENTION_TYPES:
+            raise ValueError(
+                f"NetworkArgs.attention_type={attention_type!r} is not supported: "
+                f"one of {list(ATTENTION_TYPES)}"
+            )
+        # "softmax" = SASRec-style baseline: same layer, softmax instead of SiLU attention
+        self.attention_type = attention_type
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -68,7 +77,8 @@ class HSTULayer(nn.Module):
         n = self.input_norm(x)
         uvqk = F.silu(self.uvqk(n))
         u, v, q, k = torch.split(uvqk, h * d, dim=-1)
-        a = hstu_attention(
+        attention = softmax_attention if self.attention_type == "softmax" else hstu_attention
+        a = attention(
             q.reshape(t, h, d).contiguous(),
             k.reshape(t, h, d).contiguous(),
             v.reshape(t, h, d).contiguous(),

@@ -17,6 +17,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "launch_registry.h"
@@ -27,6 +28,39 @@ namespace {
 using at::Tensor;
 constexpr int kMinBlockM = 64;  // smallest backward query tile (dQ semaphore rows)
 
+// Error messages are assembled here with std::to_string (no iostreams): on the lent GPU machine
+// TORCH_CHECK messages that stream an integer crashed the process instead of raising.
+void append(std::string& s, const char* x) { s += x; }
+void append(std::string& s, const std::string& x) { s += x; }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+void append(std::string& s, T x) {
+  s += std::to_string(x);
+}
+void append(std::string& s, double x) { s += std::to_string(x); }
+void append(std::string& s, const c10::Device& d) { s += d.str(); }
+void append(std::string& s, at::ScalarType t) { s += c10::toString(t); }
+void append(std::string& s, c10::IntArrayRef a) {
+  s += "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  s += "]";
+}
+template <typename... A>
+std::string cat(const A&... a) {
+  std::string s;
+  (append(s, a), ...);
+  return s;
+}
+
+#define HSTU_RAISE(kind, cond, ...)                                                       \
+  do {                                                                                    \
+    if (!(cond)) {                                                                        \
+      throw ::c10::kind({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, cat(__VA_ARGS__)); \
+    }                                                                                     \
+  } while (0)
+#define HSTU_CHECK(cond, ...) HSTU_RAISE(Error, cond, __VA_ARGS__)
+#define HSTU_CHECK_VALUE(cond, ...) HSTU_RAISE(ValueError, cond, __VA_ARGS__)
+#define HSTU_CHECK_TYPE(cond, ...) HSTU_RAISE(TypeError, cond, __VA_ARGS__)
+
 std::string shape_str(const Tensor& t) {
   std::string s = "[";
   for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
@@ -34,18 +68,18 @@ std::string shape_str(const Tensor& t) {
 }
 
 void check_qkv(const Tensor& t, const char* name, const Tensor& q) {
-  TORCH_CHECK_VALUE(t.is_cuda(), "hstu_attention: ", name, " must be a CUDA tensor; got ", t.device());
-  TORCH_CHECK_VALUE(t.device() == q.device(), "hstu_attention: ", name, " is on ", t.device(),
+  HSTU_CHECK_VALUE(t.is_cuda(), "hstu_attention: ", name, " must be a CUDA tensor; got ", t.device());
+  HSTU_CHECK_VALUE(t.device() == q.device(), "hstu_attention: ", name, " is on ", t.device(),
               " but q is on ", q.device());
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
+  HSTU_CHECK_TYPE(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
               "hstu_attention: ", name, " must be float16 or bfloat16; got ", t.scalar_type());
-  TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), "hstu_attention: ", name, " has dtype ",
+  HSTU_CHECK_TYPE(t.scalar_type() == q.scalar_type(), "hstu_attention: ", name, " has dtype ",
               t.scalar_type(), " but q has ", q.scalar_type());
-  TORCH_CHECK_VALUE(t.dim() == 3, "hstu_attention: ", name, " must be jagged [T, H, D]; got shape ",
+  HSTU_CHECK_VALUE(t.dim() == 3, "hstu_attention: ", name, " must be jagged [T, H, D]; got shape ",
               shape_str(t));
-  TORCH_CHECK_VALUE(t.is_contiguous(), "hstu_attention: ", name,
+  HSTU_CHECK_VALUE(t.is_contiguous(), "hstu_attention: ", name,
               " must be contiguous (call .contiguous()); got strides ", t.strides());
-  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "hstu_attention: ", name,
+  HSTU_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "hstu_attention: ", name,
               " must be 16-byte aligned");
 }
 
@@ -66,34 +100,34 @@ void check_tensors_and_scalars(const Tensor& q, const Tensor& k, const Tensor& v
   check_qkv(q, "q", q);
   check_qkv(k, "k", q);
   check_qkv(v, "v", q);
-  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) &&
+  HSTU_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) &&
                   v.size(1) == q.size(1),
               "hstu_attention: q, k, v must share [T, H]; got q", shape_str(q), " k",
               shape_str(k), " v", shape_str(v));
-  TORCH_CHECK_VALUE(k.size(2) == q.size(2), "hstu_attention: q and k head dims differ: ", q.size(2),
+  HSTU_CHECK_VALUE(k.size(2) == q.size(2), "hstu_attention: q and k head dims differ: ", q.size(2),
               " vs ", k.size(2));
-  TORCH_CHECK_VALUE(v.size(2) == q.size(2),
+  HSTU_CHECK_VALUE(v.size(2) == q.size(2),
               "hstu_attention: the CUDA kernel requires Dqk == Dv; got Dqk=", q.size(2),
               " Dv=", v.size(2), " (use the reference implementation for Dqk != Dv)");
   const int64_t d = q.size(2);
-  TORCH_CHECK_VALUE(d == 32 || d == 64 || d == 128 || d == 256,
+  HSTU_CHECK_VALUE(d == 32 || d == 64 || d == 128 || d == 256,
               "hstu_attention: head dim ", d, " is not supported; supported: 32, 64, 128, 256");
-  TORCH_CHECK_VALUE(q.size(1) >= 1 && q.size(1) <= 65535, "hstu_attention: number of heads ",
+  HSTU_CHECK_VALUE(q.size(1) >= 1 && q.size(1) <= 65535, "hstu_attention: number of heads ",
               q.size(1), " must be in [1, 65535]");
-  TORCH_CHECK_VALUE(q.size(0) * q.size(1) * d < std::numeric_limits<int64_t>::max() / 4,
+  HSTU_CHECK_VALUE(q.size(0) * q.size(1) * d < std::numeric_limits<int64_t>::max() / 4,
               "hstu_attention: tensor too large");
-  TORCH_CHECK_VALUE(std::isfinite(alpha), "hstu_attention: alpha must be finite; got ", alpha);
-  TORCH_CHECK_VALUE(std::isfinite(inv_scale) && inv_scale > 0,
+  HSTU_CHECK_VALUE(std::isfinite(alpha), "hstu_attention: alpha must be finite; got ", alpha);
+  HSTU_CHECK_VALUE(std::isfinite(inv_scale) && inv_scale > 0,
               "hstu_attention: 1/scaling_seqlen must be finite and > 0; got ", inv_scale);
-  TORCH_CHECK_VALUE(target_group_size >= 1, "hstu_attention: target_group_size must be >= 1; got ",
+  HSTU_CHECK_VALUE(target_group_size >= 1, "hstu_attention: target_group_size must be >= 1; got ",
               target_group_size);
-  TORCH_CHECK_VALUE(window_size >= 0, "hstu_attention: window_size must be >= 0 (0 = no window); got ",
+  HSTU_CHECK_VALUE(window_size >= 0, "hstu_attention: window_size must be >= 0 (0 = no window); got ",
               window_size);
-  TORCH_CHECK_VALUE(window_size <= std::numeric_limits<int32_t>::max(),
+  HSTU_CHECK_VALUE(window_size <= std::numeric_limits<int32_t>::max(),
               "hstu_attention: window_size out of int32 range: ", window_size);
-  TORCH_CHECK_VALUE(max_seqlen >= 0 && max_seqlen <= std::numeric_limits<int32_t>::max(),
+  HSTU_CHECK_VALUE(max_seqlen >= 0 && max_seqlen <= std::numeric_limits<int32_t>::max(),
               "hstu_attention: max_seqlen must be in [0, 2^31); got ", max_seqlen);
-  TORCH_CHECK_VALUE(causal || (!num_contexts.has_value() && !num_targets.has_value() && window_size == 0),
+  HSTU_CHECK_VALUE(causal || (!num_contexts.has_value() && !num_targets.has_value() && window_size == 0),
               "hstu_attention: causal=False does not combine with contexts, targets or a window");
 
 }
@@ -105,31 +139,31 @@ Checked check_inputs_uncached(const Tensor& q, const Tensor& k, const Tensor& v,
                      int64_t window_size, double alpha, double inv_scale, bool causal) {
   check_tensors_and_scalars(q, k, v, max_seqlen, num_contexts, num_targets, target_group_size,
                             window_size, alpha, inv_scale, causal);
-  TORCH_CHECK_VALUE(seq_offsets.dim() == 1 && seq_offsets.numel() >= 1,
+  HSTU_CHECK_VALUE(seq_offsets.dim() == 1 && seq_offsets.numel() >= 1,
               "hstu_attention: seq_offsets must be 1-D [B+1]; got shape ", shape_str(seq_offsets));
-  TORCH_CHECK_TYPE(seq_offsets.scalar_type() == at::kInt || seq_offsets.scalar_type() == at::kLong,
+  HSTU_CHECK_TYPE(seq_offsets.scalar_type() == at::kInt || seq_offsets.scalar_type() == at::kLong,
               "hstu_attention: seq_offsets must be int32 or int64; got ",
               seq_offsets.scalar_type());
-  TORCH_CHECK_VALUE(seq_offsets.is_cpu() || seq_offsets.device() == q.device(),
+  HSTU_CHECK_VALUE(seq_offsets.is_cpu() || seq_offsets.device() == q.device(),
               "hstu_attention: seq_offsets is on ", seq_offsets.device(), " but q is on ",
               q.device());
   const int64_t batch = seq_offsets.numel() - 1;
-  TORCH_CHECK_VALUE(batch <= 65535, "hstu_attention: batch size ", batch, " exceeds 65535");
+  HSTU_CHECK_VALUE(batch <= 65535, "hstu_attention: batch size ", batch, " exceeds 65535");
   Tensor offs = seq_offsets.to(at::kCPU, at::kLong).contiguous();
   const int64_t* o = offs.data_ptr<int64_t>();
-  TORCH_CHECK_VALUE(o[0] == 0, "hstu_attention: seq_offsets[0] must be 0; got ", o[0]);
+  HSTU_CHECK_VALUE(o[0] == 0, "hstu_attention: seq_offsets[0] must be 0; got ", o[0]);
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len = o[b + 1] - o[b];
-    TORCH_CHECK_VALUE(len >= 0, "hstu_attention: seq_offsets must be non-decreasing; seq_offsets[", b,
+    HSTU_CHECK_VALUE(len >= 0, "hstu_attention: seq_offsets must be non-decreasing; seq_offsets[", b,
                 "]=", o[b], " > seq_offsets[", b + 1, "]=", o[b + 1]);
     max_len = std::max(max_len, len);
   }
-  TORCH_CHECK_VALUE(o[batch] <= std::numeric_limits<int32_t>::max(),
+  HSTU_CHECK_VALUE(o[batch] <= std::numeric_limits<int32_t>::max(),
               "hstu_attention: seq_offsets[-1]=", o[batch], " exceeds the int32 range");
-  TORCH_CHECK_VALUE(o[batch] == q.size(0), "hstu_attention: seq_offsets[-1]=", o[batch],
+  HSTU_CHECK_VALUE(o[batch] == q.size(0), "hstu_attention: seq_offsets[-1]=", o[batch],
               " != number of tokens T=", q.size(0));
-  TORCH_CHECK_VALUE(max_len <= max_seqlen, "hstu_attention: a sequence has length ", max_len,
+  HSTU_CHECK_VALUE(max_len <= max_seqlen, "hstu_attention: a sequence has length ", max_len,
               " > max_seqlen=", max_seqlen);
 
   std::vector<int64_t> ctx(batch, 0), tgt(batch, 0);
@@ -137,17 +171,17 @@ Checked check_inputs_uncached(const Tensor& q, const Tensor& k, const Tensor& v,
                           std::vector<int64_t>& out) -> Tensor {
     if (!t.has_value()) return Tensor();
     const Tensor& x = *t;
-    TORCH_CHECK_VALUE(x.dim() == 1 && x.size(0) == batch, "hstu_attention: ", name,
+    HSTU_CHECK_VALUE(x.dim() == 1 && x.size(0) == batch, "hstu_attention: ", name,
                 " must have shape [B]=[", batch, "]; got ", shape_str(x));
-    TORCH_CHECK_TYPE(x.scalar_type() == at::kInt || x.scalar_type() == at::kLong, "hstu_attention: ",
+    HSTU_CHECK_TYPE(x.scalar_type() == at::kInt || x.scalar_type() == at::kLong, "hstu_attention: ",
                 name, " must be int32 or int64; got ", x.scalar_type());
-    TORCH_CHECK_VALUE(x.is_cpu() || x.device() == q.device(), "hstu_attention: ", name, " is on ",
+    HSTU_CHECK_VALUE(x.is_cpu() || x.device() == q.device(), "hstu_attention: ", name, " is on ",
                 x.device(), " but q is on ", q.device());
     Tensor h = x.to(at::kCPU, at::kLong).contiguous();
     const int64_t* p = h.data_ptr<int64_t>();
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = o[b + 1] - o[b];
-      TORCH_CHECK_VALUE(p[b] >= 0 && p[b] <= len, "hstu_attention: ", name, "[", b, "]=", p[b],
+      HSTU_CHECK_VALUE(p[b] >= 0 && p[b] <= len, "hstu_attention: ", name, "[", b, "]=", p[b],
                   " must be in [0, length=", len, "]");
       out[b] = p[b];
     }
@@ -157,7 +191,7 @@ Checked check_inputs_uncached(const Tensor& q, const Tensor& k, const Tensor& v,
   c.ctx32 = check_counts(num_contexts, "num_contexts", ctx);
   c.tgt32 = check_counts(num_targets, "num_targets", tgt);
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK_VALUE(ctx[b] + tgt[b] <= o[b + 1] - o[b], "hstu_attention: num_contexts[", b, "]=",
+    HSTU_CHECK_VALUE(ctx[b] + tgt[b] <= o[b + 1] - o[b], "hstu_attention: num_contexts[", b, "]=",
                 ctx[b], " + num_targets[", b, "]=", tgt[b], " exceeds the sequence length ",
                 o[b + 1] - o[b]);
   }
@@ -271,7 +305,7 @@ hstu::HstuParams make_params(const Tensor& q, const Checked& c, int64_t max_seql
 void launch(hstu::Direction dir, hstu::HstuParams& p) {
   hstu::Launcher fn = hstu::find_launcher(dir, p.dtype, p.head_dim);
   const char* dt = p.dtype == hstu::DType::kBf16 ? "bf16" : "fp16";
-  TORCH_CHECK(fn != nullptr, "hstu_attention: the ", dir == hstu::Direction::kFwd ? "fwd" : "bwd",
+  HSTU_CHECK(fn != nullptr, "hstu_attention: the ", dir == hstu::Direction::kFwd ? "fwd" : "bwd",
               " kernel for ", dt, " head dim ", p.head_dim,
               " was not built (HSTU_KERNEL_DIMS filtered it out); rebuild with "
               "HSTU_KERNEL_DIMS unset or including '",
@@ -280,12 +314,12 @@ void launch(hstu::Direction dir, hstu::HstuParams& p) {
   if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
     (void)cudaGetLastError();
     cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-    TORCH_CHECK(false, "hstu_attention: the extension hstu._hstu_attention_C has no code for ",
+    HSTU_CHECK(false, "hstu_attention: the extension hstu._hstu_attention_C has no code for ",
                 prop->name, " (SM ", prop->major, ".", prop->minor,
                 "); rebuild it for this GPU: HSTU_CUDA_ARCH_LIST=\"8.0;", prop->major, ".",
                 prop->minor, "\" pip install --no-build-isolation -e .");
   }
-  TORCH_CHECK(err == cudaSuccess, "hstu_attention: kernel launch failed: ",
+  HSTU_CHECK(err == cudaSuccess, "hstu_attention: kernel launch failed: ",
               cudaGetErrorString(err));
 }
 
@@ -315,7 +349,7 @@ std::tuple<Tensor, Tensor, Tensor> bwd_cuda(
   Checked c = check_inputs(q, k, v, seq_offsets, max_seqlen, num_contexts, num_targets,
                            target_group_size, window_size, alpha, inv_scale, causal);
   check_qkv(dout, "dout", q);
-  TORCH_CHECK_VALUE(dout.sizes() == v.sizes(), "hstu_attention: dout must have the output's shape ",
+  HSTU_CHECK_VALUE(dout.sizes() == v.sizes(), "hstu_attention: dout must have the output's shape ",
               shape_str(v), "; got ", shape_str(dout));
   c10::cuda::CUDAGuard guard(q.device());
   Tensor dq = at::empty_like(q);
@@ -348,7 +382,7 @@ Tensor fwd_meta(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
                 int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
                 const std::optional<Tensor>& num_targets, int64_t target_group_size,
                 int64_t window_size, double alpha, double inv_scale, bool causal) {
-  TORCH_CHECK(v.size(2) == q.size(2), "hstu_attention: the CUDA kernel requires Dqk == Dv");
+  HSTU_CHECK(v.size(2) == q.size(2), "hstu_attention: the CUDA kernel requires Dqk == Dv");
   return at::empty_like(v);
 }
 

@@ -53,16 +53,25 @@ struct BwdConfig<T, 256> {
   using type = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, false>;
 };
 
+// Checks that the extension has code for the current GPU (else cudaErrorNoKernelImageForDevice /
+// cudaErrorInvalidDeviceFunction) and raises the kernel's dynamic smem limit; done once per
+// (kernel, device) since these driver calls cost microseconds on every launch otherwise.
+constexpr int kMaxDevices = 64;
+
+// `ready` must be distinct per kernel: all kernels share one function-pointer type.
 template <typename Kernel>
-inline cudaError_t prepare_kernel(Kernel kernel, int smem) {
-  // Fails with cudaErrorNoKernelImageForDevice / cudaErrorInvalidDeviceFunction when the
-  // extension has no code for this GPU's architecture.
+inline cudaError_t prepare_kernel(Kernel kernel, int smem, bool (&ready)[kMaxDevices]) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev >= 0 && dev < kMaxDevices && ready[dev]) return cudaSuccess;
   cudaFuncAttributes attr;
-  cudaError_t err = cudaFuncGetAttributes(&attr, kernel);
+  err = cudaFuncGetAttributes(&attr, kernel);
   if (err != cudaSuccess) return err;
   if (smem > 48 * 1024) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   }
+  if (err == cudaSuccess && dev >= 0 && dev < kMaxDevices) ready[dev] = true;
   return err;
 }
 
@@ -71,7 +80,8 @@ cudaError_t run_hstu_fwd(HstuParams& p, cudaStream_t stream) {
   using Kt = typename FwdConfig<T, D>::type;
   auto kernel = &hstu_fwd_kernel<Kt>;
   constexpr int smem = Kt::kSmemSize;
-  cudaError_t err = prepare_kernel(kernel, smem);
+  static bool ready[kMaxDevices] = {};
+  cudaError_t err = prepare_kernel(kernel, smem, ready);
   if (err != cudaSuccess) return err;
   dim3 grid((p.max_seqlen + Kt::kBlockM - 1) / Kt::kBlockM, p.batch, p.heads);
   if (grid.x == 0 || p.batch == 0 || p.heads == 0) return cudaSuccess;
@@ -84,7 +94,8 @@ cudaError_t run_hstu_bwd(HstuParams& p, cudaStream_t stream) {
   using Kt = typename BwdConfig<T, D>::type;
   auto kernel = &hstu_bwd_kernel<Kt>;
   constexpr int smem = Kt::kSmemSize;
-  cudaError_t err = prepare_kernel(kernel, smem);
+  static bool ready[kMaxDevices] = {};
+  cudaError_t err = prepare_kernel(kernel, smem, ready);
   if (err != cudaSuccess) return err;
   dim3 grid((p.max_seqlen + Kt::kBlockN - 1) / Kt::kBlockN, p.batch, p.heads);
   if (grid.x > 0 && p.batch > 0 && p.heads > 0) {

@@ -5,7 +5,12 @@ alpha = 1/sqrt(d), lengths ~ randint(N // 2, N + 1) with seed 0, forward FLOPs
 sum_b H * L_b^2 * (Dqk + Dv), forward+backward = 3.5x, CUDA events, median of >= 20 runs.
 Prints one JSON object per line:
 
-    python scripts/bench_attention.py [--shapes short_d64,mid_d128] [--iters 20] [--out f.jsonl]
+    python scripts/bench_attention.py [--shapes short_d64,mid_d128] [--iters 30] [--graph]
+        [--extra] [--out f.jsonl]
+
+"cutlass" rows time eager calls (Python, autograd and launch overhead included, as an eager
+training step sees them); with --graph, "cutlass_cudagraph" rows time the same calls replayed
+from a CUDA graph (GPU time alone).
 
 The reference pads every sequence and materialises fp32 [B, H, N, N] scores: it is measured with
 fewer iterations (--ref-iters) and, when the full batch does not fit or --ref-max-elems is
@@ -57,7 +62,7 @@ def fwd_flops(lengths: torch.Tensor, h: int, d: int) -> float:
     return float(h * (lengths.double() ** 2).sum() * (d + d))
 
 
-def time_ms(fn, iters: int, warmup: int = 3) -> float:
+def time_ms(fn, iters: int, warmup: int = 10) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -70,6 +75,21 @@ def time_ms(fn, iters: int, warmup: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def time_graph_ms(fn, iters: int) -> float:
+    """GPU time alone: the call captured once in a CUDA graph and replayed (no Python/launch
+    overhead; what a CUDA-graphed or torch.compile'd training step sees)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, iters)
 
 
 def peak_mb(fn) -> float:
@@ -92,7 +112,7 @@ def bench_impl(attn, q, k, v, do, offsets, n, kw, iters):
         out = attn(qg, kg, vg, offsets, n, **kw)
         torch.autograd.grad(out, (qg, kg, vg), do)
 
-    return time_ms(fwd, iters), time_ms(fwd_bwd, iters), peak_mb(fwd_bwd)
+    return time_ms(fwd, iters), time_ms(fwd_bwd, iters), peak_mb(fwd_bwd), (fwd, fwd_bwd)
 
 
 def main() -> None:
@@ -107,6 +127,11 @@ def main() -> None:
         help="max B*H*N*N score elements the reference may materialise at once",
     )
     ap.add_argument("--no-ref", action="store_true")
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="also time the kernel calls replayed from a CUDA graph (GPU time alone)",
+    )
     ap.add_argument(
         "--extra",
         action="store_true",
@@ -146,7 +171,7 @@ def main() -> None:
         def cuda_fn(*a, _extra=extra, **k2):
             return hstu_attention_cuda(*a, **k2, **_extra)
 
-        f_ms, fb_ms, mem = bench_impl(cuda_fn, q, k, v, do, offsets, n, kw, args.iters)
+        f_ms, fb_ms, mem, fns = bench_impl(cuda_fn, q, k, v, do, offsets, n, kw, args.iters)
         emit(
             {
                 **shape,
@@ -169,6 +194,31 @@ def main() -> None:
                 "peak_mem_bytes_per_token": mem * 2**20 / max(int(lengths.sum()), 1),
             }
         )
+        if args.graph:
+            try:
+                g_f, g_fb = time_graph_ms(fns[0], args.iters), time_graph_ms(fns[1], args.iters)
+                emit(
+                    {
+                        **shape,
+                        "impl": "cutlass_cudagraph",
+                        "pass": "fwd",
+                        "ms": g_f,
+                        "tflops": flops / g_f / 1e9,
+                        "iters": args.iters,
+                    }
+                )
+                emit(
+                    {
+                        **shape,
+                        "impl": "cutlass_cudagraph",
+                        "pass": "fwd+bwd",
+                        "ms": g_fb,
+                        "tflops": 3.5 * flops / g_fb / 1e9,
+                        "iters": args.iters,
+                    }
+                )
+            except Exception as exc:  # report, keep benchmarking
+                emit({**shape, "impl": "cutlass_cudagraph", "error": repr(exc)[:300]})
         if args.no_ref or extra:
             continue
         # Reference: a batch prefix small enough for its dense [B, H, N, N] fp32 buffers.
@@ -182,7 +232,7 @@ def main() -> None:
                 sub_len = lengths[:nb]
                 sub_tok = int(sub_len.sum())
                 sub_kw = {key: val[:nb] for key, val in kw.items()}
-                r_f, r_fb, r_mem = bench_impl(
+                r_f, r_fb, r_mem, _ = bench_impl(
                     reference.hstu_attention,
                     q[:sub_tok],
                     k[:sub_tok],

@@ -273,6 +273,9 @@ class NetworkArgs:
     scaling_seqlen: int = 0  # 0 = the batch's max sequence length
     num_position_embeddings: int = 0  # 0 = derived from DatasetArgs
     attention_type: str = "hstu"  # "softmax" = SASRec-style baseline in the same layer
+    fused_layer: bool = True  # FusedHSTULayer (one autograd Function); False = unfused HSTULayer
+    recompute_input_layernorm: bool = False  # fused layer: recompute LayerNorm(x) in backward
+    recompute_uvqk_silu: bool = False  # fused layer: store only the uvqk pre-activation
 
     def __post_init__(self) -> None:
         _int(self, "num_layers", min_value=1)
@@ -288,6 +291,14 @@ class NetworkArgs:
         _int(self, "scaling_seqlen", min_value=0, what="0 = the batch's max sequence length")
         _int(self, "num_position_embeddings", min_value=0, what="0 = derived from DatasetArgs")
         _choice(self, "attention_type", ATTENTION_TYPES)
+        _bool(self, "fused_layer")
+        _bool(self, "recompute_input_layernorm")
+        _bool(self, "recompute_uvqk_silu")
+        if not self.fused_layer and (self.recompute_input_layernorm or self.recompute_uvqk_silu):
+            raise ValueError(
+                "NetworkArgs.recompute_input_layernorm / NetworkArgs.recompute_uvqk_silu apply "
+                "only to the fused layer; set NetworkArgs.fused_layer=True or turn them off"
+            )
 
 
 @gin.configurable

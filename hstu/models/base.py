@@ -10,14 +10,24 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from hstu.data.batch import ITEM_FEATURE, Batch
 from hstu.embeddings import TableSpec, build_embedding_collection
-from hstu.modules.hstu_layer import HSTUEncoder
+from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
+from hstu.embeddings.dynamic_table import DynamicEmbeddingCollection
+from hstu.modules.hstu_layer import AttentionInputs, HSTUEncoder
 from hstu.modules.preprocessor import SequenceLayout, SequencePreprocessor
 
-__all__ = ["FeatureInfo", "GenerativeRecommender", "EXTRA_ITEM_FEATURE"]
+__all__ = [
+    "FeatureInfo",
+    "GenerativeRecommender",
+    "EXTRA_ITEM_FEATURE",
+    "USER_ID_FEATURE",
+    "DynamicTableOptions",
+]
 
 # A second feature on the item table: negatives and corpus lookups ride along with the batch so
 # every call of the (possibly sharded) collection sees the same feature keys.
 EXTRA_ITEM_FEATURE = "extra_item_id"
+# The contextual feature whose table becomes dynamic under EmbeddingArgs.embedding_backend='dynamic'
+USER_ID_FEATURE = "user_id"
 
 
 @dataclass
@@ -31,6 +41,54 @@ class FeatureInfo:
     max_history_seqlen: int
     max_num_candidates: int = 0
     action_names: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DynamicTableOptions:
+    """EmbeddingArgs.embedding_backend='dynamic': the item table and the user_id table become
+    `DynamicEmbeddingCollection` tables (hash-keyed, fixed capacity, optimizer fused into
+    backward); the other contextual tables stay ordinary torchrec tables.
+
+    A capacity of 0 means twice the dataset's vocabulary. ``device`` is where the unsharded
+    collection is built: "cpu" (CPU development mode, the reference table) or "meta" on GPU
+    (DistributedModelParallel's DynamicEmbeddingSharder builds the real shards on the GPU).
+    """
+
+    item_capacity: int = 0
+    user_capacity: int = 0
+    optimizer: str = "rowwise_adagrad"
+    learning_rate: float = 1e-3
+    initializer: str = "normal"
+    init_std: float = 0.02
+    eviction_policy: str = "lru"
+    seed: int = 0
+    device: str = "cpu"
+
+    def init_params(self) -> dict[str, float]:
+        """EmbeddingArgs.init_std as the initializer's parameter (std, half-width or value)."""
+        s = float(self.init_std)
+        return {
+            "normal": {"std": s},
+            "truncated_normal": {"std": s},
+            "uniform": {"low": -s, "high": s},
+            "constant": {"value": s},
+        }[self.initializer]
+
+    def config(
+        self, name: str, dim: int, capacity: int, features: list[str]
+    ) -> DynamicEmbeddingConfig:
+        return DynamicEmbeddingConfig(
+            name=name,
+            embedding_dim=dim,
+            capacity=capacity,
+            feature_names=list(features),
+            initializer=self.initializer,
+            init_params=self.init_params(),
+            eviction_policy=self.eviction_policy,
+            optimizer=self.optimizer,
+            learning_rate=self.learning_rate,
+            seed=self.seed,
+        )
 
 
 class GenerativeRecommender(nn.Module):
@@ -54,6 +112,10 @@ class GenerativeRecommender(nn.Module):
         num_positions: int = 0,
         init_std: float = 0.02,
         seed: int = 0,
+        fused_layer: bool = True,
+        recompute_input_layernorm: bool = False,
+        recompute_uvqk_silu: bool = False,
+        dynamic_tables: DynamicTableOptions | None = None,
     ) -> None:
         super().__init__()
         self.info = info
@@ -70,10 +132,15 @@ class GenerativeRecommender(nn.Module):
         specs.append(
             TableSpec("item_table", max(1, info.item_vocab_size), self.table_dim, item_features)
         )
-        self.table_specs = specs
         self.embedding_features = list(info.contextual_feature_names) + item_features
-        self.embedding_collection = build_embedding_collection(
-            specs, init_std=init_std, generator=gen
+        self.dynamic_features: list[str] = []
+        self.dynamic_collection: DynamicEmbeddingCollection | None = None
+        if dynamic_tables is not None:
+            specs = self._make_dynamic(specs, dynamic_tables)
+        self.table_specs = specs
+        static = [s for s in specs if not s.dynamic]
+        self.embedding_collection = (
+            build_embedding_collection(static, init_std=init_std, generator=gen) if static else None
         )
         positions = num_positions or (info.max_history_seqlen + 1)
         self.preprocessor = SequencePreprocessor(
@@ -93,10 +160,42 @@ class GenerativeRecommender(nn.Module):
             window_size=window_size,
             alpha=alpha,
             scaling_seqlen=scaling_seqlen,
+            fused=fused_layer,
+            recompute_input_layernorm=recompute_input_layernorm,
+            recompute_uvqk_silu=recompute_uvqk_silu,
         )
+        # jagged layout of the last forward (FLOP accounting reads its sequence lengths)
+        self.last_attention_inputs: AttentionInputs | None = None
+
+    def _make_dynamic(self, specs: list[TableSpec], opts: DynamicTableOptions) -> list[TableSpec]:
+        """Marks the item and user_id tables dynamic and builds their DynamicEmbeddingCollection."""
+        configs, out = [], []
+        for spec in specs:
+            is_item = spec.name == "item_table"
+            if not is_item and spec.feature_names != [USER_ID_FEATURE]:
+                out.append(spec)
+                continue
+            requested = opts.item_capacity if is_item else opts.user_capacity
+            capacity = requested or 2 * spec.num_embeddings
+            out.append(
+                TableSpec(
+                    spec.name,
+                    spec.num_embeddings,
+                    self.hidden_size,
+                    list(spec.feature_names),
+                    dynamic=True,
+                    capacity=capacity,
+                )
+            )
+            configs.append(opts.config(spec.name, self.hidden_size, capacity, spec.feature_names))
+            self.dynamic_features += list(spec.feature_names)
+        self.dynamic_collection = DynamicEmbeddingCollection(configs, torch.device(opts.device))
+        return out
 
     # ---- embeddings --------------------------------------------------------------------------
-    def _lookup_kjt(self, batch: Batch | None, extra_ids: torch.Tensor | None, device) -> KeyedJaggedTensor:
+    def _lookup_kjt(
+        self, batch: Batch | None, extra_ids: torch.Tensor | None, device
+    ) -> KeyedJaggedTensor:
         """One KJT with exactly ``self.embedding_features`` as keys (batch features + extra ids)."""
         names = self.embedding_features
         n_ctx = len(self.info.contextual_feature_names)
@@ -111,21 +210,37 @@ class GenerativeRecommender(nn.Module):
             values = torch.zeros(0, dtype=torch.long, device=device)
         if self.uses_extra_items:
             extra = (
-                extra_ids.long() if extra_ids is not None
+                extra_ids.long()
+                if extra_ids is not None
                 else torch.zeros(0, dtype=torch.long, device=device)
             )
             extra_lengths = torch.zeros(b, dtype=lengths.dtype, device=lengths.device)
             extra_lengths[0] = extra.numel()
             lengths = torch.cat([lengths, extra_lengths])
             values = torch.cat([values.long(), extra.to(values.device)])
-        return KeyedJaggedTensor.from_lengths_sync(keys=names, values=values.long(), lengths=lengths)
+        return KeyedJaggedTensor.from_lengths_sync(
+            keys=names, values=values.long(), lengths=lengths
+        )
 
     def lookup(
         self, batch: Batch | None, extra_ids: torch.Tensor | None = None
     ) -> dict[str, JaggedTensor]:
         """feature -> JaggedTensor of [n, hidden_size] rows (table padding columns dropped)."""
         device = batch.user_ids.device if batch is not None else extra_ids.device
-        out = self.embedding_collection(self._lookup_kjt(batch, extra_ids, device))
+        kjt = self._lookup_kjt(batch, extra_ids, device)
+        if self.dynamic_collection is None:
+            out = self.embedding_collection(kjt)
+        else:
+            keys = kjt.keys()
+            dyn = [i for i, k in enumerate(keys) if k in self.dynamic_features]
+            static = [i for i, k in enumerate(keys) if k not in self.dynamic_features]
+            out = {}
+            if static:
+                kjt_static, kjt_dyn = kjt.permute(static + dyn).split([len(static), len(dyn)])
+                out.update(self.embedding_collection(kjt_static))
+            else:
+                kjt_dyn = kjt
+            out.update(self.dynamic_collection(kjt_dyn))
         if self.table_dim == self.hidden_size:
             return out
         return {
@@ -140,6 +255,7 @@ class GenerativeRecommender(nn.Module):
         contextual = [emb[name].values() for name in self.info.contextual_feature_names]
         items = emb[ITEM_FEATURE]
         x, layout = self.preprocessor(batch, contextual, items)
+        self.last_attention_inputs = layout.attn
         y = self.encoder(x, layout.attn)
         extra = emb[EXTRA_ITEM_FEATURE].values() if self.uses_extra_items else None
         return y, layout, items.values(), extra

@@ -6,11 +6,11 @@ import torch
 
 from hstu.config.gin_utils import RunConfig
 from hstu.data.sequences import SequenceData
-from hstu.models.base import FeatureInfo, GenerativeRecommender
+from hstu.models.base import DynamicTableOptions, FeatureInfo, GenerativeRecommender
 from hstu.models.ranking import RankingGR
 from hstu.models.retrieval import RetrievalGR
 
-__all__ = ["feature_info", "build_model", "set_attention_type"]
+__all__ = ["feature_info", "build_model", "set_attention_type", "dynamic_table_options"]
 
 
 def feature_info(data: SequenceData, cfg: RunConfig) -> FeatureInfo:
@@ -25,9 +25,15 @@ def feature_info(data: SequenceData, cfg: RunConfig) -> FeatureInfo:
     )
 
 
-def build_model(cfg: RunConfig, data: SequenceData) -> GenerativeRecommender:
-    """The unsharded model, initialised deterministically from TrainerArgs.seed."""
-    model = _build_model(cfg, data)
+def build_model(
+    cfg: RunConfig, data: SequenceData, *, dynamic_device: str = "cpu"
+) -> GenerativeRecommender:
+    """The unsharded model, initialised deterministically from TrainerArgs.seed.
+
+    ``dynamic_device``: where dynamic tables (EmbeddingArgs.embedding_backend='dynamic') are
+    built; "meta" on GPU, where DistributedModelParallel's DynamicEmbeddingSharder creates them.
+    """
+    model = _build_model(cfg, data, dynamic_device)
     set_attention_type(model, cfg.network.attention_type)
     return model
 
@@ -47,7 +53,27 @@ def set_attention_type(model: GenerativeRecommender, attention_type: str) -> Non
         layer.attention_type = attention_type
 
 
-def _build_model(cfg: RunConfig, data: SequenceData) -> GenerativeRecommender:
+def dynamic_table_options(cfg: RunConfig, device: str = "cpu") -> DynamicTableOptions | None:
+    """EmbeddingArgs -> the dynamic tables' settings (None for the torchrec backend)."""
+    emb = cfg.embedding
+    if emb.embedding_backend != "dynamic":
+        return None
+    return DynamicTableOptions(
+        item_capacity=emb.item_capacity,
+        user_capacity=emb.user_capacity,
+        optimizer=emb.sparse_optimizer_str,
+        learning_rate=emb.sparse_learning_rate or cfg.optimizer.learning_rate,
+        initializer=emb.initializer,
+        init_std=emb.init_std,
+        eviction_policy=emb.eviction_policy,
+        seed=cfg.trainer.seed,
+        device=device,
+    )
+
+
+def _build_model(
+    cfg: RunConfig, data: SequenceData, dynamic_device: str = "cpu"
+) -> GenerativeRecommender:
     net = cfg.network
     common = dict(
         hidden_size=net.hidden_size,
@@ -62,6 +88,10 @@ def _build_model(cfg: RunConfig, data: SequenceData) -> GenerativeRecommender:
         num_positions=net.num_position_embeddings,
         init_std=cfg.embedding.init_std,
         seed=cfg.trainer.seed,
+        fused_layer=net.fused_layer,
+        recompute_input_layernorm=net.recompute_input_layernorm,
+        recompute_uvqk_silu=net.recompute_uvqk_silu,
+        dynamic_tables=dynamic_table_options(cfg, dynamic_device),
     )
     info = feature_info(data, cfg)
     torch.manual_seed(cfg.trainer.seed)

@@ -96,13 +96,39 @@ class HSTULayer(nn.Module):
 
 
 class HSTUEncoder(nn.Module):
-    """N HSTU layers followed by a final LayerNorm."""
+    """N HSTU layers followed by a final LayerNorm.
 
-    def __init__(self, num_layers: int, hidden_size: int, **layer_kwargs) -> None:
+    ``fused=True`` builds `FusedHSTULayer`s (one autograd Function per layer, hand-written
+    backward; the recompute options apply only to them); ``False`` the unfused `HSTULayer`.
+    Both have the same parameters, so their state dicts are interchangeable.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        hidden_size: int,
+        *,
+        fused: bool = False,
+        recompute_input_layernorm: bool = False,
+        recompute_uvqk_silu: bool = False,
+        **layer_kwargs,
+    ) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(
-            [HSTULayer(hidden_size, **layer_kwargs) for _ in range(num_layers)]
-        )
+        if fused:
+            from hstu.modules.fused_hstu_layer import FusedHSTULayer  # imports this module
+
+            layers = [
+                FusedHSTULayer(
+                    hidden_size,
+                    recompute_input_layernorm=recompute_input_layernorm,
+                    recompute_uvqk_silu=recompute_uvqk_silu,
+                    **layer_kwargs,
+                )
+                for _ in range(num_layers)
+            ]
+        else:
+            layers = [HSTULayer(hidden_size, **layer_kwargs) for _ in range(num_layers)]
+        self.layers = nn.ModuleList(layers)
         self.final_norm = nn.LayerNorm(hidden_size, eps=1e-6)
 
     def forward(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:

@@ -4,15 +4,23 @@ CUDA tensors go to the compiled CUTLASS kernel (`hstu.ops.cuda_attention`); CPU 
 PyTorch reference (CPU development mode only, see DESIGN.md "Hardware policy"). The reference is
 not a selectable backend on GPU: a CUDA call without a built kernel is an error that says how to
 build it.
+
+Benchmarking only: ``HSTU_FORCE_REFERENCE_ATTENTION=1`` sends CUDA tensors to the reference too,
+so `scripts/bench_e2e.py` can time the same model with the reference attention in one run. It is
+not a training option (the reference is slow and memory-hungry: dense [B, H, N, N] scores).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from hstu.ops import reference
 
-__all__ = ["hstu_attention", "compiled_attention_available"]
+__all__ = ["hstu_attention", "compiled_attention_available", "reference_attention_forced"]
+
+FORCE_REFERENCE_ENV = "HSTU_FORCE_REFERENCE_ATTENTION"
 
 _BUILD_HINT = (
     "the compiled HSTU attention kernel is not available for this GPU. Build it with "
@@ -27,6 +35,11 @@ def compiled_attention_available() -> bool:
     except ImportError:
         return False
     return bool(cuda_attention.is_available())
+
+
+def reference_attention_forced() -> bool:
+    """True when HSTU_FORCE_REFERENCE_ATTENTION=1 (benchmarks only; see the module docstring)."""
+    return os.environ.get(FORCE_REFERENCE_ENV, "0") == "1"
 
 
 def hstu_attention(
@@ -54,7 +67,7 @@ def hstu_attention(
         scaling_seqlen=scaling_seqlen,
         causal=causal,
     )
-    if q.is_cuda:
+    if q.is_cuda and not reference_attention_forced():
         if not compiled_attention_available():
             raise RuntimeError(_BUILD_HINT)
         from hstu.ops.cuda_attention import hstu_attention_cuda

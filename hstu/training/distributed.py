@@ -65,7 +65,11 @@ def init_distributed(device_type: str) -> DistInfo:
         owns_group=owns,
     )
     logger.info(
-        "process group: rank %d/%d, backend %s, device %s", info.rank, info.world_size, backend, device
+        "process group: rank %d/%d, backend %s, device %s",
+        info.rank,
+        info.world_size,
+        backend,
+        device,
     )
     return info
 
@@ -91,19 +95,17 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 def wrap_model(model: nn.Module, info: DistInfo) -> nn.Module:
     """Shards the model's torchrec tables with DistributedModelParallel (dense parts under DDP).
 
-    The planner places tables for this world size; on CPU it plans for host memory.
+    The planner places tables for this world size; on CPU it plans for host memory. Dynamic
+    tables (`DynamicEmbeddingCollection`) go row-wise through `DynamicEmbeddingSharder`.
     """
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
-    sharders = [EmbeddingCollectionSharder()]
-    try:
-        from hstu.embeddings.sharding import dynamic_sharders  # type: ignore[attr-defined]
+    from hstu.embeddings.sharding import DynamicEmbeddingSharder
 
-        sharders += list(dynamic_sharders())
-    except ImportError:
-        pass
+    # ordinary torchrec tables and dynamic (hash) tables side by side in one DMP
+    sharders = [EmbeddingCollectionSharder(), DynamicEmbeddingSharder()]
     topology = Topology(world_size=info.world_size, compute_device=info.device.type)
     planner = EmbeddingShardingPlanner(topology=topology)
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)

@@ -36,6 +36,7 @@ from hstu.training.distributed import (
     init_distributed,
     wrap_model,
 )
+from hstu.training.flops import StackShape, peak_tflops_for, step_flops
 from hstu.training.logger import MetricLogger
 from hstu.training.optim import build_dense_optimizer, build_lr_scheduler, clip_grad_norm
 
@@ -113,14 +114,18 @@ class Trainer:
         )
 
         # model
-        model = build_model(cfg, self.data)
-        sparse_lr = cfg.embedding.sparse_learning_rate or cfg.optimizer.learning_rate
-        apply_sparse_optimizer(
-            model.embedding_collection,
-            cfg.embedding.sparse_optimizer_str,
-            sparse_lr,
-            device_type=self.device.type,
+        # dynamic tables are built on meta on GPU: DynamicEmbeddingSharder creates the shards
+        model = build_model(
+            cfg, self.data, dynamic_device="meta" if self.device.type == "cuda" else "cpu"
         )
+        sparse_lr = cfg.embedding.sparse_learning_rate or cfg.optimizer.learning_rate
+        if model.embedding_collection is not None:
+            apply_sparse_optimizer(
+                model.embedding_collection,
+                cfg.embedding.sparse_optimizer_str,
+                sparse_lr,
+                device_type=self.device.type,
+            )
         self.model = wrap_model(model, self.info)
         self.core: GenerativeRecommender = self.model.module
         dense = [
@@ -133,9 +138,16 @@ class Trainer:
         self.optimizer = build_dense_optimizer(dense, cfg.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, t.max_train_iters)
         self.autocast_dtype = _DTYPES[cfg.network.dtype_str] if self.device.type == "cuda" else None
+        net = cfg.network
+        self.stack_shape = StackShape(
+            net.num_layers, net.hidden_size, net.num_attention_heads, net.kv_channels
+        )
+        self.peak_tflops = peak_tflops_for(self.device, t.peak_tflops)
 
         # run directory, logging, checkpoints
-        run_name = t.run_name or f"{cfg.task}-{cfg.dataset.dataset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_name = (
+            t.run_name or f"{cfg.task}-{cfg.dataset.dataset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
         self.run_dir = Path(t.log_dir) / run_name
         ckpt_dir = t.ckpt_save_dir or str(self.run_dir / "checkpoints")
         self.checkpointer = Checkpointer(ckpt_dir)
@@ -156,7 +168,7 @@ class Trainer:
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _state(self) -> dict:
-        return {
+        state = {
             "step": self.step,
             "model": self.model.state_dict(),
             "fused_optimizer": self.model.fused_optimizer.state_dict(),
@@ -165,6 +177,10 @@ class Trainer:
             "train_iter": self.train_iter.state_dict(),
             "rng": capture_rng_state(),
         }
+        if self.core.dynamic_collection is not None:
+            # dynamic rows live outside state_dict(): this rank's rows + optimizer state
+            state["dynamic_embeddings"] = self.core.dynamic_collection.dump()
+        return state
 
     def save_checkpoint(self) -> Path:
         path = self.checkpointer.save(
@@ -190,6 +206,13 @@ class Trainer:
                 f"with --nproc_per_node={saved_ws}"
             )
         self.model.load_state_dict(state["model"])
+        if self.core.dynamic_collection is not None:
+            if "dynamic_embeddings" not in state:
+                raise ValueError(
+                    f"checkpoint {load_dir} has no dynamic embedding tables; it was written with "
+                    "EmbeddingArgs.embedding_backend='torchrec', resume with that backend"
+                )
+            self.core.dynamic_collection.load(state["dynamic_embeddings"])
         self.model.fused_optimizer.load_state_dict(state["fused_optimizer"])
         self.optimizer.load_state_dict(state["dense_optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -214,17 +237,20 @@ class Trainer:
         with self._autocast():
             out = self.model(batch, loss_normalizer=normalizer)
         out["loss"].backward()
+        flops = self._batch_flops()
         grad_norm = clip_grad_norm(self.dense_params, self.cfg.optimizer.grad_clip_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, tokens, samples = all_reduce_sum(
-            [float(out["loss_sum"]), float(out["num_tokens"]), float(batch.batch_size)], self.device
+        loss_sum, tokens, samples, flops = all_reduce_sum(
+            [float(out["loss_sum"]), float(out["num_tokens"]), float(batch.batch_size), flops],
+            self.device,
         )
         result = {
             "loss": loss_sum / max(global_count, 1.0),
             "tokens": tokens,
             "samples": samples,
+            "flops": flops,
         }
         if grad_norm is not None:
             result["grad_norm"] = float(grad_norm)
@@ -232,6 +258,23 @@ class Trainer:
             for name, value in zip(self._task_names(), out["task_losses"].tolist()):
                 result[f"task_loss/{name}"] = value
         return result
+
+    def _batch_flops(self) -> float:
+        """HSTU-stack FLOPs (forward + backward) of this rank's last batch (hstu.training.flops)."""
+        attn = self.core.last_attention_inputs
+        if attn is None:
+            return 0.0
+        lengths = attn.seq_offsets[1:] - attn.seq_offsets[:-1]
+        return step_flops(self.stack_shape, lengths.cpu()).total
+
+    def _embedding_stats(self) -> dict[str, float]:
+        """`embeddings/<table>/<stat>` of the dynamic tables (summed over ranks when sharded;
+        collective then, so every rank calls it)."""
+        coll = self.core.dynamic_collection
+        if coll is None:
+            return {}
+        stats = coll.global_stats() if hasattr(coll, "global_stats") else coll.stats()
+        return {f"embeddings/{k}": float(v) for k, v in stats.items()}
 
     def _task_names(self) -> list[str]:
         names = list(self.data.action_names)[: self.cfg.ranking.num_tasks]
@@ -248,7 +291,9 @@ class Trainer:
             rt = self.cfg.retrieval
             corpus = torch.from_numpy(self.data.item_corpus())
             evaluator = RetrievalEvaluator(
-                corpus, ks=ks_from_metric_names(rt.eval_metrics), exclude_history=rt.eval_exclude_history
+                corpus,
+                ks=ks_from_metric_names(rt.eval_metrics),
+                exclude_history=rt.eval_exclude_history,
             )
             corpus_emb = self._corpus_embeddings(corpus)
         batches = self.eval_iter.eval_index_batches()
@@ -313,7 +358,7 @@ class Trainer:
         )
         window_start = time.perf_counter()
         window_steps = 0
-        window_tokens = window_samples = 0.0
+        window_tokens = window_samples = window_flops = 0.0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         while self.step < t.max_train_iters:
@@ -322,6 +367,7 @@ class Trainer:
             window_steps += 1
             window_tokens += stats["tokens"]
             window_samples += stats["samples"]
+            window_flops += stats["flops"]
             result.losses.append((self.step, stats["loss"]))
             if not math.isfinite(stats["loss"]):
                 raise FloatingPointError(
@@ -339,14 +385,23 @@ class Trainer:
                     "perf/samples_per_s": window_samples / elapsed,
                     "perf/tokens_per_s": window_tokens / elapsed,
                 }
+                tflops = window_flops / self.info.world_size / elapsed / 1e12
+                scalars["perf/tflops_per_gpu"] = tflops
+                if self.peak_tflops is not None:
+                    scalars["perf/mfu"] = tflops / self.peak_tflops
+                scalars.update(self._embedding_stats())
                 if "grad_norm" in stats:
                     scalars["train/grad_norm"] = stats["grad_norm"]
                 for k, v in stats.items():
                     if k.startswith("task_loss/"):
                         scalars[f"train/{k}"] = v
                 if self.device.type == "cuda":
-                    scalars["perf/gpu_mem_allocated_gb"] = torch.cuda.memory_allocated(self.device) / 2**30
-                    scalars["perf/gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                    scalars["perf/gpu_mem_allocated_gb"] = (
+                        torch.cuda.memory_allocated(self.device) / 2**30
+                    )
+                    scalars["perf/gpu_mem_peak_gb"] = (
+                        torch.cuda.max_memory_allocated(self.device) / 2**30
+                    )
                 self.tb.scalars(scalars, self.step)
                 if self.info.is_main and bar.disable:
                     logger.info(
@@ -357,8 +412,13 @@ class Trainer:
                         scalars["train/lr"],
                         scalars["perf/samples_per_s"],
                     )
-                window_start, window_steps, window_tokens, window_samples = time.perf_counter(), 0, 0.0, 0.0
-            if t.eval_interval > 0 and self.step % t.eval_interval == 0 and self.step < t.max_train_iters:
+                window_start, window_steps = time.perf_counter(), 0
+                window_tokens = window_samples = window_flops = 0.0
+            if (
+                t.eval_interval > 0
+                and self.step % t.eval_interval == 0
+                and self.step < t.max_train_iters
+            ):
                 self._run_eval(result)
             if t.ckpt_save_interval > 0 and self.step % t.ckpt_save_interval == 0:
                 result.checkpoint_dir = self.save_checkpoint()
@@ -367,7 +427,9 @@ class Trainer:
         result.final_metrics = result.evals[-1][1] if result.evals else {}
         if t.ckpt_save_interval >= 0:
             result.checkpoint_dir = self.save_checkpoint()
-        self.tb.hparams(self._hparams(), {f"hparam/{k}": v for k, v in result.final_metrics.items()})
+        self.tb.hparams(
+            self._hparams(), {f"hparam/{k}": v for k, v in result.final_metrics.items()}
+        )
         self.tb.flush()
         barrier()
         return result

@@ -1,0 +1,226 @@
+"""FusedHSTULayer (one autograd Function, hand-written backward) vs the unfused HSTULayer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hstu.modules.fused_hstu_layer import FusedHSTULayer, dropout_keep_mask
+from hstu.modules.hstu_layer import AttentionInputs, HSTUEncoder, HSTULayer
+
+HIDDEN, HEADS, DIM = 24, 2, 8
+RECOMPUTE = [(False, False), (True, False), (False, True), (True, True)]
+
+
+class _FixedMaskDropout(nn.Module):
+    """Drives the unfused layer with the fused layer's dropout mask."""
+
+    def __init__(self, mask: torch.Tensor, p: float) -> None:
+        super().__init__()
+        self.mask, self.p = mask, p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.mask / (1.0 - self.p)
+
+
+def _layout(lengths, contexts=None, targets=None, device="cpu") -> AttentionInputs:
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lens, 0)
+
+    def as_t(v):
+        return None if v is None else torch.tensor(v, dtype=torch.int64, device=device)
+
+    return AttentionInputs(
+        seq_offsets=offsets.to(device),
+        max_seqlen=max(lengths, default=0),
+        num_contexts=as_t(contexts),
+        num_targets=as_t(targets),
+    )
+
+
+def _pair(dropout=0.0, recompute=(False, False), seed=0, **kw):
+    torch.manual_seed(seed)
+    ref = HSTULayer(HIDDEN, HEADS, DIM, dropout, **kw)
+    fused = FusedHSTULayer(
+        HIDDEN,
+        HEADS,
+        DIM,
+        dropout,
+        recompute_input_layernorm=recompute[0],
+        recompute_uvqk_silu=recompute[1],
+        **kw,
+    )
+    fused.load_state_dict(ref.state_dict())
+    # non-trivial norm affine parameters so their gradients are exercised
+    with torch.no_grad():
+        for layer in (ref, fused):
+            for p in (layer.input_norm.weight, layer.attn_norm.weight):
+                p.copy_(1.0 + 0.1 * torch.arange(p.numel()) / p.numel())
+            for p in (layer.input_norm.bias, layer.attn_norm.bias, layer.uvqk.bias):
+                p.copy_(0.05 * torch.cos(torch.arange(p.numel(), dtype=torch.float32)))
+    return ref, fused
+
+
+def _run(layer: nn.Module, x: torch.Tensor, attn: AttentionInputs, grad_out: torch.Tensor):
+    xi = x.clone().requires_grad_(True)
+    out = layer(xi, attn)
+    out.backward(grad_out)
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    grads["x"] = xi.grad.clone()
+    return out.detach(), grads
+
+
+def _assert_match(ref_res, fused_res, atol=2e-5, rtol=1e-4):
+    (out_r, g_r), (out_f, g_f) = ref_res, fused_res
+    torch.testing.assert_close(out_f, out_r, atol=atol, rtol=rtol)
+    assert g_r.keys() == g_f.keys()
+    for name in g_r:
+        torch.testing.assert_close(g_f[name], g_r[name], atol=atol, rtol=rtol, msg=name)
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("with_ctx_targets", [False, True])
+def test_fused_matches_unfused_fp32(recompute, with_ctx_targets):
+    lengths = [5, 1, 9, 0, 7]
+    ctx = [2, 0, 3, 0, 1] if with_ctx_targets else None
+    tgt = [2, 1, 3, 0, 2] if with_ctx_targets else None
+    attn = _layout(lengths, ctx, tgt)
+    ref, fused = _pair(recompute=recompute, target_group_size=2 if with_ctx_targets else 1)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(lengths), HIDDEN, generator=gen)
+    grad_out = torch.randn(sum(lengths), HIDDEN, generator=gen)
+    _assert_match(_run(ref, x, attn, grad_out), _run(fused, x, attn, grad_out))
+
+
+def test_fused_matches_with_window_alpha_and_scaling():
+    attn = _layout([6, 11, 3])
+    ref, fused = _pair(window_size=3, alpha=0.3, scaling_seqlen=16)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(20, HIDDEN, generator=gen)
+    g = torch.randn(20, HIDDEN, generator=gen)
+    _assert_match(_run(ref, x, attn, g), _run(fused, x, attn, g))
+
+
+@pytest.mark.parametrize("recompute", [(False, False), (True, True)])
+def test_fused_dropout_same_mask_as_unfused(recompute):
+    p = 0.3
+    lengths = [7, 4, 10]
+    attn = _layout(lengths, targets=[2, 1, 3])
+    ref, fused = _pair(dropout=p, recompute=recompute)
+    ref.train()
+    fused.train()
+    gen = torch.Generator().manual_seed(3)
+    t = sum(lengths)
+    x = torch.randn(t, HIDDEN, generator=gen)
+    g = torch.randn(t, HIDDEN, generator=gen)
+    torch.manual_seed(42)
+    res_f = _run(fused, x, attn, g)
+    torch.manual_seed(42)
+    mask = dropout_keep_mask((t, HEADS * DIM), p, "cpu")
+    assert 0 < int((~mask).sum()) < mask.numel()
+    ref.dropout = _FixedMaskDropout(mask, p)
+    _assert_match(_run(ref, x, attn, g), res_f)
+    # same seed -> same mask -> identical output; another seed -> another mask
+    torch.manual_seed(42)
+    again = fused(x, attn).detach()
+    torch.testing.assert_close(again, res_f[0], atol=0, rtol=0)
+    torch.manual_seed(43)
+    assert not torch.allclose(fused(x, attn).detach(), res_f[0])
+
+
+def test_fused_dropout_statistics_and_eval_mode():
+    p = 0.25
+    torch.manual_seed(0)
+    mask = dropout_keep_mask((4000, 16), p, "cpu")
+    assert abs(float((~mask).float().mean()) - p) < 0.01
+    attn = _layout([12, 9])
+    ref, fused = _pair(dropout=p)
+    ref.eval()
+    fused.eval()  # eval: no dropout, deterministic, equal to the unfused layer
+    x = torch.randn(21, HIDDEN)
+    g = torch.randn(21, HIDDEN)
+    _assert_match(_run(ref, x, attn, g), _run(fused, x, attn, g))
+
+
+@pytest.mark.parametrize("lengths", [[], [0, 0, 0]])
+@pytest.mark.parametrize("recompute", [(False, False), (True, True)])
+def test_fused_empty_batch(lengths, recompute):
+    attn = _layout(lengths)
+    ref, fused = _pair(recompute=recompute, dropout=0.1)
+    x = torch.zeros(0, HIDDEN)
+    g = torch.zeros(0, HIDDEN)
+    # (the unfused layer's reference attention rejects max_seqlen=0; the fused one skips it)
+    out_f, g_f = _run(fused, x, attn, g)
+    assert out_f.shape == (0, HIDDEN)
+    params = dict(ref.named_parameters())
+    for name, grad in g_f.items():
+        assert grad.shape == (params[name].shape if name != "x" else (0, HIDDEN))
+        assert torch.count_nonzero(grad) == 0, name
+
+
+def test_fused_rejects_bad_shape():
+    _, fused = _pair()
+    with pytest.raises(ValueError, match=r"\[T, 24\]"):
+        fused(torch.zeros(3, HIDDEN + 1), _layout([3]))
+
+
+def test_encoder_fused_switch_and_state_dict_compat():
+    kw = dict(num_heads=HEADS, head_dim=DIM, dropout=0.0)
+    torch.manual_seed(0)
+    ref = HSTUEncoder(2, HIDDEN, fused=False, **kw)
+    fused = HSTUEncoder(2, HIDDEN, fused=True, recompute_uvqk_silu=True, **kw)
+    assert all(type(layer) is FusedHSTULayer for layer in fused.layers)
+    assert all(type(layer) is HSTULayer for layer in ref.layers)
+    fused.load_state_dict(ref.state_dict())
+    attn = _layout([4, 6], contexts=[1, 2], targets=[1, 2])
+    x = torch.randn(10, HIDDEN)
+    g = torch.randn(10, HIDDEN)
+    _assert_match(_run(ref, x, attn, g), _run(fused, x, attn, g))
+
+
+def _gpu_ready() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from hstu.ops import compiled_attention_available
+
+    return compiled_attention_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason="needs CUDA and the compiled HSTU attention kernel")
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+def test_fused_matches_unfused_bf16_cuda(recompute):
+    """bf16 autocast on CUDA, compiled attention in both: output within 2e-2 (abs) + 2e-2 (rel)
+    and every gradient within 3% relative L2 error of the unfused layer's."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    hidden, heads, dim = 256, 4, 64
+    ref = HSTULayer(hidden, heads, dim, 0.0).to(dev)
+    fused = FusedHSTULayer(
+        hidden,
+        heads,
+        dim,
+        0.0,
+        recompute_input_layernorm=recompute[0],
+        recompute_uvqk_silu=recompute[1],
+    ).to(dev)
+    fused.load_state_dict(ref.state_dict())
+    lengths = [300, 1, 77, 512, 0, 129]
+    attn = _layout(lengths, contexts=[3, 0, 2, 4, 0, 1], targets=[10, 0, 5, 20, 0, 7], device=dev)
+    t = sum(lengths)
+    x = torch.randn(t, hidden, device=dev)
+    g = torch.randn(t, hidden, device=dev)
+    results = []
+    for layer in (ref, fused):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            results.append(_run(layer, x, attn, g))
+    (out_r, g_r), (out_f, g_f) = results
+    assert out_f.dtype == out_r.dtype
+    torch.testing.assert_close(out_f, out_r, atol=2e-2, rtol=2e-2)
+    for name in g_r:
+        err = (g_f[name].float() - g_r[name].float()).norm() / g_r[name].float().norm().clamp_min(
+            1e-6
+        )
+        assert err < 3e-2, (name, float(err))

@@ -1,0 +1,229 @@
+"""End-to-end training throughput: the compiled attention vs the PyTorch reference, same run.
+
+Builds the full training stack (data, DMP-sharded embeddings, the HSTU model, optimizers) from a
+gin config, runs --warmup then --steps training steps per attention path and prints one JSON
+object per line (path, steps/s, samples/s, tokens/s, TFLOP/s per GPU, MFU, peak memory), then a
+summary line with the speed-ups. FLOPs are those of `hstu.training.flops` (linears + attention,
+forward + backward, actual token lengths).
+
+    python scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin \
+        --bindings "EmbeddingArgs.item_capacity=2000000" "EmbeddingArgs.user_capacity=1000000"
+    python scripts/bench_e2e.py --nproc 8 ...     # later, multi-GPU: re-launches under torchrun
+
+The reference path sets HSTU_FORCE_REFERENCE_ATTENTION=1 (a benchmarking-only switch of
+`hstu.ops.attention`). It materialises fp32 [B, H, N, N] scores, so at long lengths it may not
+fit: on out-of-memory its per-GPU batch is halved until it does (the row says so in
+"batch_per_gpu"); compare samples/s then.
+
+The synthetic data is regenerated with --mean-seq-len / --max-seq-len (heavy-tailed lognormal
+lengths) so long-sequence configs see long sequences. --device cpu runs a tiny config on CPU
+(smoke test of the script; the reference is the only attention there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+# run from a checkout: this repository's hstu, not another installed copy
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+logger = logging.getLogger("bench_e2e")
+
+
+def _parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", default="configs/synthetic_benchmark_ranking.gin")
+    p.add_argument("--task", default="ranking", choices=("ranking", "retrieval"))
+    p.add_argument("--bindings", nargs="*", default=[], help="gin bindings, e.g. 'A.b=1'")
+    p.add_argument("--steps", type=int, default=20, help="timed training steps per path")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    p.add_argument(
+        "--paths",
+        default="compiled,reference",
+        help="comma list of compiled, reference (reference = HSTU_FORCE_REFERENCE_ATTENTION=1)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="GPUs: > 1 re-launches this script with torchrun --nproc_per_node=NPROC "
+        "(TrainerArgs.train_batch_size is then multiplied by NPROC: the config's value is per GPU)",
+    )
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--mean-seq-len", type=float, default=1024.0)
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--num-users", type=int, default=2000, help="synthetic users (samples)")
+    p.add_argument("--out", default="", help="also append the JSON lines to this file")
+    return p.parse_args(argv)
+
+
+def _emit(row: dict, out: str) -> None:
+    line = json.dumps(row)
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def _patch_data(args: argparse.Namespace) -> None:
+    """Long heavy-tailed synthetic sequences for the benchmark (the config's generator is capped)."""
+    import hstu.training.trainer as trainer_mod
+    from hstu.data.synthetic import generate_synthetic
+
+    original = trainer_mod.load_sequence_data
+
+    def load(dataset_args, num_tasks: int = 8):
+        if dataset_args.dataset_name != "synthetic":
+            return original(dataset_args, num_tasks=num_tasks)
+        return generate_synthetic(
+            num_users=args.num_users,
+            num_items=int(dataset_args.synthetic_num_items),
+            seed=int(dataset_args.synthetic_seed),
+            num_tasks=num_tasks,
+            mean_seq_len=args.mean_seq_len,
+            max_seq_len=args.max_seq_len,
+        )
+
+    trainer_mod.load_sequence_data = load
+
+
+def _run_path(path: str, args: argparse.Namespace, device_type: str, world: int) -> dict:
+    from hstu.config.gin_utils import load_config
+    from hstu.training.trainer import Trainer
+
+    os.environ["HSTU_FORCE_REFERENCE_ATTENTION"] = "1" if path == "reference" else "0"
+    cfg0 = load_config(args.task, [args.config], list(args.bindings))
+    per_gpu = cfg0.trainer.train_batch_size
+    while True:
+        bindings = list(args.bindings) + [
+            f"TrainerArgs.train_batch_size={per_gpu * world}",
+            f"TrainerArgs.max_train_iters={args.warmup + args.steps}",
+            "TrainerArgs.log_dir='/tmp/hstu_bench_e2e'",
+            f"TrainerArgs.run_name='{path}-{os.getpid()}'",
+            "TrainerArgs.ckpt_save_interval=-1",
+            "TrainerArgs.progress_bar=False",
+        ]
+        cfg = load_config(args.task, [args.config], bindings)
+        trainer = None
+        try:
+            trainer = Trainer(cfg, device_type)
+            row = _time_trainer(trainer, args)
+            row.update(path=path, batch_per_gpu=per_gpu)
+            return row
+        except torch.OutOfMemoryError:
+            if per_gpu <= 1:
+                return {"path": path, "error": "out of memory at batch 1 per GPU"}
+            logger.warning("%s: out of memory at %d per GPU; halving", path, per_gpu)
+            per_gpu //= 2
+        finally:
+            if trainer is not None:
+                trainer.tb.close()
+            del trainer
+            gc.collect()
+            if device_type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _sync(trainer) -> None:
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize(trainer.device)
+
+
+def _time_trainer(trainer, args: argparse.Namespace) -> dict:
+    for _ in range(args.warmup):
+        trainer.train_step()
+    _sync(trainer)
+    if trainer.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(trainer.device)
+    flops = tokens = samples = 0.0
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        stats = trainer.train_step()
+        flops += stats["flops"]
+        tokens += stats["tokens"]
+        samples += stats["samples"]
+    _sync(trainer)
+    elapsed = time.perf_counter() - start
+    world = trainer.info.world_size
+    tflops = flops / world / elapsed / 1e12
+    row = {
+        "config": args.config,
+        "world_size": world,
+        "steps": args.steps,
+        "steps_per_s": args.steps / elapsed,
+        "samples_per_s": samples / elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "tokens_per_step": tokens / args.steps,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops / trainer.peak_tflops if trainer.peak_tflops else None,
+        "peak_tflops": trainer.peak_tflops,
+        "device": torch.cuda.get_device_name(trainer.device)
+        if trainer.device.type == "cuda"
+        else "cpu",
+    }
+    if trainer.device.type == "cuda":
+        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={args.nproc}",
+            os.path.abspath(__file__),
+            *(argv if argv is not None else sys.argv[1:]),
+        ]
+        return subprocess.call(cmd)
+    device_type = args.device
+    if device_type == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    _patch_data(args)
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    for p in paths:
+        if p not in ("compiled", "reference"):
+            raise SystemExit(f"--paths: unknown path {p!r}; use compiled and/or reference")
+    if device_type == "cpu" and "compiled" in paths:
+        paths = [p for p in paths if p != "compiled"] or ["reference"]
+    rows = {}
+    for p in paths:
+        rows[p] = _run_path(p, args, device_type, world)
+        if rank == 0:
+            _emit(rows[p], args.out)
+    if rank == 0 and {"compiled", "reference"} <= rows.keys():
+        c, r = rows["compiled"], rows["reference"]
+        if "error" not in c and "error" not in r:
+            _emit(
+                {
+                    "summary": "compiled vs reference",
+                    "speedup_steps_per_s": c["steps_per_s"] / r["steps_per_s"],
+                    "speedup_samples_per_s": c["samples_per_s"] / r["samples_per_s"],
+                    "same_batch": c["batch_per_gpu"] == r["batch_per_gpu"],
+                },
+                args.out,
+            )
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

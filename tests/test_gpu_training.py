@@ -35,7 +35,8 @@ def _run(task: str, tmp_path: Path) -> subprocess.CompletedProcess:
     args = []
     for b in COMMON + [f"TrainerArgs.log_dir='{tmp_path}'", "TrainerArgs.run_name='run'"]:
         args += ["--gin-bindings", b]
-    env = dict(os.environ, HSTU_ALLOW_NON_A100="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, HSTU_ALLOW_NON_A100="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run(
         [
             sys.executable,

@@ -12,11 +12,16 @@ not a training option (the reference is slow and memory-hungry: dense [B, H, N, 
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
+import torch.nn.functional as F
 
 from hstu.ops import reference
+
+# head dims the compiled kernel is instantiated for; others are zero-padded to the next one
+KERNEL_HEAD_DIMS = (32, 64, 128, 256)
 
 __all__ = ["hstu_attention", "compiled_attention_available", "reference_attention_forced"]
 
@@ -72,5 +77,17 @@ def hstu_attention(
             raise RuntimeError(_BUILD_HINT)
         from hstu.ops.cuda_attention import hstu_attention_cuda
 
-        return hstu_attention_cuda(q, k, v, seq_offsets, max_seqlen, **kwargs)
+        d = q.shape[-1]
+        padded = next((h for h in KERNEL_HEAD_DIMS if h >= d), None)
+        if padded is None or padded == d or v.shape[-1] != d:
+            return hstu_attention_cuda(q, k, v, seq_offsets, max_seqlen, **kwargs)
+        # Zero columns change neither <q, k> nor the used output columns: run the kernel at the next
+        # compiled head dim (alpha keeps its 1/sqrt(d) default) and drop the padding.
+        if kwargs["alpha"] is None:
+            kwargs["alpha"] = 1.0 / math.sqrt(d)
+        pad = (0, padded - d)
+        out = hstu_attention_cuda(
+            F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), seq_offsets, max_seqlen, **kwargs
+        )
+        return out[..., :d]
     return reference.hstu_attention(q, k, v, seq_offsets, max_seqlen, **kwargs)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import hstu.modules.fused_hstu_layer as fused_mod
 from hstu.modules.fused_hstu_layer import FusedHSTULayer, dropout_keep_mask
 from hstu.modules.hstu_layer import AttentionInputs, HSTUEncoder, HSTULayer
 
@@ -104,7 +105,9 @@ def test_fused_matches_with_window_alpha_and_scaling():
 
 
 @pytest.mark.parametrize("recompute", [(False, False), (True, True)])
-def test_fused_dropout_same_mask_as_unfused(recompute):
+def test_fused_dropout_same_seed_same_mask_as_unfused(recompute):
+    """The fused layer draws its mask exactly as nn.Dropout does: seeded alike, the fused and
+    the unfused layer drop the same elements (forward and backward match)."""
     p = 0.3
     lengths = [7, 4, 10]
     attn = _layout(lengths, targets=[2, 1, 3])
@@ -118,22 +121,50 @@ def test_fused_dropout_same_mask_as_unfused(recompute):
     torch.manual_seed(42)
     res_f = _run(fused, x, attn, g)
     torch.manual_seed(42)
-    mask = dropout_keep_mask((t, HEADS * DIM), p, "cpu")
-    assert 0 < int((~mask).sum()) < mask.numel()
-    ref.dropout = _FixedMaskDropout(mask, p)
-    _assert_match(_run(ref, x, attn, g), res_f)
+    res_r = _run(ref, x, attn, g)
+    _assert_match(res_r, res_f)
+    # dropout did act: the no-dropout output differs
+    fused.eval()
+    assert not torch.allclose(fused(x, attn).detach(), res_f[0])
+    fused.train()
     # same seed -> same mask -> identical output; another seed -> another mask
     torch.manual_seed(42)
-    again = fused(x, attn).detach()
-    torch.testing.assert_close(again, res_f[0], atol=0, rtol=0)
+    torch.testing.assert_close(fused(x, attn).detach(), res_f[0], atol=0, rtol=0)
     torch.manual_seed(43)
     assert not torch.allclose(fused(x, attn).detach(), res_f[0])
+
+
+def test_fused_dropout_backward_reuses_forward_mask():
+    """Backward uses the forward's mask: it matches the unfused layer driven with that mask
+    under a different RNG state (a redrawn mask could not match)."""
+    p = 0.5
+    attn = _layout([9, 5])
+    ref, fused = _pair(dropout=p)
+    x = torch.randn(14, HIDDEN)
+    g = torch.randn(14, HIDDEN)
+    seen = {}
+    orig = fused_mod.apply_dropout
+
+    def spy(t, q):
+        out, mask = orig(t, q)
+        seen["mask"] = mask
+        return out, mask
+
+    fused_mod.apply_dropout = spy
+    try:
+        torch.manual_seed(7)
+        res_f = _run(fused, x, attn, g)
+    finally:
+        fused_mod.apply_dropout = orig
+    torch.manual_seed(999)
+    ref.dropout = _FixedMaskDropout(seen["mask"], p)
+    _assert_match(_run(ref, x, attn, g), res_f)
 
 
 def test_fused_dropout_statistics_and_eval_mode():
     p = 0.25
     torch.manual_seed(0)
-    mask = dropout_keep_mask((4000, 16), p, "cpu")
+    mask = dropout_keep_mask(torch.ones(4000, 16), p)
     assert abs(float((~mask).float().mean()) - p) < 0.01
     attn = _layout([12, 9])
     ref, fused = _pair(dropout=p)

@@ -34,12 +34,23 @@ import torch.nn.functional as F
 from hstu.modules.hstu_layer import AttentionInputs, HSTULayer
 from hstu.ops import attention as attention_ops
 
-__all__ = ["FusedHSTULayer", "dropout_keep_mask", "fused_hstu_layer"]
+__all__ = ["FusedHSTULayer", "apply_dropout", "dropout_keep_mask", "fused_hstu_layer"]
 
 
-def dropout_keep_mask(shape: tuple[int, ...], p: float, device: torch.device | str) -> torch.Tensor:
-    """The fused layer's dropout mask (True = kept), drawn from the global RNG of ``device``."""
-    return torch.rand(shape, device=device) >= p
+def apply_dropout(g: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dropout of ``g`` with the very RNG draw `nn.Dropout` makes on the same tensor (so a fused
+    and an unfused layer seeded alike drop the same elements); returns (output, keep mask)."""
+    if g.is_cuda:  # nn.Dropout on CUDA is native_dropout (Philox, fused)
+        out, mask = torch.native_dropout(g, p, True)
+        return out, mask
+    noise = torch.empty_like(g).bernoulli_(1.0 - p)  # as ATen's CPU dropout draws it
+    mask = noise.bool()
+    return g * noise.div_(1.0 - p), mask
+
+
+def dropout_keep_mask(like: torch.Tensor, p: float) -> torch.Tensor:
+    """The keep mask (True = kept) `FusedHSTULayer` draws for a gating output like ``like``."""
+    return apply_dropout(like, p)[1]
 
 
 @dataclass
@@ -189,9 +200,8 @@ class _FusedHSTUFunction(torch.autograd.Function):
             ln2, mean2, rstd2 = _layer_norm_fwd(attn, w_attn, b_attn, spec.eps)
             g = ln2 * u.float()
             mask = None
-            if spec.training and spec.dropout > 0.0:
-                mask = dropout_keep_mask(g.shape, spec.dropout, x.device)
-                g = g * mask / (1.0 - spec.dropout)
+            if spec.training and spec.dropout > 0.0 and g.numel() > 0:
+                g, mask = apply_dropout(g, spec.dropout)
             y_c = g.to(cdtype)
             proj = F.linear(y_c, w_out.to(cdtype), b_out.to(cdtype))
             out = x + proj.to(x.dtype)

@@ -11,7 +11,8 @@ forward + backward, actual token lengths).
     python scripts/bench_e2e.py --nproc 8 ...     # later, multi-GPU: re-launches under torchrun
 
 The reference path sets HSTU_FORCE_REFERENCE_ATTENTION=1 (a benchmarking-only switch of
-`hstu.ops.attention`). It materialises fp32 [B, H, N, N] scores, so at long lengths it may not
+`hstu.ops.attention`) and runs the unfused layer (--reference-fused keeps the fused one, which
+off the kernel replays the attention forward in backward). It materialises fp32 [B, H, N, N] scores, so at long lengths it may not
 fit: on out-of-memory its per-GPU batch is halved until it does (the row says so in
 "batch_per_gpu"); compare samples/s then.
 
@@ -57,6 +58,13 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="GPUs: > 1 re-launches this script with torchrun --nproc_per_node=NPROC "
         "(TrainerArgs.train_batch_size is then multiplied by NPROC: the config's value is per GPU)",
+    )
+    p.add_argument(
+        "--reference-fused",
+        action="store_true",
+        help="keep NetworkArgs.fused_layer for the reference path too (default: the reference "
+        "path runs the unfused layer, whose autograd keeps the reference attention's graph "
+        "instead of replaying its forward in backward as the fused layer does off the kernel)",
     )
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--mean-seq-len", type=float, default=1024.0)
@@ -113,12 +121,14 @@ def _run_path(path: str, args: argparse.Namespace, device_type: str, world: int)
             "TrainerArgs.ckpt_save_interval=-1",
             "TrainerArgs.progress_bar=False",
         ]
+        if path == "reference" and not args.reference_fused:
+            bindings.append("NetworkArgs.fused_layer=False")
         cfg = load_config(args.task, [args.config], bindings)
         trainer = None
         try:
             trainer = Trainer(cfg, device_type)
             row = _time_trainer(trainer, args)
-            row.update(path=path, batch_per_gpu=per_gpu)
+            row.update(path=path, batch_per_gpu=per_gpu, fused_layer=cfg.network.fused_layer)
             return row
         except torch.OutOfMemoryError:
             if per_gpu <= 1:

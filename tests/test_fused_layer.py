@@ -255,3 +255,27 @@ def test_fused_matches_unfused_bf16_cuda(recompute):
             1e-6
         )
         assert err < 3e-2, (name, float(err))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason="needs CUDA and the compiled HSTU attention kernel")
+def test_fused_head_dim_without_kernel_instance_cuda():
+    """head_dim 50 (paper ML-1M): hstu_attention zero-pads to 64; the fused layer's backward
+    replays it under autograd. Same tolerances as the bf16 test."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    ref = HSTULayer(100, 2, 50, 0.0).to(dev)
+    fused = FusedHSTULayer(100, 2, 50, 0.0).to(dev)
+    fused.load_state_dict(ref.state_dict())
+    attn = _layout([40, 1, 77], targets=[5, 0, 9], device=dev)
+    x = torch.randn(118, 100, device=dev)
+    g = torch.randn(118, 100, device=dev)
+    results = []
+    for layer in (ref, fused):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            results.append(_run(layer, x, attn, g))
+    (out_r, g_r), (out_f, g_f) = results
+    torch.testing.assert_close(out_f, out_r, atol=2e-2, rtol=2e-2)
+    for name in g_r:
+        err = (g_f[name] - g_r[name]).norm() / g_r[name].norm().clamp_min(1e-6)
+        assert err < 3e-2, (name, float(err))

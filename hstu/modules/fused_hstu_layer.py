@@ -284,10 +284,13 @@ class _FusedHSTUFunction(torch.autograd.Function):
         )
 
 
-def _use_compiled_ops(q_device: torch.device, attention_type: str) -> bool:
+def _use_compiled_ops(q_device: torch.device, attention_type: str, head_dim: int) -> bool:
     """The compiled kernel's fwd/bwd ops are called directly on CUDA (unless benchmarking the
-    reference with HSTU_FORCE_REFERENCE_ATTENTION=1 or running the softmax baseline)."""
+    reference with HSTU_FORCE_REFERENCE_ATTENTION=1, running the softmax baseline, or a head dim
+    the kernel lacks: `hstu_attention` then zero-pads it and the generic backward replays it)."""
     if q_device.type != "cuda" or attention_type != "hstu":
+        return False
+    if head_dim not in getattr(attention_ops, "KERNEL_HEAD_DIMS", (32, 64, 128, 256)):
         return False
     if attention_ops.reference_attention_forced():
         return False
@@ -327,7 +330,7 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
             "alpha_arg": layer.alpha,
             "scaling_arg": layer.scaling_seqlen,
         },
-        use_compiled_ops=_use_compiled_ops(x.device, layer.attention_type),
+        use_compiled_ops=_use_compiled_ops(x.device, layer.attention_type, layer.head_dim),
     )
     return _FusedHSTUFunction.apply(
         x,

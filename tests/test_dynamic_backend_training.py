@@ -98,6 +98,20 @@ def test_dynamic_backend_trains_and_resumes_exactly(tmp_path):
     assert [s for s, _ in resumed.losses] == list(range(13, 25))
     np.testing.assert_allclose([v for _, v in resumed.losses], losses[12:], rtol=1e-6, atol=1e-7)
 
+    # a dynamic-table checkpoint does not load into a torchrec-table run: a clear error
+    with pytest.raises(ValueError, match="embedding_backend='dynamic'"):
+        try:
+            run_training(
+                _cfg(
+                    tmp_path / "d",
+                    f"TrainerArgs.ckpt_load_dir='{first.checkpoint_dir}'",
+                    "EmbeddingArgs.embedding_backend='torchrec'",
+                )
+            )
+        finally:
+            if torch.distributed.is_initialized():  # the Trainer failed before owning cleanup
+                torch.distributed.destroy_process_group()
+
 
 def _gpu_ready() -> bool:
     if not torch.cuda.is_available():

@@ -205,13 +205,16 @@ class Trainer:
                 f"{self.info.world_size}; torchrec tables are restored shard by shard, so resume "
                 f"with --nproc_per_node={saved_ws}"
             )
+        saved_dynamic = "dynamic_embeddings" in state
+        if saved_dynamic != (self.core.dynamic_collection is not None):
+            saved = "dynamic" if saved_dynamic else "torchrec"
+            raise ValueError(
+                f"checkpoint {load_dir} was written with EmbeddingArgs.embedding_backend="
+                f"'{saved}' but this run uses '{self.cfg.embedding.embedding_backend}'; resume "
+                f"with --gin-bindings \"EmbeddingArgs.embedding_backend='{saved}'\""
+            )
         self.model.load_state_dict(state["model"])
-        if self.core.dynamic_collection is not None:
-            if "dynamic_embeddings" not in state:
-                raise ValueError(
-                    f"checkpoint {load_dir} has no dynamic embedding tables; it was written with "
-                    "EmbeddingArgs.embedding_backend='torchrec', resume with that backend"
-                )
+        if saved_dynamic:
             self.core.dynamic_collection.load(state["dynamic_embeddings"])
         self.model.fused_optimizer.load_state_dict(state["fused_optimizer"])
         self.optimizer.load_state_dict(state["dense_optimizer"])

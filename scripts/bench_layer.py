@@ -4,7 +4,8 @@ HSTULayer, same weights and inputs, same run. One JSON object per line:
     python scripts/bench_layer.py                         # GPU: bf16 autocast, compiled attention
     python scripts/bench_layer.py --device cpu --batch 4 --max-len 128 --hidden 64 --head-dim 32
 
-Lengths are randint(N // 2, N + 1) from seed 0 (DESIGN.md benchmarks). Time is the median of
+"fused_eager" is the fused layer with its elementwise stages left eager (on CUDA they are
+torch.compiled by default; on CPU always eager). Lengths are randint(N // 2, N + 1) from seed 0 (DESIGN.md benchmarks). Time is the median of
 --iters forward+backward calls after --warmup (CUDA events on GPU, perf_counter on CPU); FLOPs
 as in `hstu.training.flops` for one layer (linears + attention, forward + backward); peak memory
 is the CUDA peak of one forward+backward above the inputs and weights.
@@ -23,13 +24,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hstu.modules.fused_hstu_layer import FusedHSTULayer  # noqa: E402
+from hstu.modules.fused_hstu_layer import FusedHSTULayer, set_stage_compile  # noqa: E402
 from hstu.modules.hstu_layer import AttentionInputs, HSTULayer  # noqa: E402
 from hstu.training.flops import StackShape, step_flops  # noqa: E402
 
 VARIANTS = {
     "unfused": None,
     "fused": (False, False),
+    "fused_eager": (False, False),  # elementwise stages not torch.compiled
     "fused_recompute_ln": (True, False),
     "fused_recompute_silu": (False, True),
     "fused_recompute_both": (True, True),
@@ -109,6 +111,7 @@ def main(argv=None) -> int:
             ).to(dev)
             layer.load_state_dict(ref.state_dict())
         layer.train()
+        set_stage_compile(variant != "fused_eager")
         xi = x.clone().requires_grad_(True)
 
         def step(layer=layer, xi=xi):

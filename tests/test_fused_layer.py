@@ -222,9 +222,12 @@ def _gpu_ready() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_ready(), reason="needs CUDA and the compiled HSTU attention kernel")
 @pytest.mark.parametrize("recompute", RECOMPUTE)
-def test_fused_matches_unfused_bf16_cuda(recompute):
-    """bf16 autocast on CUDA, compiled attention in both: output within 2e-2 (abs) + 2e-2 (rel)
-    and every gradient within 3% relative L2 error of the unfused layer's."""
+@pytest.mark.parametrize("compile_stages", [True, False])
+def test_fused_matches_unfused_bf16_cuda(recompute, compile_stages):
+    """bf16 autocast on CUDA, compiled attention in both, the fused layer's elementwise stages
+    torch.compiled or eager: output within 2e-2 (abs) + 2e-2 (rel) and every gradient within 3%
+    relative L2 error of the unfused layer's."""
+    fused_mod.set_stage_compile(compile_stages)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     hidden, heads, dim = 256, 4, 64
@@ -247,7 +250,11 @@ def test_fused_matches_unfused_bf16_cuda(recompute):
     for layer in (ref, fused):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             results.append(_run(layer, x, attn, g))
+    compiled_ok = fused_mod.stage_compile_enabled()
+    fused_mod.set_stage_compile(True)
     (out_r, g_r), (out_f, g_f) = results
+    if compile_stages:
+        assert compiled_ok, "a stage failed to compile and fell back to eager (see the warning)"
     assert out_f.dtype == out_r.dtype
     torch.testing.assert_close(out_f, out_r, atol=2e-2, rtol=2e-2)
     for name in g_r:

@@ -20,11 +20,17 @@ Attention backward: on CUDA with the compiled kernel the op's own backward
 (`torch.ops.hstu_attention.bwd`) runs; otherwise (CPU reference, softmax baseline,
 `HSTU_FORCE_REFERENCE_ATTENTION=1`) the attention forward is replayed under autograd on detached
 leaves and differentiated with `torch.autograd.grad`.
+
+The memory-bound elementwise stages between the matmuls are pure functions (`_stage_*`), run
+torch.compiled on CUDA (HSTU_FUSED_LAYER_COMPILE=0 or `set_stage_compile(False)`: eager) and
+eagerly on CPU.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,7 +40,16 @@ import torch.nn.functional as F
 from hstu.modules.hstu_layer import AttentionInputs, HSTULayer
 from hstu.ops import attention as attention_ops
 
-__all__ = ["FusedHSTULayer", "apply_dropout", "dropout_keep_mask", "fused_hstu_layer"]
+__all__ = [
+    "FusedHSTULayer",
+    "apply_dropout",
+    "dropout_keep_mask",
+    "fused_hstu_layer",
+    "set_stage_compile",
+    "stage_compile_enabled",
+]
+
+logger = logging.getLogger(__name__)
 
 
 def apply_dropout(g: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +119,119 @@ def _silu_grad(z: torch.Tensor) -> torch.Tensor:
     zf = z.float()
     s = torch.sigmoid(zf)
     return s * (1.0 + zf * (1.0 - s))
+
+
+# ---- elementwise stages between the matmuls and the attention ---------------------------------
+# Pure functions of tensors and Python scalars. On CUDA each is compiled by torch.compile into a
+# few fused kernels (HSTU_FUSED_LAYER_COMPILE=0 keeps them eager): at benchmark shapes these
+# memory-bound steps, not the matmuls, would otherwise dominate the layer's time.
+
+
+def _stage_pre_norm(x, w, b, eps: float, cdtype: torch.dtype):
+    """Input LayerNorm -> (n in the matmul dtype, mean, rstd)."""
+    n, mean, rstd = _layer_norm_fwd(x, w, b, eps)
+    return n.to(cdtype), mean, rstd
+
+
+def _stage_recompute_norm(x, mean, rstd, w, b, cdtype: torch.dtype):
+    """recompute_input_layernorm: n from x and the saved row statistics."""
+    return ((x.float() - mean) * rstd * w.float() + b.float()).to(cdtype)
+
+
+def _stage_silu_qkv(z, num_heads: int, head_dim: int):
+    """SiLU(z) and contiguous [T, H, d] copies of its q, k, v parts (u, v, q, k order)."""
+    act = F.silu(z)
+    hd = num_heads * head_dim
+    t = z.shape[0]
+    v = act[:, hd : 2 * hd].reshape(t, num_heads, head_dim).contiguous()
+    q = act[:, 2 * hd : 3 * hd].reshape(t, num_heads, head_dim).contiguous()
+    k = act[:, 3 * hd :].reshape(t, num_heads, head_dim).contiguous()
+    return act, q, k, v
+
+
+def _stage_gate_fwd(attn, w, b, u, keep, scale: float, eps: float, cdtype: torch.dtype):
+    """y = dropout(LayerNorm(attn) * u) in the matmul dtype, plus LayerNorm(attn)'s statistics."""
+    ln, mean, rstd = _layer_norm_fwd(attn, w, b, eps)
+    g = ln * u.float()
+    if keep is not None:
+        g = g * keep * scale
+    return g.to(cdtype), mean, rstd
+
+
+def _stage_gate_recompute(attn, mean, rstd, w, b, u, keep, scale: float, cdtype: torch.dtype):
+    """The output projection's input y, recomputed in backward (weight gradient of W_o)."""
+    g = ((attn.float() - mean) * rstd * w.float() + b.float()) * u.float()
+    if keep is not None:
+        g = g * keep * scale
+    return g.to(cdtype)
+
+
+def _stage_gate_bwd(dy, attn, mean, rstd, w, b, u, keep, scale: float, cdtype: torch.dtype):
+    """Backward of dropout (same mask), gating and LayerNorm(attn):
+    (d attn in the matmul dtype, du fp32, d weight, d bias)."""
+    dy = dy.float()
+    if keep is not None:
+        dy = dy * keep * scale
+    ln = (attn.float() - mean) * rstd * w.float() + b.float()
+    du = dy * ln
+    d_attn, dw, db = _layer_norm_bwd(dy * u.float(), attn, mean, rstd, w)
+    return d_attn.to(cdtype), du, dw, db
+
+
+def _stage_silu_bwd(du, dv, dq, dk, z, cdtype: torch.dtype):
+    """dz = d(u, v, q, k) * SiLU'(z), in the matmul dtype."""
+    t = z.shape[0]
+    hd = du.shape[-1]
+    grads = torch.cat([du.float()] + [g.reshape(t, hd).float() for g in (dv, dq, dk)], dim=-1)
+    return (grads * _silu_grad(z)).to(cdtype)
+
+
+def _stage_in_norm_bwd(dn, x, mean, rstd, w, dout):
+    """Input LayerNorm backward plus the residual: (dx, d weight, d bias)."""
+    dx_ln, dw, db = _layer_norm_bwd(dn, x, mean, rstd, w)
+    return (dout.float() + dx_ln).to(x.dtype), dw, db
+
+
+def _stage_residual(x, proj):
+    return (x + proj.to(x.dtype)) if x.dtype != proj.dtype else x + proj
+
+
+_STAGES: dict[str, Callable] = {
+    name[len("_stage_") :]: fn for name, fn in globals().items() if name.startswith("_stage_")
+}
+_compiled: dict[str, Callable] = {}
+_compile_state = {"enabled": os.environ.get("HSTU_FUSED_LAYER_COMPILE", "1") != "0"}
+
+
+def set_stage_compile(enabled: bool) -> None:
+    """Turn torch.compile of the elementwise stages on CUDA on or off (benchmarks, debugging)."""
+    _compile_state["enabled"] = bool(enabled)
+
+
+def stage_compile_enabled() -> bool:
+    return _compile_state["enabled"]
+
+
+def _stage(name: str, device: torch.device, *args):
+    """Runs stage ``name``: compiled on CUDA (when enabled), eager otherwise or on failure."""
+    fn = _STAGES[name]
+    if device.type != "cuda" or not _compile_state["enabled"]:
+        return fn(*args)
+    compiled = _compiled.get(name)
+    if compiled is None:
+        compiled = _compiled[name] = torch.compile(fn, dynamic=True)
+    try:
+        return compiled(*args)
+    except Exception as exc:  # a compile failure must not stop training: eager is correct
+        logger.warning(
+            "FusedHSTULayer: torch.compile of stage %r failed (%s: %s); running the elementwise "
+            "stages eagerly from now on",
+            name,
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
+        _compile_state["enabled"] = False
+        return fn(*args)
 
 
 def _attention_forward(
@@ -182,32 +310,34 @@ class _FusedHSTUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_in, b_in, w_uvqk, b_uvqk, w_attn, b_attn, w_out, b_out, spec):  # type: ignore[override]
         cdtype = _compute_dtype(x)
-        dev = x.device.type
-        with torch.autocast(dev, enabled=False):
+        dev = x.device
+        with torch.autocast(dev.type, enabled=False):
             t = x.shape[0]
             hd = spec.num_heads * spec.head_dim
-            n, mean1, rstd1 = _layer_norm_fwd(x, w_in, b_in, spec.eps)
-            n_c = n.to(cdtype)
+            n_c, mean1, rstd1 = _stage("pre_norm", dev, x, w_in, b_in, spec.eps, cdtype)
             z = F.linear(n_c, w_uvqk.to(cdtype), b_uvqk.to(cdtype))
-            act = F.silu(z)
-            u, v, q, k = torch.split(act, hd, dim=-1)
-            shape = (t, spec.num_heads, spec.head_dim)
-            q3, k3, v3 = (s.reshape(shape).contiguous() for s in (q, k, v))
+            act, q3, k3, v3 = _stage("silu_qkv", dev, z, spec.num_heads, spec.head_dim)
+            u = act[:, :hd]
             if t > 0:
                 attn = _attention_forward(spec, q3, k3, v3).reshape(t, hd).to(cdtype)
             else:
                 attn = act.new_zeros((0, hd))
-            ln2, mean2, rstd2 = _layer_norm_fwd(attn, w_attn, b_attn, spec.eps)
-            g = ln2 * u.float()
-            mask = None
-            if spec.training and spec.dropout > 0.0 and g.numel() > 0:
-                g, mask = apply_dropout(g, spec.dropout)
-            y_c = g.to(cdtype)
+            del q3, k3, v3
+            mask, scale = None, 1.0
+            if spec.training and spec.dropout > 0.0 and t > 0:
+                scale = 1.0 / (1.0 - spec.dropout)
+                if _stages_compiled(dev):
+                    mask = torch.rand((t, hd), device=dev) >= spec.dropout
+                else:  # eager: the very draw nn.Dropout makes (same seed, same mask)
+                    ln2, _, _ = _layer_norm_fwd(attn, w_attn, b_attn, spec.eps)
+                    mask = apply_dropout(ln2 * u.float(), spec.dropout)[1]
+            y_c, mean2, rstd2 = _stage(
+                "gate_fwd", dev, attn, w_attn, b_attn, u, mask, scale, spec.eps, cdtype
+            )
             proj = F.linear(y_c, w_out.to(cdtype), b_out.to(cdtype))
-            out = x + proj.to(x.dtype)
+            out = _stage("residual", dev, x, proj)
 
-        ctx.spec, ctx.cdtype = spec, cdtype
-        ctx.has_mask = mask is not None
+        ctx.spec, ctx.cdtype, ctx.scale = spec, cdtype, scale
         saved_n = None if spec.recompute_input_layernorm else n_c
         saved_act = None if spec.recompute_uvqk_silu else act
         ctx.save_for_backward(
@@ -220,58 +350,56 @@ class _FusedHSTUFunction(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         (x, mean1, rstd1, n_c, z, act, attn, mean2, rstd2, mask,
          w_in, b_in, w_uvqk, w_attn, b_attn, w_out) = ctx.saved_tensors  # fmt: skip
-        spec, cdtype = ctx.spec, ctx.cdtype
-        dev = x.device.type
-        with torch.autocast(dev, enabled=False):
+        spec, cdtype, scale = ctx.spec, ctx.cdtype, ctx.scale
+        dev = x.device
+        with torch.autocast(dev.type, enabled=False):
             t = x.shape[0]
             hd = spec.num_heads * spec.head_dim
-            keep_scale = 1.0 / (1.0 - spec.dropout) if ctx.has_mask else 1.0
             if act is None:  # recompute_uvqk_silu
-                act = F.silu(z)
-            u, v, q, k = torch.split(act, hd, dim=-1)
+                act, q3, k3, v3 = _stage("silu_qkv", dev, z, spec.num_heads, spec.head_dim)
+            else:
+                q3 = k3 = v3 = None
+            u = act[:, :hd]
 
-            # output projection: proj = y_c @ W_o^T + b_o, y_c recomputed from attn, u and mask
-            ahat = (attn.float() - mean2) * rstd2
-            ln2 = ahat * w_attn.float() + b_attn.float()
-            g = ln2 * u.float()
-            if ctx.has_mask:
-                g = g * mask * keep_scale
-            y_c = g.to(cdtype)
+            # output projection: proj = y @ W_o^T + b_o, y recomputed from attn, u and the mask
+            y_c = _stage(
+                "gate_recompute", dev, attn, mean2, rstd2, w_attn, b_attn, u, mask, scale, cdtype
+            )
             dproj = dout.to(cdtype)
             d_w_out = (dproj.t() @ y_c).to(w_out.dtype)
             d_b_out = dproj.float().sum(0).to(w_out.dtype)
-            dy = (dproj @ w_out.to(cdtype)).float()
+            dy = dproj @ w_out.to(cdtype)
+            del y_c
 
-            # dropout (same mask) and gating
-            if ctx.has_mask:
-                dy = dy * mask * keep_scale
-            du = dy * ln2
-            dln2 = dy * u.float()
-            d_attn, d_w_attn, d_b_attn = _layer_norm_bwd(dln2, attn, mean2, rstd2, w_attn)
+            # dropout (the forward's mask), gating, LayerNorm(attn)
+            d_attn, du, d_w_attn, d_b_attn = _stage(
+                "gate_bwd", dev, dy, attn, mean2, rstd2, w_attn, b_attn, u, mask, scale, cdtype
+            )
 
             # attention
             shape = (t, spec.num_heads, spec.head_dim)
             if t > 0:
-                q3, k3, v3 = (s.reshape(shape).contiguous() for s in (q, k, v))
-                dq, dk, dv = _attention_backward(spec, d_attn.to(cdtype).reshape(shape), q3, k3, v3)
-                dq, dk, dv = (d.reshape(t, hd).float() for d in (dq, dk, dv))
+                if q3 is None:
+                    q3, k3, v3 = (
+                        act[:, i * hd : (i + 1) * hd].reshape(shape).contiguous() for i in (2, 3, 1)
+                    )
+                dq, dk, dv = _attention_backward(spec, d_attn.reshape(shape), q3, k3, v3)
             else:
-                dq = dk = dv = du.new_zeros((0, hd))
+                dq = dk = dv = act.new_zeros(shape)
 
             # SiLU and the uvqk projection
-            dz = (torch.cat([du, dv, dq, dk], dim=-1) * _silu_grad(z)).to(cdtype)
+            dz = _stage("silu_bwd", dev, du, dv, dq, dk, z, cdtype)
+            del du, dv, dq, dk
             if n_c is None:  # recompute_input_layernorm
-                xhat = (x.float() - mean1) * rstd1
-                n_c = (xhat * w_in.float() + b_in.float()).to(cdtype)
+                n_c = _stage("recompute_norm", dev, x, mean1, rstd1, w_in, b_in, cdtype)
             d_w_uvqk = (dz.t() @ n_c).to(w_uvqk.dtype)
             d_b_uvqk = dz.float().sum(0).to(w_uvqk.dtype)
-            dn = (dz @ w_uvqk.to(cdtype)).float()
+            dn = dz @ w_uvqk.to(cdtype)
 
             # input LayerNorm and the residual
-            dx_ln, d_w_in, d_b_in = _layer_norm_bwd(dn, x, mean1, rstd1, w_in)
-            dx = dout + dx_ln.to(dout.dtype)
+            dx, d_w_in, d_b_in = _stage("in_norm_bwd", dev, dn, x, mean1, rstd1, w_in, dout)
         return (
-            dx.to(x.dtype),
+            dx,
             d_w_in.to(w_in.dtype),
             d_b_in.to(b_in.dtype),
             d_w_uvqk,
@@ -282,6 +410,10 @@ class _FusedHSTUFunction(torch.autograd.Function):
             d_b_out,
             None,
         )
+
+
+def _stages_compiled(device: torch.device) -> bool:
+    return device.type == "cuda" and _compile_state["enabled"]
 
 
 def _use_compiled_ops(q_device: torch.device, attention_type: str, head_dim: int) -> bool:

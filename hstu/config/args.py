@@ -273,7 +273,7 @@ class NetworkArgs:
     scaling_seqlen: int = 0  # 0 = the batch's max sequence length
     num_position_embeddings: int = 0  # 0 = derived from DatasetArgs
     attention_type: str = "hstu"  # "softmax" = SASRec-style baseline in the same layer
-    fused_layer: bool = True  # FusedHSTULayer (one autograd Function); False = unfused HSTULayer
+    fused_layer: bool = False  # True: FusedHSTULayer (one autograd Function); False: HSTULayer (faster today, see docs/benchmarks.md)
     recompute_input_layernorm: bool = False  # fused layer: recompute LayerNorm(x) in backward
     recompute_uvqk_silu: bool = False  # fused layer: store only the uvqk pre-activation
 

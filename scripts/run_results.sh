@@ -4,9 +4,12 @@
 #   bash scripts/run_results.sh prepare        # data/amazon-beauty, data/amazon-beauty-val, data/ml-1m
 #   bash scripts/run_results.sh beauty-hstu    # Amazon Beauty retrieval, HSTU attention
 #   bash scripts/run_results.sh beauty-sasrec  # the same run with the SASRec-style softmax attention
-#   THREADS=2 bash scripts/run_results.sh ml-1m  # ML-1M retrieval, CPU development mode (< 15 min)
+#   bash scripts/run_results.sh ml-1m          # ML-1M retrieval, CPU development mode (< 15 min)
 #   bash scripts/run_results.sh ml-1m-sasrec   # the same run with the SASRec-style softmax attention
 #   bash scripts/run_results.sh beauty-val-hstu|beauty-val-sasrec  # the tuning runs (validation)
+#
+# Arguments after the run name are passed on (they win over the bindings below), e.g. a second
+# seed: SUFFIX=-seed2 bash scripts/run_results.sh beauty-hstu --gin-bindings "TrainerArgs.seed=2"
 #
 # Environment: SHARED (default ../shared/data) holds the raw files; RESULTS_DIR (default
 # runs/results) receives the run directories (TensorBoard, config.gin) and <run>.log;
@@ -19,6 +22,7 @@ cd "$(dirname "$0")/.."
 SHARED=${SHARED:-../shared/data}
 RESULTS_DIR=${RESULTS_DIR:-runs/results}
 THREADS=${THREADS:-1}
+SUFFIX=${SUFFIX:-}
 
 # Amazon Beauty: both attention types share every binding below (see docs/results.md for how
 # they were chosen on the validation split).
@@ -36,14 +40,14 @@ BEAUTY_BINDINGS=(
 ML1M_BINDINGS=(
   --gin-bindings "EmbeddingArgs.sparse_optimizer_str='rowwise_adagrad'"
   --gin-bindings "EmbeddingArgs.sparse_learning_rate=0.2"
-  --gin-bindings "TrainerArgs.max_train_iters=1340"
-  --gin-bindings "TrainerArgs.eval_interval=670"
+  --gin-bindings "TrainerArgs.max_train_iters=800"
+  --gin-bindings "TrainerArgs.eval_interval=400"
   --gin-bindings "TrainerArgs.log_interval=100"
   --gin-bindings "TrainerArgs.ckpt_save_interval=-1"
 )
 
 train() {  # train <run name> <gin file> [extra args...]
-  local name=$1 gin=$2
+  local name=$1$SUFFIX gin=$2
   shift 2
   mkdir -p "$RESULTS_DIR"
   local start=$SECONDS
@@ -57,7 +61,9 @@ train() {  # train <run name> <gin file> [extra args...]
   echo "$name: wall time $((SECONDS - start)) s" | tee -a "$RESULTS_DIR/$name.log"
 }
 
-case "${1:-}" in
+cmd=${1:-}
+shift || true
+case "$cmd" in
   prepare)
     python -m hstu.data.prepare --dataset amazon-beauty --source "$SHARED/amazon-beauty/Beauty.txt"
     python -m hstu.data.prepare --dataset sequences --source "$SHARED/ml-1m-sasrec/ml-1m.txt.gz" \
@@ -70,27 +76,27 @@ case "${1:-}" in
       --output data/amazon-beauty-val
     ;;
   beauty-hstu)
-    train beauty-hstu configs/amazon_beauty_retrieval.gin "${BEAUTY_BINDINGS[@]}"
+    train beauty-hstu configs/amazon_beauty_retrieval.gin "${BEAUTY_BINDINGS[@]}" "$@"
     ;;
   beauty-sasrec)
-    train beauty-sasrec configs/amazon_beauty_sasrec_retrieval.gin "${BEAUTY_BINDINGS[@]}"
+    train beauty-sasrec configs/amazon_beauty_sasrec_retrieval.gin "${BEAUTY_BINDINGS[@]}" "$@"
     ;;
   beauty-val-hstu)
     train beauty-val-hstu configs/amazon_beauty_retrieval.gin "${BEAUTY_BINDINGS[@]}" \
-      --gin-bindings "DatasetArgs.dataset_path='data/amazon-beauty-val'"
+      --gin-bindings "DatasetArgs.dataset_path='data/amazon-beauty-val'" "$@"
     ;;
   beauty-val-sasrec)
     train beauty-val-sasrec configs/amazon_beauty_sasrec_retrieval.gin "${BEAUTY_BINDINGS[@]}" \
-      --gin-bindings "DatasetArgs.dataset_path='data/amazon-beauty-val'"
+      --gin-bindings "DatasetArgs.dataset_path='data/amazon-beauty-val'" "$@"
     ;;
   ml-1m)
-    train ml-1m-hstu configs/ml_1m_retrieval.gin "${ML1M_BINDINGS[@]}"
+    train ml-1m-hstu configs/ml_1m_retrieval.gin "${ML1M_BINDINGS[@]}" "$@"
     ;;
   ml-1m-sasrec)
-    train ml-1m-sasrec configs/ml_1m_sasrec_retrieval.gin "${ML1M_BINDINGS[@]}"
+    train ml-1m-sasrec configs/ml_1m_sasrec_retrieval.gin "${ML1M_BINDINGS[@]}" "$@"
     ;;
   *)
-    sed -n '2,10p' "$0" >&2
+    sed -n '2,14p' "$0" >&2
     exit 2
     ;;
 esac

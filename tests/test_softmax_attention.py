@@ -227,3 +227,20 @@ def test_builder_passes_attention_type_and_the_baseline_learns():
         opt.step()
         losses.append(out["loss"].item())
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_fused_layer_runs_the_softmax_baseline_like_the_unfused_layer():
+    fused_mod = pytest.importorskip("hstu.modules.fused_hstu_layer")
+    x, attn = _layer_inputs()
+    torch.manual_seed(0)
+    plain = HSTULayer(16, num_heads=2, head_dim=8, attention_type="softmax").eval()
+    fused = fused_mod.FusedHSTULayer(16, num_heads=2, head_dim=8, attention_type="softmax").eval()
+    fused.load_state_dict(plain.state_dict())
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    ys = [plain(xs[0], attn), fused(xs[1], attn)]
+    torch.testing.assert_close(ys[1], ys[0])
+    for y in ys:
+        y.square().sum().backward()
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5, msg=name)

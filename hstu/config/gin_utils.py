@@ -67,8 +67,7 @@ _RECSYS_EXAMPLES_HINTS: dict[str, str] = {
     "NetworkArgs.embedding_backend": "use EmbeddingArgs.embedding_backend",
     "NetworkArgs.norm_epsilon": "remove the line (LayerNorm eps is fixed)",
     "NetworkArgs.is_causal": "HSTU attention here is always causal; remove the line",
-    "NetworkArgs.recompute_input_layernorm": "remove the line (not configurable here)",
-    "NetworkArgs.recompute_input_silu": "remove the line (not configurable here)",
+    "NetworkArgs.recompute_input_silu": "use NetworkArgs.recompute_uvqk_silu (with NetworkArgs.fused_layer=True)",
     "NetworkArgs.item_embedding_dim": "embeddings have NetworkArgs.hidden_size columns; "
     "remove the line",
     "NetworkArgs.contextual_embedding_dim": "embeddings have NetworkArgs.hidden_size columns; "

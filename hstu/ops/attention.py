@@ -29,7 +29,7 @@ FORCE_REFERENCE_ENV = "HSTU_FORCE_REFERENCE_ATTENTION"
 
 _BUILD_HINT = (
     "the compiled HSTU attention kernel is not available for this GPU. Build it with "
-    "`HSTU_CUDA_ARCH_LIST=\"8.0\" pip install --no-build-isolation -e .` (add \";9.0\" for "
+    '`HSTU_CUDA_ARCH_LIST="8.0" pip install --no-build-isolation -e .` (add ";9.0" for '
     "H100/H200 test machines) with nvcc and nvidia-cutlass==4.2.0.0 installed"
 )
 

@@ -112,9 +112,10 @@ class GenerativeRecommender(nn.Module):
         num_positions: int = 0,
         init_std: float = 0.02,
         seed: int = 0,
-        fused_layer: bool = True,
+        fused_layer: bool = False,
         recompute_input_layernorm: bool = False,
         recompute_uvqk_silu: bool = False,
+        attention_type: str = "hstu",
         dynamic_tables: DynamicTableOptions | None = None,
     ) -> None:
         super().__init__()
@@ -163,6 +164,7 @@ class GenerativeRecommender(nn.Module):
             fused=fused_layer,
             recompute_input_layernorm=recompute_input_layernorm,
             recompute_uvqk_silu=recompute_uvqk_silu,
+            attention_type=attention_type,
         )
         # jagged layout of the last forward (FLOP accounting reads its sequence lengths)
         self.last_attention_inputs: AttentionInputs | None = None

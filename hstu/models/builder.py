@@ -10,7 +10,7 @@ from hstu.models.base import DynamicTableOptions, FeatureInfo, GenerativeRecomme
 from hstu.models.ranking import RankingGR
 from hstu.models.retrieval import RetrievalGR
 
-__all__ = ["feature_info", "build_model", "set_attention_type", "dynamic_table_options"]
+__all__ = ["feature_info", "build_model", "dynamic_table_options"]
 
 
 def feature_info(data: SequenceData, cfg: RunConfig) -> FeatureInfo:
@@ -33,24 +33,7 @@ def build_model(
     ``dynamic_device``: where dynamic tables (EmbeddingArgs.embedding_backend='dynamic') are
     built; "meta" on GPU, where DistributedModelParallel's DynamicEmbeddingSharder creates them.
     """
-    model = _build_model(cfg, data, dynamic_device)
-    set_attention_type(model, cfg.network.attention_type)
-    return model
-
-
-def set_attention_type(model: GenerativeRecommender, attention_type: str) -> None:
-    """NetworkArgs.attention_type onto every encoder layer ("softmax": the SASRec-style baseline).
-
-    Set after construction so the models' constructors stay untouched; the attention has no
-    parameters of its own, so both types start from the same seeded weights.
-    """
-    for layer in model.encoder.layers:
-        if not hasattr(layer, "attention_type"):
-            raise ValueError(
-                f"NetworkArgs.attention_type={attention_type!r}: encoder layer "
-                f"{type(layer).__name__} has no attention_type switch"
-            )
-        layer.attention_type = attention_type
+    return _build_model(cfg, data, dynamic_device)
 
 
 def dynamic_table_options(cfg: RunConfig, device: str = "cpu") -> DynamicTableOptions | None:
@@ -91,6 +74,7 @@ def _build_model(
         fused_layer=net.fused_layer,
         recompute_input_layernorm=net.recompute_input_layernorm,
         recompute_uvqk_silu=net.recompute_uvqk_silu,
+        attention_type=net.attention_type,
         dynamic_tables=dynamic_table_options(cfg, dynamic_device),
     )
     info = feature_info(data, cfg)

@@ -12,8 +12,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torchrec import EmbeddingCollection, EmbeddingConfig
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-__all__ = ["TableSpec", "build_embedding_collection", "apply_sparse_optimizer", "SPARSE_OPTIMIZERS"]
+__all__ = [
+    "TableSpec",
+    "DenseEmbeddingCollection",
+    "build_embedding_collection",
+    "apply_sparse_optimizer",
+    "SPARSE_OPTIMIZERS",
+]
 
 SPARSE_OPTIMIZERS = ("sgd", "adam", "adagrad", "rowwise_adagrad")
 # fbgemm's CPU TBE kernels implement only these (torchrec fuses the optimizer into backward).
@@ -63,6 +70,83 @@ def build_embedding_collection(
             w = ec.embeddings[s.name].weight
             w.copy_(torch.randn(w.shape, generator=generator) * init_std)
     return ec
+
+
+def init_rows_(
+    weight: torch.Tensor,
+    initializer: str,
+    init_std: float,
+    generator: torch.Generator | None = None,
+) -> None:
+    """Fills ``weight`` in place: N(0, s), N(0, s) truncated at 2s, U(-s, s) or the constant s."""
+    with torch.no_grad():
+        if initializer == "normal":
+            weight.copy_(torch.randn(weight.shape, generator=generator) * init_std)
+        elif initializer == "truncated_normal":
+            rows = torch.empty(weight.shape)
+            torch.nn.init.trunc_normal_(
+                rows, std=init_std, a=-2 * init_std, b=2 * init_std, generator=generator
+            )
+            weight.copy_(rows)
+        elif initializer == "uniform":
+            weight.copy_((torch.rand(weight.shape, generator=generator) * 2 - 1) * init_std)
+        elif initializer == "constant":
+            weight.fill_(init_std)
+        else:
+            raise ValueError(
+                f"EmbeddingArgs.initializer={initializer!r} is not supported: one of "
+                "'normal', 'truncated_normal', 'uniform', 'constant'"
+            )
+
+
+class DenseEmbeddingCollection(nn.Module):
+    """Plain ``nn.Embedding`` tables with torchrec's ``EmbeddingCollection`` contract
+    (``collection(kjt) -> dict[feature, JaggedTensor]``).
+
+    EmbeddingArgs.embedding_backend='dense': the tables are ordinary dense parameters, so the
+    dense optimizer updates every row at every step (Adam moments included) and DDP replicates
+    them, exactly as Meta's reference HSTU trains its item table. Meant for small catalogues
+    (every rank holds every row; the gradient is a dense [rows, dim] tensor).
+    """
+
+    def __init__(
+        self,
+        specs: list[TableSpec],
+        *,
+        initializer: str = "normal",
+        init_std: float = 0.02,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        self.tables = nn.ModuleDict()
+        self.feature_to_table: dict[str, str] = {}
+        for s in specs:
+            if s.dynamic:
+                raise ValueError(f"table {s.name!r} is dynamic; a dense collection holds none")
+            table = nn.Embedding(s.num_embeddings, s.embedding_dim)
+            init_rows_(table.weight, initializer, init_std, generator)
+            self.tables[s.name] = table
+            for f in s.feature_names:
+                if f in self.feature_to_table:
+                    raise ValueError(f"feature {f!r} is listed by two tables")
+                self.feature_to_table[f] = s.name
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        out: dict[str, JaggedTensor] = {}
+        for key, jt in features.to_dict().items():
+            if key not in self.feature_to_table:
+                raise KeyError(
+                    f"feature {key!r} has no table (tables serve {sorted(self.feature_to_table)})"
+                )
+            table = self.tables[self.feature_to_table[key]]
+            ids = jt.values().long()
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.num_embeddings):
+                raise ValueError(
+                    f"feature {key!r}: ids must lie in [0, {table.num_embeddings}); got "
+                    f"{int(ids.min())}..{int(ids.max())}"
+                )
+            out[key] = JaggedTensor(values=table(ids), lengths=jt.lengths())
+        return out
 
 
 def apply_sparse_optimizer(

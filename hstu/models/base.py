@@ -12,6 +12,7 @@ from hstu.data.batch import ITEM_FEATURE, Batch
 from hstu.embeddings import TableSpec, build_embedding_collection
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
 from hstu.embeddings.dynamic_table import DynamicEmbeddingCollection
+from hstu.embeddings.static import DenseEmbeddingCollection
 from hstu.modules.hstu_layer import AttentionInputs, HSTUEncoder
 from hstu.modules.preprocessor import SequenceLayout, SequencePreprocessor
 
@@ -21,7 +22,14 @@ __all__ = [
     "EXTRA_ITEM_FEATURE",
     "USER_ID_FEATURE",
     "DynamicTableOptions",
+    "DenseTableOptions",
+    "RELATIVE_ATTENTION_BIAS",
 ]
+
+# NetworkArgs.relative_attention_bias: "position" = a learned bias per relative position added to
+# the attention scores (the position part of Meta HSTU's relative bias; its time part needs
+# timestamps, which batches do not carry)
+RELATIVE_ATTENTION_BIAS = ("none", "position")
 
 # A second feature on the item table: negatives and corpus lookups ride along with the batch so
 # every call of the (possibly sharded) collection sees the same feature keys.
@@ -91,6 +99,16 @@ class DynamicTableOptions:
         )
 
 
+@dataclass
+class DenseTableOptions:
+    """EmbeddingArgs.embedding_backend='dense': every table is a plain ``nn.Embedding`` inside the
+    dense model, trained by the dense optimizer (every row, every step, as in Meta's reference
+    HSTU training) and replicated by DDP instead of sharded. For small catalogues only."""
+
+    initializer: str = "normal"
+    init_std: float = 0.02
+
+
 class GenerativeRecommender(nn.Module):
     """Embeddings -> jagged token sequence -> N HSTU layers."""
 
@@ -117,40 +135,76 @@ class GenerativeRecommender(nn.Module):
         recompute_uvqk_silu: bool = False,
         attention_type: str = "hstu",
         dynamic_tables: DynamicTableOptions | None = None,
+        dense_tables: DenseTableOptions | None = None,
+        use_contextual_features: bool = True,
+        relative_attention_bias: str = "none",
+        scale_item_embeddings: bool = False,
+        position_init_std: float = 0.02,
+        uvqk_init_std: float = 0.0,
+        final_layernorm: bool = True,
     ) -> None:
         super().__init__()
+        if dynamic_tables is not None and dense_tables is not None:
+            raise ValueError("choose one EmbeddingArgs.embedding_backend: 'dynamic' or 'dense'")
+        if relative_attention_bias not in RELATIVE_ATTENTION_BIAS:
+            raise ValueError(
+                f"NetworkArgs.relative_attention_bias={relative_attention_bias!r} is not "
+                f"supported: one of {list(RELATIVE_ATTENTION_BIAS)}"
+            )
         self.info = info
         self.hidden_size = hidden_size
+        # contextual features the model embeds as leading tokens (all of the data's, or none)
+        self.contextual_names = (
+            list(info.contextual_feature_names) if use_contextual_features else []
+        )
         gen = torch.Generator().manual_seed(seed)
         # fbgemm's TBE kernels need a row width that is a multiple of 4: wider rows, the first
-        # hidden_size columns used (the spare columns never receive gradient)
-        self.table_dim = (hidden_size + 3) // 4 * 4
+        # hidden_size columns used (the spare columns never receive gradient). Plain nn.Embedding
+        # tables (the dense backend) have no such constraint.
+        self.table_dim = hidden_size if dense_tables is not None else (hidden_size + 3) // 4 * 4
         item_features = [ITEM_FEATURE] + ([EXTRA_ITEM_FEATURE] if self.uses_extra_items else [])
+        cards = dict(zip(info.contextual_feature_names, info.contextual_cardinalities))
         specs = [
-            TableSpec(f"ctx_{name}", max(1, card), self.table_dim, [name])
-            for name, card in zip(info.contextual_feature_names, info.contextual_cardinalities)
+            TableSpec(f"ctx_{name}", max(1, cards[name]), self.table_dim, [name])
+            for name in self.contextual_names
         ]
         specs.append(
             TableSpec("item_table", max(1, info.item_vocab_size), self.table_dim, item_features)
         )
-        self.embedding_features = list(info.contextual_feature_names) + item_features
+        self.embedding_features = list(self.contextual_names) + item_features
         self.dynamic_features: list[str] = []
         self.dynamic_collection: DynamicEmbeddingCollection | None = None
         if dynamic_tables is not None:
             specs = self._make_dynamic(specs, dynamic_tables)
         self.table_specs = specs
         static = [s for s in specs if not s.dynamic]
-        self.embedding_collection = (
-            build_embedding_collection(static, init_std=init_std, generator=gen) if static else None
-        )
+        # torchrec tables (sharded by DistributedModelParallel, fused sparse optimizer) or, with
+        # the dense backend, plain nn.Embedding tables that are ordinary dense parameters
+        self.embedding_collection: nn.Module | None = None
+        self.dense_tables: DenseEmbeddingCollection | None = None
+        if dense_tables is not None:
+            self.dense_tables = DenseEmbeddingCollection(
+                static,
+                initializer=dense_tables.initializer,
+                init_std=dense_tables.init_std,
+                generator=gen,
+            )
+        elif static:
+            self.embedding_collection = build_embedding_collection(
+                static, init_std=init_std, generator=gen
+            )
         positions = num_positions or (info.max_history_seqlen + 1)
         self.preprocessor = SequencePreprocessor(
             hidden_size,
             info.num_action_bits,
             positions,
-            len(info.contextual_feature_names),
+            len(self.contextual_names),
             dropout=dropout,
+            scale_item_embeddings=scale_item_embeddings,
+            position_init_std=position_init_std,
         )
+        # longest token sequence: contextual tokens + history/candidate positions + candidates
+        max_tokens = len(self.contextual_names) + positions + info.max_num_candidates
         self.encoder = HSTUEncoder(
             num_layers,
             hidden_size,
@@ -165,6 +219,9 @@ class GenerativeRecommender(nn.Module):
             recompute_input_layernorm=recompute_input_layernorm,
             recompute_uvqk_silu=recompute_uvqk_silu,
             attention_type=attention_type,
+            relative_bias_len=max_tokens if relative_attention_bias == "position" else 0,
+            uvqk_init_std=uvqk_init_std,
+            final_layernorm=final_layernorm,
         )
         # jagged layout of the last forward (FLOP accounting reads its sequence lengths)
         self.last_attention_inputs: AttentionInputs | None = None
@@ -200,12 +257,17 @@ class GenerativeRecommender(nn.Module):
     ) -> KeyedJaggedTensor:
         """One KJT with exactly ``self.embedding_features`` as keys (batch features + extra ids)."""
         names = self.embedding_features
-        n_ctx = len(self.info.contextual_feature_names)
+        n_ctx = len(self.contextual_names)
         if batch is not None:
             kjt = batch.features
             b = batch.batch_size
-            lengths = kjt.lengths()[: (n_ctx + 1) * b]
-            values = kjt.values()[: int(lengths.sum())]
+            # the batch's keys: [*data contextual features, item, action]; the model keeps all
+            # contextual features or none (NetworkArgs.use_contextual_features)
+            skip = (len(self.info.contextual_feature_names) - n_ctx) * b
+            all_lengths = kjt.lengths()
+            start = int(all_lengths[:skip].sum()) if skip else 0
+            lengths = all_lengths[skip : skip + (n_ctx + 1) * b]
+            values = kjt.values()[start : start + int(lengths.sum())]
         else:
             b = 1
             lengths = torch.zeros((n_ctx + 1) * b, dtype=torch.long, device=device)
@@ -230,8 +292,11 @@ class GenerativeRecommender(nn.Module):
         """feature -> JaggedTensor of [n, hidden_size] rows (table padding columns dropped)."""
         device = batch.user_ids.device if batch is not None else extra_ids.device
         kjt = self._lookup_kjt(batch, extra_ids, device)
+        static_collection = (
+            self.dense_tables if self.dense_tables is not None else self.embedding_collection
+        )
         if self.dynamic_collection is None:
-            out = self.embedding_collection(kjt)
+            out = static_collection(kjt)
         else:
             keys = kjt.keys()
             dyn = [i for i, k in enumerate(keys) if k in self.dynamic_features]
@@ -239,7 +304,7 @@ class GenerativeRecommender(nn.Module):
             out = {}
             if static:
                 kjt_static, kjt_dyn = kjt.permute(static + dyn).split([len(static), len(dyn)])
-                out.update(self.embedding_collection(kjt_static))
+                out.update(static_collection(kjt_static))
             else:
                 kjt_dyn = kjt
             out.update(self.dynamic_collection(kjt_dyn))
@@ -254,7 +319,7 @@ class GenerativeRecommender(nn.Module):
     def encode(self, batch: Batch, extra_ids: torch.Tensor | None = None):
         """Returns (encoder output [T, D], layout, item embeddings [N_items, D], extra emb or None)."""
         emb = self.lookup(batch, extra_ids)
-        contextual = [emb[name].values() for name in self.info.contextual_feature_names]
+        contextual = [emb[name].values() for name in self.contextual_names]
         items = emb[ITEM_FEATURE]
         x, layout = self.preprocessor(batch, contextual, items)
         self.last_attention_inputs = layout.attn

@@ -6,11 +6,16 @@ import torch
 
 from hstu.config.gin_utils import RunConfig
 from hstu.data.sequences import SequenceData
-from hstu.models.base import DynamicTableOptions, FeatureInfo, GenerativeRecommender
+from hstu.models.base import (
+    DenseTableOptions,
+    DynamicTableOptions,
+    FeatureInfo,
+    GenerativeRecommender,
+)
 from hstu.models.ranking import RankingGR
 from hstu.models.retrieval import RetrievalGR
 
-__all__ = ["feature_info", "build_model", "dynamic_table_options"]
+__all__ = ["feature_info", "build_model", "dynamic_table_options", "dense_table_options"]
 
 
 def feature_info(data: SequenceData, cfg: RunConfig) -> FeatureInfo:
@@ -54,6 +59,14 @@ def dynamic_table_options(cfg: RunConfig, device: str = "cpu") -> DynamicTableOp
     )
 
 
+def dense_table_options(cfg: RunConfig) -> DenseTableOptions | None:
+    """EmbeddingArgs -> the dense tables' settings (None unless embedding_backend='dense')."""
+    emb = cfg.embedding
+    if emb.embedding_backend != "dense":
+        return None
+    return DenseTableOptions(initializer=emb.initializer, init_std=emb.init_std)
+
+
 def _build_model(
     cfg: RunConfig, data: SequenceData, dynamic_device: str = "cpu"
 ) -> GenerativeRecommender:
@@ -76,6 +89,13 @@ def _build_model(
         recompute_uvqk_silu=net.recompute_uvqk_silu,
         attention_type=net.attention_type,
         dynamic_tables=dynamic_table_options(cfg, dynamic_device),
+        dense_tables=dense_table_options(cfg),
+        use_contextual_features=net.use_contextual_features,
+        relative_attention_bias=net.relative_attention_bias,
+        scale_item_embeddings=net.scale_item_embeddings,
+        position_init_std=net.position_init_std,
+        uvqk_init_std=net.uvqk_init_std,
+        final_layernorm=net.final_layernorm,
     )
     info = feature_info(data, cfg)
     torch.manual_seed(cfg.trainer.seed)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -9,18 +11,33 @@ from hstu.data.batch import Batch
 from hstu.models.base import EXTRA_ITEM_FEATURE, FeatureInfo, GenerativeRecommender, gather_outputs
 from hstu.modules.preprocessor import item_values
 
-__all__ = ["RetrievalGR", "NEGATIVE_SAMPLING"]
+__all__ = ["RetrievalGR", "NEGATIVE_SAMPLING", "NegativeSample"]
 
 NEGATIVE_SAMPLING = ("random", "in_batch", "mixed")
+
+
+class NegativeSample(NamedTuple):
+    """Random negatives of one training batch, ``num_negatives`` per supervised row."""
+
+    lookup_ids: torch.Tensor  # item ids whose embeddings the batch looks up
+    ids: torch.Tensor  # [R, K] sampled item id of each row's negatives
+    index: torch.Tensor  # [R, K] position of each negative among the looked-up rows
+    whole_corpus: bool  # lookup_ids is the whole corpus (index = corpus position)
 
 
 class RetrievalGR(GenerativeRecommender):
     """Each history position predicts the next item.
 
     Query and item embeddings are L2-normalised; logits are cosine / temperature. Negatives:
-    ``random`` (``num_negatives`` ids drawn uniformly from the item corpus, shared by the batch),
-    ``in_batch`` (the other positions' positives) or ``mixed`` (both). A negative equal to the
-    positive is masked out.
+    ``random`` (``num_negatives`` ids drawn uniformly, with replacement, from the item corpus for
+    every supervised position separately, as Meta HSTU's "local" sampler), ``in_batch`` (the
+    other positions' positives) or ``mixed`` (both). A negative equal to the positive is masked
+    out.
+
+    Per-row sampling costs no [rows, num_negatives, dim] tensor when the corpus is small: if
+    ``corpus <= num_negatives * dim`` the whole corpus is looked up once and each row's sampled
+    logits are gathered from ``q @ corpus.T`` (same logits, fewer bytes); otherwise the distinct
+    sampled ids are looked up and gathered per row.
     """
 
     uses_extra_items = True
@@ -52,13 +69,29 @@ class RetrievalGR(GenerativeRecommender):
     def normalize(x: torch.Tensor) -> torch.Tensor:
         return F.normalize(x.float(), dim=-1, eps=1e-6)
 
-    def _sample_negatives(self) -> torch.Tensor | None:
+    def _sample_negatives(self, num_rows: int) -> NegativeSample | None:
+        """Draws ``num_negatives`` corpus positions per supervised row (None without random
+        negatives)."""
         if self.negative_sampling == "in_batch" or self.num_negatives <= 0:
             return None
-        idx = torch.randint(
-            0, self.item_corpus.numel(), (self.num_negatives,), device=self.item_corpus.device
+        corpus = self.item_corpus
+        offsets = torch.randint(
+            0, corpus.numel(), (num_rows, self.num_negatives), device=corpus.device
         )
-        return self.item_corpus[idx]
+        if corpus.numel() <= self.num_negatives * self.hidden_size:
+            return NegativeSample(corpus, corpus[offsets], offsets, whole_corpus=True)
+        uniq, inverse = torch.unique(offsets, return_inverse=True)
+        return NegativeSample(corpus[uniq], corpus[offsets], inverse, whole_corpus=False)
+
+    def _negative_logits(
+        self, q: torch.Tensor, neg_emb: torch.Tensor, sample: NegativeSample
+    ) -> torch.Tensor:
+        """Cosine of each row's query with its own sampled negatives, [R, K] in fp32."""
+        neg = self.normalize(neg_emb)
+        with torch.autocast(q.device.type, enabled=False):
+            if sample.whole_corpus:
+                return (q @ neg.t()).gather(1, sample.index)
+            return torch.einsum("rd,rkd->rk", q, neg[sample.index])
 
     def forward(
         self, batch: Batch, loss_normalizer: float | None = None
@@ -68,8 +101,13 @@ class RetrievalGR(GenerativeRecommender):
         With ``batch.target_item_ids`` set (evaluation), also returns the query embedding of each
         sample's last history position as ``query``.
         """
-        neg_ids = self._sample_negatives() if self.training else None
-        y, layout, item_emb, neg_emb = self.encode(batch, neg_ids)
+        sampled = None
+        if self.training:
+            rows = int(torch.clamp(batch.history_lengths() - 1, min=0).sum())
+            sampled = self._sample_negatives(rows)
+        y, layout, item_emb, neg_emb = self.encode(
+            batch, sampled.lookup_ids if sampled is not None else None
+        )
         ids = item_values(batch).to(y.device)
         out: dict[str, torch.Tensor] = {"num_tokens": torch.tensor(layout.num_tokens)}
         # position p predicts item p + 1 of the same sample
@@ -82,12 +120,15 @@ class RetrievalGR(GenerativeRecommender):
         pos = self.normalize(item_emb[src + 1])
         pos_logit = (q * pos).sum(-1, keepdim=True) / self.temperature
         logits = [pos_logit]
-        if neg_ids is not None and neg_emb is not None and neg_emb.shape[0] > 0:
-            neg = self.normalize(neg_emb)
-            neg_logit = q @ neg.t() / self.temperature
-            neg_logit = neg_logit.masked_fill(
-                pos_ids.view(-1, 1) == neg_ids.view(1, -1), float("-inf")
-            )
+        if sampled is not None and neg_emb is not None and q.shape[0] > 0:
+            neg_ids = sampled.ids
+            if neg_ids.shape[0] != q.shape[0]:
+                raise RuntimeError(
+                    f"sampled negatives for {neg_ids.shape[0]} rows but the batch has "
+                    f"{q.shape[0]} next-item positions"
+                )
+            neg_logit = self._negative_logits(q, neg_emb, sampled) / self.temperature
+            neg_logit = neg_logit.masked_fill(pos_ids.view(-1, 1) == neg_ids, float("-inf"))
             logits.append(neg_logit)
         if self.negative_sampling in ("in_batch", "mixed") and self.training:
             ib_logit = q @ pos.t() / self.temperature

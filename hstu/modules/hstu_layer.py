@@ -2,6 +2,11 @@
 
 n = LayerNorm(x); u, v, q, k = split(SiLU(n @ W_uvqk + b)); a = attention(q, k, v)
 y = dropout(LayerNorm(a) * u); x_out = x + y @ W_o
+
+Optionally (``relative_bias_len > 0``) each layer learns a relative position bias, as Meta's
+reference HSTU does: ``SiLU(alpha * <q_i, k_j> + w[j - i])`` with one weight per relative offset
+of key j to query i inside the sequence. The compiled kernel has no bias input, so biased
+attention runs the PyTorch reference (padded [B, H, N, N]; fine for the paper's N ~ 200).
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from torch import nn
 
 from hstu.modules.softmax_attention import ATTENTION_TYPES, softmax_attention
 from hstu.ops import hstu_attention
+from hstu.ops.reference import hstu_attention as reference_hstu_attention
 
-__all__ = ["AttentionInputs", "HSTULayer", "HSTUEncoder"]
+__all__ = ["AttentionInputs", "HSTULayer", "HSTUEncoder", "RelativePositionBias"]
 
 
 @dataclass
@@ -26,6 +32,29 @@ class AttentionInputs:
     max_seqlen: int
     num_contexts: torch.Tensor | None = None  # [B]
     num_targets: torch.Tensor | None = None  # [B]
+
+
+class RelativePositionBias(nn.Module):
+    """A learned attention bias per relative position: ``bias[i, j] = w[j - i + max_len - 1]``
+    for query i and key j of one sequence (positions counted from the sequence start, so the
+    bias is the same for every sequence of the batch). Meta HSTU's position bias, N(0, 0.02)."""
+
+    def __init__(self, max_len: int, init_std: float = 0.02) -> None:
+        super().__init__()
+        if max_len < 1:
+            raise ValueError(f"RelativePositionBias needs max_len >= 1; got {max_len}")
+        self.max_len = max_len
+        self.weight = nn.Parameter(torch.randn(2 * max_len - 1) * init_std)
+
+    def forward(self, n: int) -> torch.Tensor:
+        """The [n, n] bias over padded positions 0..n-1."""
+        if n > self.max_len:
+            raise ValueError(
+                f"a sequence of {n} tokens exceeds the relative attention bias's {self.max_len} "
+                "positions (contextual tokens + NetworkArgs.num_position_embeddings + candidates)"
+            )
+        pos = torch.arange(n, device=self.weight.device)
+        return self.weight[pos.view(1, n) - pos.view(n, 1) + (self.max_len - 1)]
 
 
 class HSTULayer(nn.Module):
@@ -44,6 +73,8 @@ class HSTULayer(nn.Module):
         scaling_seqlen: int | None = None,
         eps: float = 1e-6,
         attention_type: str = "hstu",
+        relative_bias_len: int = 0,
+        uvqk_init_std: float = 0.0,
     ) -> None:
         super().__init__()
         if attention_type not in ATTENTION_TYPES:
@@ -66,8 +97,13 @@ class HSTULayer(nn.Module):
         self.attn_norm = nn.LayerNorm(inner, eps=eps)
         self.dropout = nn.Dropout(dropout)
         self.out_proj = nn.Linear(inner, hidden_size)
-        nn.init.xavier_uniform_(self.uvqk.weight)
+        # 0: Xavier uniform; Meta's reference HSTU draws W_uvqk from N(0, 0.02)
+        if uvqk_init_std > 0:
+            nn.init.normal_(self.uvqk.weight, std=uvqk_init_std)
+        else:
+            nn.init.xavier_uniform_(self.uvqk.weight)
         nn.init.zeros_(self.uvqk.bias)
+        self.relative_bias = RelativePositionBias(relative_bias_len) if relative_bias_len else None
         nn.init.xavier_uniform_(self.out_proj.weight)
         nn.init.zeros_(self.out_proj.bias)
 
@@ -77,7 +113,15 @@ class HSTULayer(nn.Module):
         n = self.input_norm(x)
         uvqk = F.silu(self.uvqk(n))
         u, v, q, k = torch.split(uvqk, h * d, dim=-1)
-        attention = softmax_attention if self.attention_type == "softmax" else hstu_attention
+        extra = {}
+        if self.attention_type == "softmax":
+            attention = softmax_attention
+        elif self.relative_bias is not None:
+            attention = reference_hstu_attention  # the compiled kernel takes no bias
+        else:
+            attention = hstu_attention
+        if self.relative_bias is not None:
+            extra["bias"] = self.relative_bias(attn.max_seqlen)
         a = attention(
             q.reshape(t, h, d).contiguous(),
             k.reshape(t, h, d).contiguous(),
@@ -90,6 +134,7 @@ class HSTULayer(nn.Module):
             window_size=self.window_size,
             alpha=self.alpha,
             scaling_seqlen=self.scaling_seqlen,
+            **extra,
         ).reshape(t, h * d)
         y = self.dropout(self.attn_norm(a) * u)
         return x + self.out_proj(y)
@@ -101,6 +146,8 @@ class HSTUEncoder(nn.Module):
     ``fused=True`` builds `FusedHSTULayer`s (one autograd Function per layer, hand-written
     backward; the recompute options apply only to them); ``False`` the unfused `HSTULayer`.
     Both have the same parameters, so their state dicts are interchangeable.
+    ``final_layernorm=False`` drops the closing LayerNorm (Meta's reference HSTU has none: its
+    outputs go straight to the L2 normalisation of retrieval).
     """
 
     def __init__(
@@ -111,9 +158,21 @@ class HSTUEncoder(nn.Module):
         fused: bool = False,
         recompute_input_layernorm: bool = False,
         recompute_uvqk_silu: bool = False,
+        final_layernorm: bool = True,
+        relative_bias_len: int = 0,
+        uvqk_init_std: float = 0.0,
         **layer_kwargs,
     ) -> None:
         super().__init__()
+        if fused and relative_bias_len:
+            raise ValueError(
+                "the fused layer (NetworkArgs.fused_layer=True) has no attention bias: set "
+                "NetworkArgs.fused_layer=False (the unfused layer runs biased attention through "
+                "the PyTorch reference) or NetworkArgs.relative_attention_bias='none'"
+            )
+        layer_kwargs["uvqk_init_std"] = uvqk_init_std
+        if relative_bias_len:
+            layer_kwargs["relative_bias_len"] = relative_bias_len
         if fused:
             from hstu.modules.fused_hstu_layer import FusedHSTULayer  # imports this module
 
@@ -129,9 +188,9 @@ class HSTUEncoder(nn.Module):
         else:
             layers = [HSTULayer(hidden_size, **layer_kwargs) for _ in range(num_layers)]
         self.layers = nn.ModuleList(layers)
-        self.final_norm = nn.LayerNorm(hidden_size, eps=1e-6)
+        self.final_norm = nn.LayerNorm(hidden_size, eps=1e-6) if final_layernorm else None
 
     def forward(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x, attn)
-        return self.final_norm(x)
+        return self.final_norm(x) if self.final_norm is not None else x

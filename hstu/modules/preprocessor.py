@@ -42,16 +42,22 @@ class SequencePreprocessor(nn.Module):
         max_positions: int,
         num_contextual: int,
         dropout: float = 0.0,
+        *,
+        scale_item_embeddings: bool = False,
+        position_init_std: float = 0.02,
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.num_action_bits = max(1, num_action_bits)
         self.num_contextual = num_contextual
         self.max_positions = max_positions
+        # SASRec / Meta HSTU: item embedding * sqrt(d) + position embedding, so the item signal
+        # dominates small-initialised position rows
+        self.item_scale = float(hidden_size) ** 0.5 if scale_item_embeddings else 1.0
         self.action_embedding = nn.Parameter(torch.randn(self.num_action_bits, hidden_size) * 0.02)
         self.history_embedding = nn.Parameter(torch.zeros(hidden_size))
         self.position_embedding = nn.Embedding(max_positions, hidden_size)
-        nn.init.normal_(self.position_embedding.weight, std=0.02)
+        nn.init.normal_(self.position_embedding.weight, std=position_init_std)
         self.dropout = nn.Dropout(dropout)
 
     def forward(
@@ -90,7 +96,8 @@ class SequencePreprocessor(nn.Module):
 
         values = items.values()
         pos_ids = torch.minimum(pos, hist_lengths[sample]).clamp(max=self.max_positions - 1)
-        tok = values + self.position_embedding(pos_ids)
+        scaled = values * self.item_scale if self.item_scale != 1.0 else values
+        tok = scaled + self.position_embedding(pos_ids)
         actions = batch.features[ACTION_FEATURE].values().to(device)
         bits = (actions.view(-1, 1) >> torch.arange(self.num_action_bits, device=device)) & 1
         action_tok = bits.to(values.dtype) @ self.action_embedding + self.history_embedding

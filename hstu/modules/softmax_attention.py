@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from hstu.config.args import ATTENTION_TYPES
 from hstu.ops.reference import (
+    check_attention_bias,
     check_attention_inputs,
     hstu_attention_mask,
     jagged_to_padded,
@@ -43,12 +44,15 @@ def softmax_attention(
     alpha: float | None = None,
     scaling_seqlen: int | None = None,
     causal: bool = True,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Jagged masked softmax attention. q, k: [T, H, Dqk], v: [T, H, Dv] -> [T, H, Dv].
 
     Same signature as ``hstu.ops.hstu_attention`` so a layer can call either. ``alpha`` (default
     1/sqrt(Dqk)) scales the logits; ``scaling_seqlen`` is accepted and ignored (softmax weights
-    already sum to one). Computes in fp32 and returns the input dtype.
+    already sum to one). ``bias`` (optional, broadcastable to [B, H, N, N]) is added to the
+    scaled logits of valid pairs, as in ``hstu.ops.reference.hstu_attention``. Computes in fp32
+    and returns the input dtype.
     """
     check_attention_inputs(
         q,
@@ -86,5 +90,10 @@ def softmax_attention(
     pos = torch.arange(max_seqlen, device=q.device)
     pad_row = pos.view(1, -1) >= lengths.view(-1, 1)  # [B, N]
     mask = mask | (torch.diag_embed(pad_row))
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask.unsqueeze(1), scale=scale)
+    attn_mask = mask.unsqueeze(1)
+    if bias is not None:
+        check_attention_bias(bias, torch.Size((qp.shape[0], qp.shape[1], max_seqlen, max_seqlen)))
+        # a float mask is added to the scaled logits; -inf removes the invalid pairs
+        attn_mask = bias.float().masked_fill(~attn_mask, float("-inf"))
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=attn_mask, scale=scale)
     return padded_to_jagged(out.transpose(1, 2), offs).to(q.dtype)

@@ -28,6 +28,7 @@ __all__ = [
     "hstu_attention",
     "hstu_attention_mask",
     "check_attention_inputs",
+    "check_attention_bias",
     "jagged_to_padded",
     "padded_to_jagged",
 ]
@@ -168,6 +169,24 @@ def padded_to_jagged(x: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor
     return x[batch_idx, pos]
 
 
+def check_attention_bias(bias: torch.Tensor, shape: torch.Size) -> None:
+    """``bias`` must be a floating tensor broadcastable to the padded scores ``shape``."""
+    if not torch.is_tensor(bias) or not bias.is_floating_point():
+        raise TypeError(f"bias must be a floating tensor; got {type(bias).__name__}")
+    try:
+        torch.broadcast_shapes(bias.shape, shape)
+    except RuntimeError:
+        raise ValueError(
+            f"bias of shape {tuple(bias.shape)} does not broadcast to the padded attention "
+            f"scores [B, H, N, N] = {tuple(shape)} (N = max_seqlen)"
+        ) from None
+    if bias.dim() > 4 or torch.broadcast_shapes(bias.shape, shape) != shape:
+        raise ValueError(
+            f"bias of shape {tuple(bias.shape)} would enlarge the attention scores "
+            f"{tuple(shape)}; give at most [B, H, N, N] with N = max_seqlen"
+        )
+
+
 def hstu_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -182,11 +201,15 @@ def hstu_attention(
     alpha: float | None = None,
     scaling_seqlen: int | None = None,
     causal: bool = True,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Jagged HSTU attention (see module docstring). q, k: [T, H, Dqk], v: [T, H, Dv] -> [T, H, Dv].
 
     Computes in fp32 and returns the input dtype. alpha defaults to 1/sqrt(Dqk); scaling_seqlen
-    defaults to max_seqlen.
+    defaults to max_seqlen. ``bias`` (optional; the compiled kernel has none) is an additive
+    attention bias over padded positions, broadcastable to [B, H, N, N] with N = max_seqlen
+    (e.g. [N, N] or [B, 1, N, N]); it enters as ``SiLU(alpha * <q_i, k_j> + bias[i, j])`` (the
+    relative position bias of Meta's HSTU) and receives gradients.
     """
     check_attention_inputs(
         q,
@@ -213,6 +236,9 @@ def hstu_attention(
     kp = jagged_to_padded(k.float(), offs, max_seqlen).transpose(1, 2)
     vp = jagged_to_padded(v.float(), offs, max_seqlen).transpose(1, 2)
     scores = torch.matmul(qp, kp.transpose(-1, -2)) * alpha  # [B, H, N, N]
+    if bias is not None:
+        check_attention_bias(bias, scores.shape)
+        scores = scores + bias.float()
     mask = hstu_attention_mask(
         lengths, max_seqlen, num_contexts, num_targets, target_group_size, window_size, causal
     )

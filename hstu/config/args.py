@@ -47,7 +47,9 @@ ATTENTION_TYPES: tuple[str, ...] = ("hstu", "softmax")
 DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
 LR_SCHEDULERS: tuple[str, ...] = ("constant", "cosine", "linear")
-EMBEDDING_BACKENDS: tuple[str, ...] = ("torchrec", "dynamic")
+EMBEDDING_BACKENDS: tuple[str, ...] = ("torchrec", "dynamic", "dense")
+# "position": learned relative position bias in every HSTU layer (Meta HSTU's position part)
+RELATIVE_ATTENTION_BIAS: tuple[str, ...] = ("none", "position")
 SPARSE_OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adagrad", "rowwise_adagrad")
 INITIALIZERS: tuple[str, ...] = ("normal", "uniform", "truncated_normal", "constant")
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu")
@@ -276,6 +278,13 @@ class NetworkArgs:
     fused_layer: bool = False  # True: FusedHSTULayer (one autograd Function); False: HSTULayer (faster today, see docs/benchmarks.md)
     recompute_input_layernorm: bool = False  # fused layer: recompute LayerNorm(x) in backward
     recompute_uvqk_silu: bool = False  # fused layer: store only the uvqk pre-activation
+    # Meta HSTU reference (research/) settings; the defaults keep this framework's own choices
+    relative_attention_bias: str = "none"  # "position": learned bias per relative position
+    scale_item_embeddings: bool = False  # item embedding * sqrt(hidden_size) before positions
+    position_init_std: float = 0.02  # std of the position embedding rows
+    uvqk_init_std: float = 0.0  # 0 = Xavier uniform W_uvqk; > 0 = N(0, std)
+    final_layernorm: bool = True  # LayerNorm after the last layer
+    use_contextual_features: bool = True  # False: no contextual tokens (item sequence only)
 
     def __post_init__(self) -> None:
         _int(self, "num_layers", min_value=1)
@@ -294,6 +303,18 @@ class NetworkArgs:
         _bool(self, "fused_layer")
         _bool(self, "recompute_input_layernorm")
         _bool(self, "recompute_uvqk_silu")
+        _choice(self, "relative_attention_bias", RELATIVE_ATTENTION_BIAS)
+        _bool(self, "scale_item_embeddings")
+        _float(self, "position_init_std", min_value=0.0)
+        _float(self, "uvqk_init_std", min_value=0.0, what="0 = Xavier uniform")
+        _bool(self, "final_layernorm")
+        _bool(self, "use_contextual_features")
+        if self.fused_layer and self.relative_attention_bias != "none":
+            raise ValueError(
+                f"NetworkArgs.relative_attention_bias={self.relative_attention_bias!r} needs "
+                "NetworkArgs.fused_layer=False (the fused layer has no attention bias; the "
+                "unfused layer runs biased attention through the PyTorch reference)"
+            )
         if not self.fused_layer and (self.recompute_input_layernorm or self.recompute_uvqk_silu):
             raise ValueError(
                 "NetworkArgs.recompute_input_layernorm / NetworkArgs.recompute_uvqk_silu apply "
@@ -337,7 +358,7 @@ class OptimizerArgs:
 class EmbeddingArgs:
     """Embedding tables: backend, capacity of dynamic tables, sparse optimizer, init."""
 
-    embedding_backend: str = "torchrec"
+    embedding_backend: str = "torchrec"  # torchrec | dynamic | dense (dense optimizer)
     item_capacity: int = 0  # dynamic tables; 0 = derived from the dataset
     user_capacity: int = 0
     sparse_optimizer_str: str = "rowwise_adagrad"

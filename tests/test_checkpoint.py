@@ -225,3 +225,55 @@ def test_two_rank_save_and_reshard_load(tmp_path):
     torch.testing.assert_close(state["dense"], torch.full((2,), 2.0))
     shards = [s["shard"] for s in Checkpointer.load_all_ranks(root)]
     torch.testing.assert_close(torch.cat(shards), torch.tensor([0, 1, 2, 10, 11, 12]))
+
+
+# ---- re-sharding records (hstu.training.reshard) -------------------------------------------
+
+
+def _record(full: torch.Tensor, bounds: list[tuple[int, int]]) -> list[dict]:
+    """One record per 'rank', each holding rows [lo, hi) of ``full``."""
+    from hstu.training.reshard import SHARDS_KEY
+
+    return [
+        {
+            SHARDS_KEY: 1,
+            "global_shape": list(full.shape),
+            "pieces": [{"offsets": [lo, 0], "tensor": full[lo:hi].clone()}] if hi > lo else [],
+        }
+        for lo, hi in bounds
+    ]
+
+
+def test_restore_into_regroups_row_shards_and_takes_replicas_from_the_first_source():
+    from hstu.training.reshard import restore_into
+
+    full = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+    saved = _record(full, [(0, 5), (5, 10)])  # written by 2 ranks
+    # this rank's piece straddles both saved shards (3 ranks now: rows 3..6 here)
+    target = {"table": _record(torch.zeros(10, 4), [(3, 7)])[0], "dense": torch.zeros(3), "lr": 0}
+    sources = [
+        {"table": saved[0], "dense": torch.ones(3), "lr": 0.5},
+        {"table": saved[1], "dense": torch.full((3,), 7.0), "lr": 9.0},
+    ]
+    out = restore_into(target, sources)
+    torch.testing.assert_close(target["table"]["pieces"][0]["tensor"], full[3:7])  # in place
+    torch.testing.assert_close(out["dense"], torch.ones(3))  # the first source's replica
+    assert out["lr"] == 0.5
+    # a rank holding no piece of a table (table-wise placement elsewhere) needs nothing
+    empty = _record(torch.zeros(10, 4), [(0, 0)])[0]
+    restore_into(empty, [saved[0], saved[1]])
+
+
+def test_restore_into_errors_name_the_entry():
+    from hstu.training.reshard import restore_into
+
+    full = torch.ones(6, 2)
+    holes = _record(full, [(0, 2), (4, 6)])  # rows 2..3 are in no file
+    target = _record(torch.zeros(6, 2), [(0, 6)])[0]
+    with pytest.raises(ValueError, match=r"t: the checkpoint's shards cover 8 of the 12"):
+        restore_into(target, holes, "t")
+    bigger = _record(torch.zeros(8, 2), [(0, 8)])[0]
+    with pytest.raises(ValueError, match=r"shape \[6, 2\] in the checkpoint but \[8, 2\]"):
+        restore_into(bigger, _record(full, [(0, 6)]), "t")
+    with pytest.raises(ValueError, match=r"state\['w'\] is in this run's state but not in"):
+        restore_into({"w": torch.zeros(1)}, [{"v": torch.zeros(1)}])

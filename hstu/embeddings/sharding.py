@@ -47,11 +47,12 @@ __all__ = [
 
 
 class _AllToAllRows(torch.autograd.Function):
-    """Rows [sum(in_splits), D] -> [sum(out_splits), D]; backward routes gradients back."""
+    """Rows [sum(in_splits), D] -> [sum(out_splits), D]; backward routes gradients back
+    (multiplied by ``grad_scale``: 1/world_size under gradient division)."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):  # type: ignore[override]
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+    def forward(ctx, x, out_splits, in_splits, group, grad_scale=1.0):  # type: ignore[override]
+        ctx.splits, ctx.group, ctx.grad_scale = (out_splits, in_splits), group, grad_scale
         out = x.new_empty((sum(out_splits), x.shape[1]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
@@ -61,14 +62,22 @@ class _AllToAllRows(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         g = grad.new_empty((sum(in_splits), grad.shape[1]))
         dist.all_to_all_single(g, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return g, None, None, None
+        if ctx.grad_scale != 1.0:
+            g = g * ctx.grad_scale
+        return g, None, None, None, None
 
 
 class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModule):
     """DynamicEmbeddingCollection whose tables are split row-wise over the ranks of `group`
     (capacity / world_size slots each). Same forward, stats, dump/load; `dump()` returns this
     rank's rows, `load()` takes the merged dumps of any number of ranks (`merge_collection_dumps`)
-    and keeps the ids this rank owns. Every rank must call forward and backward together."""
+    and keeps the ids this rank owns. Every rank must call forward and backward together.
+
+    ``gradient_division=True`` divides the row gradients (summed over the ranks that looked an id
+    up) by the world size, as torchrec does for its own sharded tables
+    (``torchrec.distributed.comm_ops.GRADIENT_DIVISION``): with per-rank losses scaled for DDP's
+    gradient averaging, the rows then see the gradient of the global-batch loss, whatever the
+    world size. False keeps the plain sum (the gradient of the sum of the ranks' losses)."""
 
     def __init__(
         self,
@@ -77,10 +86,12 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         *,
         group: dist.ProcessGroup | None = None,
         backend: str = "auto",
+        gradient_division: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ShardedDynamicEmbeddingCollection needs torch.distributed")
         self._group = group
+        self.gradient_division = bool(gradient_division)
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         super().__init__(tables, device, backend=backend)
@@ -131,7 +142,8 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
             recv_scores = s.new_empty(sum(recv))
             dist.all_to_all_single(recv_scores, s, recv, send, group=self._group)
         local = table(recv_ids, recv_scores)
-        rows = _AllToAllRows.apply(local, send, recv, self._group)
+        grad_scale = 1.0 / w if self.gradient_division else 1.0
+        rows = _AllToAllRows.apply(local, send, recv, self._group, grad_scale)
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
         return rows[inv]
@@ -203,9 +215,10 @@ class DynamicEmbeddingSharder(ModuleSharder[DynamicEmbeddingCollection]):
     row ranges: only the sharding type (row_wise over all ranks of the env) is taken from the
     plan."""
 
-    def __init__(self, backend: str = "auto") -> None:
+    def __init__(self, backend: str = "auto", gradient_division: bool = False) -> None:
         super().__init__()
         self._backend = backend
+        self._gradient_division = gradient_division
 
     @property
     def module_type(self) -> type[DynamicEmbeddingCollection]:
@@ -245,7 +258,7 @@ class DynamicEmbeddingSharder(ModuleSharder[DynamicEmbeddingCollection]):
                     f"dynamic table {name!r}: sharding type {p.sharding_type!r} is not "
                     "supported, only row_wise"
                 )
-        return _shard_one(module, env.process_group, device, self._backend)
+        return _shard_one(module, env.process_group, device, self._backend, self._gradient_division)
 
 
 def shard_dynamic_embeddings(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
@@ -267,11 +280,16 @@ def _shard_one(
     group: dist.ProcessGroup | None,
     device: torch.device | None = None,
     backend: str | None = None,
+    gradient_division: bool = False,
 ) -> ShardedDynamicEmbeddingCollection:
     if device is None or m.device.type != "meta":
         device = m.device
     sharded = ShardedDynamicEmbeddingCollection(
-        m.embedding_configs(), device, group=group, backend=backend or m._backend
+        m.embedding_configs(),
+        device,
+        group=group,
+        backend=backend or m._backend,
+        gradient_division=gradient_division,
     )
     # The unsharded modules are replicas (as DistributedModelParallel assumes): rank 0's rows
     # are distributed to their owners. A module built on the meta device holds none.

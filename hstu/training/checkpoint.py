@@ -14,6 +14,12 @@ several nodes, ``save_dir`` must be on a filesystem that every rank sees.
 
 Files are written with ``torch.save`` and read with ``weights_only=False`` (they hold optimizer
 and RNG states): load only checkpoints you wrote yourself.
+
+Format 2 (``meta.json`` ``format_version``) stores sharded tensors as world-size-independent
+records (``hstu.training.reshard``), so a checkpoint written by N ranks loads on M: every rank
+then reads every rank file (memory-mapped: only the pieces it copies are read from disk).
+Format 1 files hold torchrec ``ShardedTensor`` objects tied to their writer's rank and load only
+on the same world size.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
 META_FILE = "meta.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
@@ -259,9 +265,14 @@ class Checkpointer:
     # ---- load ----------------------------------------------------------------------------------
 
     @staticmethod
-    def _load_file(file: Path, map_location: Any) -> dict[str, Any]:
+    def _load_file(file: Path, map_location: Any, mmap: bool = False) -> dict[str, Any]:
         if not file.is_file():
             raise FileNotFoundError(f"checkpoint file {file} is missing")
+        if mmap:
+            try:
+                return torch.load(file, map_location=map_location, weights_only=False, mmap=True)
+            except Exception:  # e.g. a legacy (non-zip) file: read it whole below
+                logger.debug("memory-mapping %s failed; reading it whole", file)
         try:
             return torch.load(file, map_location=map_location, weights_only=False)
         except Exception as e:
@@ -300,13 +311,17 @@ class Checkpointer:
 
     @staticmethod
     def load_all_ranks(
-        load_dir: str | os.PathLike, map_location: Any = "cpu"
+        load_dir: str | os.PathLike, map_location: Any = "cpu", *, mmap: bool = False
     ) -> list[dict[str, Any]]:
-        """Every saved rank's state, in rank order (for re-sharding to a different world size)."""
+        """Every saved rank's state, in rank order (for re-sharding to a different world size).
+
+        ``mmap=True`` maps the files instead of reading them: a rank that copies only its own
+        rows out of every file reads only those pages.
+        """
         step_dir = Checkpointer.resolve(load_dir)
         meta = Checkpointer.read_meta(step_dir)
         return [
-            Checkpointer._load_file(step_dir / _rank_file(r), map_location)
+            Checkpointer._load_file(step_dir / _rank_file(r), map_location, mmap=mmap)
             for r in range(int(meta["world_size"]))
         ]
 

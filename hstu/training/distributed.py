@@ -99,13 +99,20 @@ def wrap_model(model: nn.Module, info: DistInfo) -> nn.Module:
     tables (`DynamicEmbeddingCollection`) go row-wise through `DynamicEmbeddingSharder`.
     """
     from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.comm_ops import get_gradient_division
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
     from hstu.embeddings.sharding import DynamicEmbeddingSharder
 
-    # ordinary torchrec tables and dynamic (hash) tables side by side in one DMP
-    sharders = [EmbeddingCollectionSharder(), DynamicEmbeddingSharder()]
+    # ordinary torchrec tables and dynamic (hash) tables side by side in one DMP. The trainer
+    # scales each rank's loss for DDP's gradient averaging; torchrec divides its tables' summed
+    # gradients by the world size to match (comm_ops.GRADIENT_DIVISION), and so do dynamic tables:
+    # every table sees the global-batch gradient at any world size.
+    sharders = [
+        EmbeddingCollectionSharder(),
+        DynamicEmbeddingSharder(gradient_division=get_gradient_division()),
+    ]
     topology = Topology(world_size=info.world_size, compute_device=info.device.type)
     planner = EmbeddingShardingPlanner(topology=topology)
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import math
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from hstu.data.batch import Batch
 from hstu.data.loader import BatchIterator
 from hstu.data.registry import build_samples, load_sequence_data
 from hstu.embeddings import apply_sparse_optimizer
+from hstu.embeddings.sharding import merge_collection_dumps
 from hstu.models.base import GenerativeRecommender
 from hstu.models.builder import build_model
 from hstu.modules.metrics import RankingMetrics, RetrievalEvaluator, ks_from_metric_names
@@ -39,6 +41,7 @@ from hstu.training.distributed import (
 from hstu.training.flops import StackShape, peak_tflops_for, step_flops
 from hstu.training.logger import MetricLogger
 from hstu.training.optim import build_dense_optimizer, build_lr_scheduler, clip_grad_norm
+from hstu.training.reshard import restore_into, to_portable, unexpected_keys
 
 __all__ = ["TrainResult", "Trainer", "run_training"]
 
@@ -168,10 +171,13 @@ class Trainer:
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _state(self) -> dict:
+        # Sharded torchrec tensors become (offset, piece) records (hstu.training.reshard), so the
+        # files load on any world size.
         state = {
             "step": self.step,
-            "model": self.model.state_dict(),
-            "fused_optimizer": self.model.fused_optimizer.state_dict(),
+            "world_size": self.info.world_size,
+            "model": to_portable(self.model.state_dict()),
+            "fused_optimizer": to_portable(self.model.fused_optimizer.state_dict()),
             "dense_optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "train_iter": self.train_iter.state_dict(),
@@ -195,15 +201,25 @@ class Trainer:
         return path
 
     def _load_checkpoint(self, load_dir: str) -> None:
+        """Restore a checkpoint written by any number of ranks.
+
+        Same world size: each rank reads its own file. Different world size: each rank maps every
+        saved rank file and takes torchrec shards by their global offsets (whatever the planner
+        placed here), dynamic rows by id hash (the merged dumps, each rank keeping the ids it
+        owns), and the replicated parts (dense weights, dense optimizer, scheduler, data
+        position) from rank 0. RNG: see `_restore_rng`.
+        """
         step, state, meta = self.checkpointer.load(
             load_dir, rank=self.info.rank, world_size=self.info.world_size
         )
         saved_ws = int(meta.get("world_size", 1))
-        if saved_ws != self.info.world_size:
+        resharded = saved_ws != self.info.world_size
+        if resharded and int(meta.get("format_version", 1)) < 2:
             raise ValueError(
-                f"checkpoint {load_dir} was written by {saved_ws} processes but this run has "
-                f"{self.info.world_size}; torchrec tables are restored shard by shard, so resume "
-                f"with --nproc_per_node={saved_ws}"
+                f"checkpoint {load_dir} was written by {saved_ws} processes in checkpoint format "
+                f"{meta.get('format_version', 1)}, whose torchrec shards are tied to that world "
+                f"size; resume it with --nproc_per_node={saved_ws} and save again (the new "
+                f"format loads on any number of processes)"
             )
         saved_dynamic = "dynamic_embeddings" in state
         if saved_dynamic != (self.core.dynamic_collection is not None):
@@ -213,17 +229,55 @@ class Trainer:
                 f"'{saved}' but this run uses '{self.cfg.embedding.embedding_backend}'; resume "
                 f"with --gin-bindings \"EmbeddingArgs.embedding_backend='{saved}'\""
             )
-        self.model.load_state_dict(state["model"])
+        # authoritative copy first: this rank's own file, or rank 0's when re-sharding
+        sources = Checkpointer.load_all_ranks(meta["path"], mmap=True) if resharded else [state]
+        current = self.model.state_dict()
+        extra = unexpected_keys(current, sources[0]["model"])
+        if extra:
+            raise ValueError(
+                f"checkpoint {load_dir} holds model entries this model lacks: {extra[:8]}; was "
+                f"it written with a different configuration?"
+            )
+        where = f"checkpoint {meta['path']}"
+        model_state = restore_into(current, [s["model"] for s in sources], f"{where} model")
+        self.model.load_state_dict(model_state)
         if saved_dynamic:
-            self.core.dynamic_collection.load(state["dynamic_embeddings"])
-        self.model.fused_optimizer.load_state_dict(state["fused_optimizer"])
-        self.optimizer.load_state_dict(state["dense_optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.train_iter.load_state_dict(state["train_iter"])
-        restore_rng_state(state["rng"])
+            dumps = [s["dynamic_embeddings"] for s in sources]
+            self.core.dynamic_collection.load(
+                merge_collection_dumps(dumps) if len(dumps) > 1 else dumps[0]
+            )
+        fused = restore_into(
+            self.model.fused_optimizer.state_dict(),
+            [s["fused_optimizer"] for s in sources],
+            f"{where} fused_optimizer",
+        )
+        self.model.fused_optimizer.load_state_dict(fused)
+        self.optimizer.load_state_dict(sources[0]["dense_optimizer"])
+        self.scheduler.load_state_dict(sources[0]["scheduler"])
+        self.train_iter.load_state_dict(sources[0]["train_iter"])
+        self._restore_rng(state["rng"], resharded, int(step))
         self.step = int(step)
         if self.info.is_main:
-            logger.info("resumed from %s at step %d", load_dir, self.step)
+            logger.info(
+                "resumed from %s at step %d (saved by %d processes, now %d)",
+                load_dir,
+                self.step,
+                saved_ws,
+                self.info.world_size,
+            )
+
+    def _restore_rng(self, saved: dict, resharded: bool, step: int) -> None:
+        """Same world size: this rank's saved RNG streams (bit-exact resume). Otherwise the
+        per-rank streams have no counterpart, so every rank reseeds Python, NumPy and torch
+        (CPU + CUDA) from (TrainerArgs.seed, step, rank): reproducible, distinct per rank."""
+        if not resharded:
+            restore_rng_state(saved)
+            return
+        seq = np.random.SeedSequence([self.cfg.trainer.seed, step, self.info.rank])
+        seed = int(seq.generate_state(1, dtype=np.uint64)[0] % (2**63))
+        random.seed(seed)
+        np.random.seed(seed % (2**32))
+        torch.manual_seed(seed)
 
     # ---- steps -----------------------------------------------------------------------------
     def _autocast(self):

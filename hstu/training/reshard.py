@@ -1,0 +1,209 @@
+"""World-size-independent checkpoint state: sharded tensors saved as (offset, piece) records.
+
+torchrec stores a sharded table (and its fused optimizer state, e.g. row-wise Adagrad's
+``momentum1``) in ``state_dict()`` as a ``ShardedTensor`` (or a ``DTensor``) whose pickled form is
+bound to the rank and world size that wrote it. :func:`to_portable` replaces each one by a plain
+record ``{"__hstu_shards__": 1, "global_shape": [...], "pieces": [{"offsets": [...], "tensor":
+t}]}`` holding this rank's pieces and where they sit in the global tensor. :func:`restore_into`
+fills the current run's state (any world size, any planner placement) from the records of every
+saved rank: each local piece of the target copies the overlapping parts of the saved pieces, and
+the copied volume must cover it exactly.
+
+Plain (replicated) tensors and non-tensor leaves are taken from the first source, so callers
+pass the sources with the authoritative one first (this rank's own file, or rank 0's).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SHARDS_KEY",
+    "is_sharded",
+    "to_portable",
+    "restore_into",
+    "has_live_shards",
+    "unexpected_keys",
+]
+
+SHARDS_KEY = "__hstu_shards__"
+
+_Piece = tuple[tuple[int, ...], torch.Tensor]
+
+
+def _sharded_tensor_type() -> type | None:
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return ShardedTensor
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    return DTensor
+
+
+def is_sharded(value: Any) -> bool:
+    """True for a live ShardedTensor or DTensor (a tensor split over ranks)."""
+    st, dt = _sharded_tensor_type(), _dtensor_type()
+    return (st is not None and isinstance(value, st)) or (dt is not None and isinstance(value, dt))
+
+
+def _is_record(value: Any) -> bool:
+    return isinstance(value, Mapping) and SHARDS_KEY in value
+
+
+def _pieces(value: Any, where: str) -> tuple[tuple[int, ...], list[_Piece]]:
+    """(global shape, [(offsets, local tensor)]) of a live sharded tensor or a saved record."""
+    if _is_record(value):
+        pieces = [(tuple(int(o) for o in p["offsets"]), p["tensor"]) for p in value["pieces"]]
+        return tuple(int(s) for s in value["global_shape"]), pieces
+    st, dt = _sharded_tensor_type(), _dtensor_type()
+    if st is not None and isinstance(value, st):
+        pieces = [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
+        return tuple(value.size()), pieces
+    if dt is not None and isinstance(value, dt):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if any(p.is_partial() for p in value.placements):
+            raise ValueError(
+                f"{where}: a DTensor with a Partial placement holds unreduced values and cannot "
+                "be checkpointed shard by shard"
+            )
+        local = value.to_local()
+        _, offsets = compute_local_shape_and_global_offset(
+            value.shape, value.device_mesh, value.placements
+        )
+        return tuple(value.shape), [(tuple(int(o) for o in offsets), local)]
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), [((0,) * value.dim(), value)]
+    raise TypeError(f"{where}: expected a tensor, got {type(value).__name__}")
+
+
+def to_portable(obj: Any) -> Any:
+    """Copy of a (nested) state dict with every ShardedTensor/DTensor turned into a record.
+
+    The pieces are the live local tensors (no copy); ``torch.save`` writes them as they are.
+    """
+    if is_sharded(obj):
+        shape, pieces = _pieces(obj, "state")
+        return {
+            SHARDS_KEY: 1,
+            "global_shape": list(shape),
+            "pieces": [{"offsets": list(o), "tensor": t.detach()} for o, t in pieces],
+        }
+    if isinstance(obj, Mapping):
+        return type(obj)((k, to_portable(v)) for k, v in obj.items())  # type: ignore[call-arg]
+    if isinstance(obj, list):
+        return [to_portable(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_portable(v) for v in obj)
+    return obj
+
+
+def has_live_shards(obj: Any) -> bool:
+    """True when ``obj`` still holds ShardedTensors/DTensors (a checkpoint of format 1)."""
+    if is_sharded(obj):
+        return True
+    if isinstance(obj, Mapping):
+        return any(has_live_shards(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(has_live_shards(v) for v in obj)
+    return False
+
+
+def _copy_overlaps(
+    dst: torch.Tensor, dst_off: Sequence[int], sources: list[_Piece], where: str
+) -> None:
+    """Fill ``dst`` (placed at ``dst_off`` in the global tensor) from overlapping source pieces."""
+    covered = 0
+    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+    for src_off, src in sources:
+        key = (tuple(src_off), tuple(src.shape))
+        if key in seen:  # the same piece held by several ranks (replicated placement)
+            continue
+        seen.add(key)
+        dst_sl, src_sl, volume = [], [], 1
+        for d in range(dst.dim()):
+            lo = max(dst_off[d], src_off[d])
+            hi = min(dst_off[d] + dst.shape[d], src_off[d] + src.shape[d])
+            if hi <= lo:
+                volume = 0
+                break
+            dst_sl.append(slice(lo - dst_off[d], hi - dst_off[d]))
+            src_sl.append(slice(lo - src_off[d], hi - src_off[d]))
+            volume *= hi - lo
+        if volume == 0 and dst.dim() > 0:
+            continue
+        with torch.no_grad():
+            dst[tuple(dst_sl)].copy_(src[tuple(src_sl)])
+        covered += volume
+    if covered != dst.numel():
+        raise ValueError(
+            f"{where}: the checkpoint's shards cover {covered} of the {dst.numel()} values of "
+            f"this rank's piece at offsets {list(dst_off)} (shape {list(dst.shape)}); the saved "
+            "rank files are incomplete or overlap"
+        )
+
+
+def _restore_tensor(target: Any, values: list[Any], where: str) -> Any:
+    t_shape, t_pieces = _pieces(target, where)
+    src_pieces: list[_Piece] = []
+    for v in values:
+        shape, pieces = _pieces(v, where)
+        if shape != t_shape:
+            raise ValueError(
+                f"{where}: shape {list(shape)} in the checkpoint but {list(t_shape)} in this "
+                "run; the model or table sizes changed since the checkpoint was written"
+            )
+        src_pieces.extend(pieces)
+        if not (_is_record(v) or is_sharded(v)):
+            break  # a replicated plain tensor: the first copy is the whole tensor
+    for off, piece in t_pieces:
+        _copy_overlaps(piece, off, src_pieces, where)
+    return target
+
+
+def restore_into(target: Any, sources: Sequence[Any], where: str = "state") -> Any:
+    """``target`` (this run's state dict) with every tensor filled from ``sources``.
+
+    ``sources`` are the same entry of the saved rank files, the authoritative copy first.
+    Tensors are filled in place (sharded ones piece by piece from every source); other leaves
+    are replaced by the first source's value. Returns the filled structure, ready for
+    ``load_state_dict``.
+    """
+    if not sources:
+        raise ValueError(f"{where}: missing from the checkpoint")
+    if is_sharded(target) or isinstance(target, torch.Tensor) or _is_record(target):
+        return _restore_tensor(target, list(sources), where)
+    if isinstance(target, Mapping):
+        out = {}
+        for k, v in target.items():
+            present = [s[k] for s in sources if isinstance(s, Mapping) and k in s]
+            if not present:
+                raise ValueError(
+                    f"{where}[{k!r}] is in this run's state but not in the checkpoint; was it "
+                    "written by a different model configuration?"
+                )
+            out[k] = restore_into(v, present, f"{where}[{k!r}]")
+        if isinstance(target, OrderedDict):
+            ordered = OrderedDict(out)
+            meta = getattr(target, "_metadata", None)  # module state-dict versions
+            if meta is not None:
+                ordered._metadata = meta  # type: ignore[attr-defined]
+            return ordered
+        return out
+    return sources[0]
+
+
+def unexpected_keys(target: Mapping[str, Any], source: Mapping[str, Any]) -> list[str]:
+    """Top-level keys the checkpoint has and this run's state lacks."""
+    return sorted(set(source) - set(target))

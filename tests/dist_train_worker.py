@@ -1,0 +1,49 @@
+"""Worker for the multi-process CPU tests: ``torchrun ... dist_train_worker.py ROOT BINDINGS OUT``.
+
+Trains the ranking task with the gin ``BINDINGS`` (a JSON list), writes rank 0's loss curve to
+``OUT/losses.json`` and, right after a checkpoint was loaded (before any step), every rank's
+restored state to ``OUT/loaded_rank_<r>.pt`` (sharded tensors as offset records), so a test can
+compare it with the saved files.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, sys.argv[1])
+
+import torch  # noqa: E402
+
+from hstu.config.gin_utils import load_config  # noqa: E402
+from hstu.training.reshard import to_portable  # noqa: E402
+from hstu.training.trainer import Trainer  # noqa: E402
+
+
+def main() -> None:
+    bindings, out = json.loads(sys.argv[2]), Path(sys.argv[3])
+    cfg = load_config("ranking", [], bindings)
+    trainer = Trainer(cfg)
+    rank = trainer.info.rank
+    try:
+        if cfg.trainer.ckpt_load_dir:
+            loaded = {
+                "model": to_portable(trainer.model.state_dict()),
+                "fused_optimizer": to_portable(trainer.model.fused_optimizer.state_dict()),
+                "dense_optimizer": trainer.optimizer.state_dict(),
+                "train_iter": trainer.train_iter.state_dict(),
+                "step": trainer.step,
+            }
+            if trainer.core.dynamic_collection is not None:
+                loaded["dynamic_embeddings"] = trainer.core.dynamic_collection.dump()
+            torch.save(loaded, out / f"loaded_rank_{rank}.pt")
+        result = trainer.fit()
+    finally:
+        trainer.close()
+    if rank == 0:
+        (out / "losses.json").write_text(json.dumps(result.losses))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Multi-process behaviour on CPU (gloo): checkpoints saved on N processes resume on M.
+
+The GPU counterpart (1 vs 2 GPUs, NCCL) is scripts/check_multi_gpu.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hstu.embeddings.sharding import merge_collection_dumps
+from hstu.training.checkpoint import Checkpointer
+from hstu.training.reshard import SHARDS_KEY
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "dist_train_worker.py"
+
+# Small enough for 2 cores; dropout off and a fixed attention scaling so that the loss of a global
+# batch does not depend on how it is split over ranks (the default scaling uses the local batch's
+# max length).
+TINY = [
+    "DatasetArgs.synthetic_num_users=300",
+    "DatasetArgs.synthetic_num_items=200",
+    "DatasetArgs.max_history_seqlen=24",
+    "NetworkArgs.num_layers=1",
+    "NetworkArgs.hidden_size=16",
+    "NetworkArgs.num_attention_heads=2",
+    "NetworkArgs.kv_channels=8",
+    "NetworkArgs.hidden_dropout=0.0",
+    "NetworkArgs.scaling_seqlen=64",
+    "RankingArgs.prediction_head_arch=(16,)",
+    "TrainerArgs.progress_bar=False",
+    "TrainerArgs.train_batch_size=24",
+    "TrainerArgs.eval_interval=0",
+    "TrainerArgs.max_eval_iters=1",
+    "TrainerArgs.eval_batch_size=24",
+    "TrainerArgs.log_interval=100",
+    "EmbeddingArgs.sparse_learning_rate=0.05",
+]
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo CPU multi-process test")
+
+
+def _torchrun(nproc: int, bindings: list[str], out: Path) -> list[float]:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HSTU_")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(WORKER),
+            str(ROOT),
+            json.dumps(bindings),
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [loss for _, loss in json.loads((out / "losses.json").read_text())]
+
+
+def _global(entry) -> torch.Tensor:
+    """Assemble a saved record (or take a plain tensor) as one global tensor."""
+    if not (isinstance(entry, dict) and SHARDS_KEY in entry):
+        return entry
+    return _assemble([entry])
+
+
+def _assemble(records: list[dict]) -> torch.Tensor:
+    shape = records[0]["global_shape"]
+    full = torch.full(shape, float("nan"), dtype=records[0]["pieces"][0]["tensor"].dtype)
+    for rec in records:
+        assert rec["global_shape"] == shape
+        for p in rec["pieces"]:
+            sl = tuple(slice(o, o + n) for o, n in zip(p["offsets"], p["tensor"].shape))
+            full[sl] = p["tensor"]
+    assert not torch.isnan(full).any(), "pieces leave holes"
+    return full
+
+
+def _sharded_entries(states: list[dict], section: str) -> dict[str, torch.Tensor]:
+    """{path: global tensor} of every sharded record in ``section`` over all rank files."""
+    out: dict[str, list] = {}
+
+    def walk(obj, path):
+        if isinstance(obj, dict) and SHARDS_KEY in obj:
+            out.setdefault(path, []).append(obj)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{path}/{k}")
+
+    for s in states:
+        walk(s[section], section)
+    return {k: _assemble(v) for k, v in out.items()}
+
+
+def _check_restored(ckpt: Path, loaded_dir: Path, nproc: int, dynamic: bool) -> None:
+    saved = Checkpointer.load_all_ranks(ckpt)
+    loaded = [torch.load(loaded_dir / f"loaded_rank_{r}.pt") for r in range(nproc)]
+    for section in ("model", "fused_optimizer"):
+        want, got = _sharded_entries(saved, section), _sharded_entries(loaded, section)
+        assert set(want) == set(got) and want, (section, sorted(want), sorted(got))
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+    for r in range(nproc):  # replicated parts come from rank 0 on every rank
+        for k, v in saved[0]["model"].items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(loaded[r]["model"][k], v, rtol=0, atol=0)
+        assert loaded[r]["train_iter"] == saved[0]["train_iter"]
+        assert loaded[r]["step"] == saved[0]["step"]
+    if dynamic:
+        want = merge_collection_dumps([s["dynamic_embeddings"] for s in saved])
+        got = merge_collection_dumps([s["dynamic_embeddings"] for s in loaded])
+        for k in ("keys", "values", "optimizer_state"):
+            for table in {n.split("/")[0] for n in want}:
+                torch.testing.assert_close(got[f"{table}/{k}"], want[f"{table}/{k}"])
+        # each rank keeps exactly the ids it owns
+        from hstu.embeddings.reference_table import owner_of
+
+        for r, s in enumerate(loaded):
+            for name, keys in s["dynamic_embeddings"].items():
+                if name.endswith("/keys") and keys.numel():
+                    assert bool((owner_of(keys, nproc) == r).all()), name
+
+
+@pytest.mark.parametrize(
+    ("backend", "resume_on"),
+    [("torchrec", (1, 3)), ("dynamic", (3,))],
+)
+def test_checkpoint_saved_on_two_resumes_on_other_counts(tmp_path, backend, resume_on):
+    common = TINY + [f"EmbeddingArgs.embedding_backend='{backend}'", "TrainerArgs.run_name='r'"]
+    if backend == "dynamic":
+        # roomy tables: no bucket overflows (evictions would depend on the per-rank capacity)
+        common += ["EmbeddingArgs.item_capacity=8192", "EmbeddingArgs.user_capacity=8192"]
+    ckpt_root = tmp_path / "ckpt"
+    # uninterrupted 2-process run to step 10 that also checkpoints at step 5
+    full = _torchrun(
+        2,
+        common
+        + [
+            f"TrainerArgs.log_dir='{tmp_path / 'full'}'",
+            "TrainerArgs.max_train_iters=10",
+            "TrainerArgs.ckpt_save_interval=5",
+            f"TrainerArgs.ckpt_save_dir='{ckpt_root}'",
+        ],
+        tmp_path / "full",
+    )
+    ckpt = ckpt_root / "step_00000005"
+    assert Checkpointer.read_meta(ckpt)["world_size"] == 2
+    for nproc in resume_on:
+        out = tmp_path / f"resume{nproc}"
+        resumed = _torchrun(
+            nproc,
+            common
+            + [
+                f"TrainerArgs.log_dir='{out}'",
+                "TrainerArgs.max_train_iters=10",
+                "TrainerArgs.ckpt_save_interval=-1",
+                f"TrainerArgs.ckpt_load_dir='{ckpt}'",
+            ],
+            out,
+        )
+        _check_restored(ckpt, out, nproc, dynamic=backend == "dynamic")
+        assert len(resumed) == 5
+        np.testing.assert_allclose(resumed, full[5:], rtol=1e-5, atol=1e-6)

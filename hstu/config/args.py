@@ -54,6 +54,8 @@ SPARSE_OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adagrad", "rowwise_adagrad
 INITIALIZERS: tuple[str, ...] = ("normal", "uniform", "truncated_normal", "constant")
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu")
 NEGATIVE_SAMPLING: tuple[str, ...] = ("random", "in_batch", "mixed")
+# how a global batch is split over ranks (hstu.data.loader.BatchIterator)
+RANK_BALANCE: tuple[str, ...] = ("cost", "strided")
 _METRIC_RE = re.compile(r"^(HR|NDCG)@([1-9][0-9]*)$|^MRR$")
 
 
@@ -191,6 +193,7 @@ class TrainerArgs:
     run_name: str = ""  # "" = automatic (task + timestamp)
     progress_bar: bool = True
     peak_tflops: float = 0.0  # for MFU; 0 = 312 (A100 bf16 dense)
+    rank_balance: str = "cost"  # split of a global batch over ranks: "cost" (LPT) or "strided"
 
     def __post_init__(self) -> None:
         _int(self, "train_batch_size", min_value=1)
@@ -217,6 +220,7 @@ class TrainerArgs:
             )
         _bool(self, "progress_bar")
         _float(self, "peak_tflops", min_value=0.0, what="0 = 312, the A100 bf16 peak")
+        _choice(self, "rank_balance", RANK_BALANCE)
 
 
 @gin.configurable

@@ -1,15 +1,29 @@
 """`BatchIterator`: deterministic, resumable, rank-sliced batches of samples.
 
 Batches are defined globally: epoch e visits the samples in the permutation drawn from
-``(seed, e)``, cut into consecutive global batches of ``batch_size`` indices. Rank r of
-``world_size`` takes positions ``r::world_size`` of each global batch, so one process and N
+``(seed, e)``, cut into consecutive global batches of ``batch_size`` indices. One process and N
 processes see exactly the same global batches (and the same loss, up to reduction order), and a
 run resumed from ``state_dict()`` continues with exactly the batch it would have seen next, even
 under a different world size.
+
+How a global batch is split over the ranks (``balance``):
+
+- ``"strided"``: rank r takes positions ``r::world_size``.
+- ``"cost"`` (with per-sample sequence lengths): the HSTU step time of a rank grows with the
+  attention cost ``sum L^2`` of its sequences plus the linear layers' ``sum L``; with jagged,
+  heavy-tailed lengths a strided split leaves most ranks waiting for the one holding the longest
+  sequences. Each sample gets cost ``L^2 + c * L`` (``c`` = linear FLOPs per token over
+  attention FLOPs per L^2 unit, see `linear_cost_coefficient`), and the samples, longest first,
+  go greedily to the rank with the least cost so far that still has room (longest processing
+  time first). Every rank gets exactly as many samples as under the strided split (fixed local
+  batch size), and the assignment depends only on the global batch, so every rank computes the
+  same one with no communication. Ties go to the lower rank; a rank's samples keep their order
+  in the global batch.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -19,9 +33,71 @@ import numpy as np
 from hstu.data.batch import Batch
 from hstu.data.datasets import Samples
 
-__all__ = ["BatchIterator"]
+__all__ = [
+    "BatchIterator",
+    "BALANCE_POLICIES",
+    "balanced_split",
+    "linear_cost_coefficient",
+    "sequence_lengths",
+]
+
+BALANCE_POLICIES = ("strided", "cost")
 
 logger = logging.getLogger(__name__)
+
+
+def linear_cost_coefficient(hidden_size: int, num_heads: int, head_dim: int) -> float:
+    """``c`` in the per-sample cost ``L^2 + c * L``, from the FLOP model of
+    `hstu.training.flops` (forward + backward per layer): linears ``30 * D * H*d`` per token,
+    attention ``7 * H * d`` per L^2 unit, so ``c = 30 * D / 7`` (H and d cancel)."""
+    if min(hidden_size, num_heads, head_dim) < 1:
+        raise ValueError(
+            f"linear_cost_coefficient: sizes must be positive, got hidden_size={hidden_size}, "
+            f"num_heads={num_heads}, head_dim={head_dim}"
+        )
+    linear = 3.0 * 10.0 * hidden_size * num_heads * head_dim
+    attention = 3.5 * 2.0 * num_heads * head_dim
+    return linear / attention
+
+
+def sequence_lengths(samples: Any) -> np.ndarray:
+    """Token length of every sample's HSTU sequence (contextual + history + candidates).
+
+    Knows `RankingSamples` and `RetrievalSamples`; other sample sets may provide a
+    ``sequence_lengths()`` method.
+    """
+    if hasattr(samples, "sequence_lengths"):
+        return np.asarray(samples.sequence_lengths(), dtype=np.int64)
+    ctx = len(getattr(samples, "contextual_feature_names", []))
+    if hasattr(samples, "history_starts") and hasattr(samples, "candidate_ends"):
+        return (samples.candidate_ends - samples.history_starts).astype(np.int64) + ctx
+    if hasattr(samples, "starts") and hasattr(samples, "ends"):
+        return (samples.ends - samples.starts).astype(np.int64) + ctx
+    raise TypeError(
+        f"cannot tell the sequence lengths of {type(samples).__name__} samples for "
+        "TrainerArgs.rank_balance='cost'; give them a sequence_lengths() method or use "
+        "TrainerArgs.rank_balance='strided'"
+    )
+
+
+def balanced_split(costs: np.ndarray, world_size: int) -> list[np.ndarray]:
+    """Positions (into ``costs``) for each rank: longest-processing-time-first greedy with each
+    rank's count fixed to that of the strided split ``r::world_size``. Deterministic."""
+    costs = np.asarray(costs, dtype=np.float64)
+    n = costs.shape[0]
+    caps = [len(range(r, n, world_size)) for r in range(world_size)]
+    count = [0] * world_size
+    owner = np.empty(n, dtype=np.int64)
+    # ranks with room, least loaded first (ties: lower rank)
+    heap = [(0.0, r) for r in range(world_size) if caps[r] > 0]
+    # longest first; equal costs in global-batch order (a stable sort of -cost)
+    for pos in np.argsort(-costs, kind="stable").tolist():
+        load, r = heapq.heappop(heap)
+        owner[pos] = r
+        count[r] += 1
+        if count[r] < caps[r]:
+            heapq.heappush(heap, (load + float(costs[pos]), r))
+    return [np.flatnonzero(owner == r) for r in range(world_size)]
 
 
 class BatchIterator:
@@ -32,7 +108,9 @@ class BatchIterator:
     sample; with several ranks each sample goes to exactly one rank.
 
     ``batch_size`` is global (all ranks together) and must be a multiple of ``world_size``.
-    ``batch_size_binding`` names the config field in error messages.
+    ``batch_size_binding`` names the config field in error messages. ``balance`` is
+    ``"strided"`` or ``"cost"`` (see the module docstring; it needs the samples' sequence lengths
+    and uses ``linear_cost`` as ``c``); with one process both are the identity.
     """
 
     def __init__(
@@ -46,6 +124,8 @@ class BatchIterator:
         world_size: int = 1,
         drop_last: bool = True,
         batch_size_binding: str = "TrainerArgs.train_batch_size",
+        balance: str = "strided",
+        linear_cost: float = 0.0,
     ) -> None:
         if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool):
             raise TypeError(f"{batch_size_binding} must be an integer; got {batch_size!r}")
@@ -66,6 +146,23 @@ class BatchIterator:
                 f"not one full batch exists; lower {batch_size_binding} to at most {n} or use "
                 f"more data"
             )
+        if balance not in BALANCE_POLICIES:
+            raise ValueError(
+                f"TrainerArgs.rank_balance={balance!r} is not supported: choose one of "
+                + ", ".join(repr(p) for p in BALANCE_POLICIES)
+            )
+        if not linear_cost >= 0:
+            raise ValueError(f"BatchIterator: linear_cost={linear_cost} must be >= 0")
+        self.balance = balance
+        self.linear_cost = float(linear_cost)
+        self._costs: np.ndarray | None = None
+        if balance == "cost" and world_size > 1:
+            lengths = sequence_lengths(samples).astype(np.float64)
+            if lengths.shape != (len(samples),):
+                raise ValueError(
+                    f"BatchIterator: {lengths.shape[0]} sequence lengths for {len(samples)} samples"
+                )
+            self._costs = lengths * lengths + self.linear_cost * lengths
         self.samples = samples
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
@@ -111,8 +208,23 @@ class BatchIterator:
         return order[position * self.batch_size : (position + 1) * self.batch_size]
 
     def local_indices(self, global_indices: np.ndarray) -> np.ndarray:
-        """This rank's share of a global batch: positions ``rank::world_size``."""
-        return global_indices[self.rank :: self.world_size]
+        """This rank's share of a global batch (``rank::world_size``, or cost-balanced)."""
+        return self.split(global_indices)[self.rank]
+
+    def split(self, global_indices: np.ndarray) -> list[np.ndarray]:
+        """Every rank's share of a global batch (the same answer on every rank)."""
+        w = self.world_size
+        if self._costs is None or w == 1:
+            return [global_indices[r::w] for r in range(w)]
+        parts = balanced_split(self._costs[global_indices], w)
+        return [global_indices[p] for p in parts]
+
+    def sample_costs(self, indices: np.ndarray) -> np.ndarray:
+        """Per-sample cost ``L^2 + c * L`` of ``indices`` (needs the sequence lengths)."""
+        if self._costs is None:
+            lengths = sequence_lengths(self.samples)[indices].astype(np.float64)
+            return lengths * lengths + self.linear_cost * lengths
+        return self._costs[indices]
 
     # ---- training: infinite -----------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:

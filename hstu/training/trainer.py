@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from hstu.config.gin_utils import RunConfig
 from hstu.data.batch import Batch
-from hstu.data.loader import BatchIterator
+from hstu.data.loader import BatchIterator, linear_cost_coefficient
 from hstu.data.registry import build_samples, load_sequence_data
 from hstu.embeddings import apply_sparse_optimizer
 from hstu.embeddings.sharding import merge_collection_dumps
@@ -96,6 +96,14 @@ class Trainer:
         self.data = load_sequence_data(cfg.dataset, num_tasks=num_tasks)
         splits = build_samples(self.data, cfg.dataset, cfg.task)
         self.train_samples, self.eval_samples = splits.train, splits.eval
+        net = cfg.network
+        # global batch split over ranks by HSTU cost L^2 + c L (hstu.data.loader); 1 rank: no-op
+        balance = {
+            "balance": t.rank_balance,
+            "linear_cost": linear_cost_coefficient(
+                net.hidden_size, net.num_attention_heads, net.kv_channels
+            ),
+        }
         self.train_iter = BatchIterator(
             self.train_samples,
             t.train_batch_size,
@@ -104,6 +112,7 @@ class Trainer:
             rank=self.info.rank,
             world_size=self.info.world_size,
             drop_last=True,
+            **balance,
         )
         self.eval_iter = BatchIterator(
             self.eval_samples,
@@ -114,6 +123,7 @@ class Trainer:
             world_size=self.info.world_size,
             drop_last=False,
             batch_size_binding="TrainerArgs.eval_batch_size",
+            **balance,
         )
 
         # model
@@ -141,7 +151,6 @@ class Trainer:
         self.optimizer = build_dense_optimizer(dense, cfg.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, t.max_train_iters)
         self.autocast_dtype = _DTYPES[cfg.network.dtype_str] if self.device.type == "cuda" else None
-        net = cfg.network
         self.stack_shape = StackShape(
             net.num_layers, net.hidden_size, net.num_attention_heads, net.kv_channels
         )

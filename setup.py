@@ -4,8 +4,10 @@ Knobs (environment):
   HSTU_CUDA_ARCH_LIST   ";"-separated compute capabilities, default "8.0" (A100). Lent H100/H200
                         test machines: "8.0;9.0".
   HSTU_KERNEL_DIMS      comma list of substrings; only instantiation files (kernels/*/instantiations/)
-                        whose name contains one of them are built (e.g. "bf16_hdim128").
-  HSTU_KERNELS          comma list of kernel families to build (default: all), e.g. "hstu_attention".
+                        whose name contains one of them are built (e.g. "bf16_hdim128"); the
+                        layer_norm_mul_dropout family always builds all of its files.
+  HSTU_KERNELS          comma list of kernel families to build (default: all), e.g. "hstu_attention"
+                        or "layer_norm_mul_dropout" (the fused layer's LayerNorm*u*dropout step).
   HSTU_SKIP_KERNELS=1   never build kernels.
   MAX_JOBS              parallel compile jobs (torch's ninja build).
   CUTLASS_INCLUDE_DIR   CUTLASS/CuTe headers; default: the nvidia-cutlass package's copy.
@@ -47,12 +49,16 @@ def _arch_flags() -> list[str]:
     return flags
 
 
+# Families whose instantiations/ are per dtype only (all are needed): HSTU_KERNEL_DIMS skips them.
+_ALL_INSTANTIATIONS = ("layer_norm_mul_dropout",)
+
+
 def _sources(name: str) -> list[str]:
     base = os.path.join("kernels", name)
     srcs = sorted(glob.glob(os.path.join(base, "*.cpp")) + glob.glob(os.path.join(base, "*.cu")))
     inst = sorted(glob.glob(os.path.join(base, "instantiations", "*.cu")))
     dims = [d.strip() for d in os.environ.get("HSTU_KERNEL_DIMS", "").split(",") if d.strip()]
-    if dims:
+    if dims and name not in _ALL_INSTANTIATIONS:
         inst = [s for s in inst if any(d in os.path.basename(s) for d in dims)]
     return srcs + inst
 
@@ -85,6 +91,7 @@ def _extensions():
     for name, module in (
         ("hstu_attention", "hstu._hstu_attention_C"),
         ("dynamic_embedding", "hstu._dynamic_embedding_C"),
+        ("layer_norm_mul_dropout", "hstu._layer_norm_mul_dropout_C"),
     ):
         wanted = [k.strip() for k in os.environ.get("HSTU_KERNELS", "").split(",") if k.strip()]
         if wanted and name not in wanted:

@@ -222,11 +222,19 @@ def _gpu_ready() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_ready(), reason="needs CUDA and the compiled HSTU attention kernel")
 @pytest.mark.parametrize("recompute", RECOMPUTE)
-@pytest.mark.parametrize("compile_stages", [True, False])
-def test_fused_matches_unfused_bf16_cuda(recompute, compile_stages):
+@pytest.mark.parametrize(
+    "compile_stages,gate",
+    [(True, "compiled"), (False, "compiled"), (True, "cuda"), (False, "cuda")],
+)
+def test_fused_matches_unfused_bf16_cuda(recompute, compile_stages, gate):
     """bf16 autocast on CUDA, compiled attention in both, the fused layer's elementwise stages
-    torch.compiled or eager: output within 2e-2 (abs) + 2e-2 (rel) and every gradient within 3%
-    relative L2 error of the unfused layer's."""
+    torch.compiled or eager and its gating step by the stages or the CUDA LayerNorm*u*dropout
+    kernel: output within 2e-2 (abs) + 2e-2 (rel) and every gradient within 3% relative L2
+    error of the unfused layer's."""
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+
+    if gate == "cuda" and not lnmd.load_extension():
+        pytest.skip("the LayerNorm*u*dropout extension is not built")
     fused_mod.set_stage_compile(compile_stages)
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -239,6 +247,7 @@ def test_fused_matches_unfused_bf16_cuda(recompute, compile_stages):
         0.0,
         recompute_input_layernorm=recompute[0],
         recompute_uvqk_silu=recompute[1],
+        gate_kernel=gate,
     ).to(dev)
     fused.load_state_dict(ref.state_dict())
     lengths = [300, 1, 77, 512, 0, 129]
@@ -286,3 +295,45 @@ def test_fused_head_dim_without_kernel_instance_cuda():
     for name in g_r:
         err = (g_f[name] - g_r[name]).norm() / g_r[name].norm().clamp_min(1e-6)
         assert err < 3e-2, (name, float(err))
+
+
+def test_fused_gate_kernel_path_matches_unfused_cpu(monkeypatch):
+    """The gate_kernel='cuda' code path of the Function, run on CPU with the kernel's PyTorch twin
+    in place of the CUDA ops: matches the unfused layer without dropout, and with dropout when
+    the unfused layer is driven by the twin's Philox mask of the seed the forward drew (so the
+    backward regenerated that very mask). p = 0.25 is exact in the kernel's 1/65536 steps."""
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+
+    calls = []
+
+    def fake_gate_ops(mode, x, inner):
+        calls.append(mode)
+        return lnmd.reference_fwd, lnmd.reference_bwd
+
+    monkeypatch.setattr(fused_mod, "_gate_ops", fake_gate_ops)
+    attn = _layout([7, 1, 12], contexts=[1, 0, 2], targets=[2, 0, 3])
+    t = 20
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(t, HIDDEN, generator=gen)
+    g = torch.randn(t, HIDDEN, generator=gen)
+    for recompute in RECOMPUTE:
+        ref, fused = _pair(recompute=recompute, target_group_size=2)
+        _assert_match(_run(ref, x, attn, g), _run(fused, x, attn, g))
+    p = 0.25
+    ref, fused = _pair(dropout=p, recompute=(True, True))
+    seeds = []
+    real_draw = lnmd.draw_seed
+    monkeypatch.setattr(lnmd, "draw_seed", lambda: seeds.append(real_draw()) or seeds[-1])
+    res_f = _run(fused, x, attn, g)
+    keep = lnmd.keep_mask(seeds[-1], t, HEADS * DIM, p)
+    ref.dropout = _FixedMaskDropout(keep, p)
+    _assert_match(_run(ref, x, attn, g), res_f)
+    assert len(seeds) == 1 and calls
+
+
+def test_gate_kernel_option_is_validated():
+    with pytest.raises(ValueError, match="gate_kernel"):
+        FusedHSTULayer(HIDDEN, HEADS, DIM, gate_kernel="triton")
+    assert fused_mod.default_gate_kernel() in fused_mod.GATE_KERNELS
+    # CPU tensors run the eager stages whatever the setting
+    assert fused_mod._gate_ops("cuda", torch.zeros(2, HIDDEN), HEADS * DIM) is None

@@ -10,20 +10,31 @@ Precision: under autocast (bf16/fp16 on GPU) the three matmuls and the attention
 autocast dtype, both LayerNorms and the gating in fp32, the residual stream keeps x's dtype;
 without autocast everything runs in x's dtype.
 
+Layout: SiLU(z) is written chunk-major, [4, T, H*d] = (u, v, q, k), so q, k and v are contiguous
+[T, H, d] views for the attention op (no copies); the SiLU backward writes each of the four
+gradients straight into its column block of dz [T, 4*H*d] (`aten.silu_backward`, no concat).
+
+Gating step `dropout(LayerNorm(a) * u)` (``gate_kernel``): "cuda" runs the compiled kernel
+(`hstu.modules.layer_norm_mul_dropout`, kernels/layer_norm_mul_dropout/: one pass forward, one
+pass backward that also re-emits y for W_o's gradient; dropout mask regenerated from a Philox
+seed), "compiled" the torch.compiled PyTorch stages, "auto" the kernel when it is built and
+applies (CUDA, bf16/fp16, H*d a multiple of 8 up to 8192), else the compiled stages. On CPU the
+stages run eagerly whatever the setting (development mode).
+
 Memory: by default the Function keeps x, the input LayerNorm output n (matmul dtype), the uvqk
-pre-activation z, its SiLU (u, v, q, k), the attention output a and the dropout mask.
-`recompute_input_layernorm=True` keeps only x and its row statistics and recomputes n in backward;
-`recompute_uvqk_silu=True` keeps only z and recomputes SiLU(z) in backward. (The projection input
-y is always recomputed from a, u and the mask: it is a cheap elementwise product.)
+pre-activation z, its SiLU (u, v, q, k), the attention output a and (compiled gate with dropout)
+the bool dropout mask; the CUDA gate keeps only a seed. `recompute_input_layernorm=True` keeps
+only x and its row statistics and recomputes n in backward; `recompute_uvqk_silu=True` keeps only
+z and recomputes SiLU(z) in backward. The projection input y is always recomputed.
 
 Attention backward: on CUDA with the compiled kernel the op's own backward
 (`torch.ops.hstu_attention.bwd`) runs; otherwise (CPU reference, softmax baseline,
 `HSTU_FORCE_REFERENCE_ATTENTION=1`) the attention forward is replayed under autograd on detached
 leaves and differentiated with `torch.autograd.grad`.
 
-The memory-bound elementwise stages between the matmuls are pure functions (`_stage_*`), run
-torch.compiled on CUDA (HSTU_FUSED_LAYER_COMPILE=0 or `set_stage_compile(False)`: eager) and
-eagerly on CPU.
+The input LayerNorm (+ cast), its backward (+ residual gradient) and, with the compiled gate, the
+gating stages are pure functions (`_stage_*`), torch.compiled on CUDA (HSTU_FUSED_LAYER_COMPILE=0
+or `set_stage_compile(False)`: eager) and eager on CPU.
 """
 
 from __future__ import annotations
@@ -37,12 +48,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hstu.modules import layer_norm_mul_dropout as lnmd
 from hstu.modules.hstu_layer import AttentionInputs, HSTULayer
 from hstu.ops import attention as attention_ops
 
 __all__ = [
+    "GATE_KERNELS",
     "FusedHSTULayer",
     "apply_dropout",
+    "default_gate_kernel",
     "dropout_keep_mask",
     "fused_hstu_layer",
     "set_stage_compile",
@@ -50,6 +64,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+GATE_KERNELS = ("auto", "cuda", "compiled")
+# Default of FusedHSTULayer(gate_kernel=None); HSTU_FUSED_GATE_KERNEL overrides it.
+DEFAULT_GATE_KERNEL = "auto"
 
 
 def apply_dropout(g: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +101,8 @@ class _LayerSpec:
     attention_fn: Callable[..., torch.Tensor]
     attn_kwargs: dict
     use_compiled_ops: bool
+    # (fwd, bwd) ops of the compiled LayerNorm*u*dropout kernel when it runs the gating step
+    gate_ops: tuple[Callable, Callable] | None
 
 
 def _layer_norm_fwd(
@@ -114,13 +134,6 @@ def _layer_norm_bwd(
     return dx, dweight, dbias
 
 
-def _silu_grad(z: torch.Tensor) -> torch.Tensor:
-    """d SiLU(z) / dz = s * (1 + z * (1 - s)), s = sigmoid(z); fp32."""
-    zf = z.float()
-    s = torch.sigmoid(zf)
-    return s * (1.0 + zf * (1.0 - s))
-
-
 # ---- elementwise stages between the matmuls and the attention ---------------------------------
 # Pure functions of tensors and Python scalars. On CUDA each is compiled by torch.compile into a
 # few fused kernels (HSTU_FUSED_LAYER_COMPILE=0 keeps them eager): at benchmark shapes these
@@ -136,17 +149,6 @@ def _stage_pre_norm(x, w, b, eps: float, cdtype: torch.dtype):
 def _stage_recompute_norm(x, mean, rstd, w, b, cdtype: torch.dtype):
     """recompute_input_layernorm: n from x and the saved row statistics."""
     return ((x.float() - mean) * rstd * w.float() + b.float()).to(cdtype)
-
-
-def _stage_silu_qkv(z, num_heads: int, head_dim: int):
-    """SiLU(z) and contiguous [T, H, d] copies of its q, k, v parts (u, v, q, k order)."""
-    act = F.silu(z)
-    hd = num_heads * head_dim
-    t = z.shape[0]
-    v = act[:, hd : 2 * hd].reshape(t, num_heads, head_dim).contiguous()
-    q = act[:, 2 * hd : 3 * hd].reshape(t, num_heads, head_dim).contiguous()
-    k = act[:, 3 * hd :].reshape(t, num_heads, head_dim).contiguous()
-    return act, q, k, v
 
 
 def _stage_gate_fwd(attn, w, b, u, keep, scale: float, eps: float, cdtype: torch.dtype):
@@ -178,22 +180,35 @@ def _stage_gate_bwd(dy, attn, mean, rstd, w, b, u, keep, scale: float, cdtype: t
     return d_attn.to(cdtype), du, dw, db
 
 
-def _stage_silu_bwd(du, dv, dq, dk, z, cdtype: torch.dtype):
-    """dz = d(u, v, q, k) * SiLU'(z), in the matmul dtype."""
-    t = z.shape[0]
-    hd = du.shape[-1]
-    grads = torch.cat([du.float()] + [g.reshape(t, hd).float() for g in (dv, dq, dk)], dim=-1)
-    return (grads * _silu_grad(z)).to(cdtype)
-
-
 def _stage_in_norm_bwd(dn, x, mean, rstd, w, dout):
     """Input LayerNorm backward plus the residual: (dx, d weight, d bias)."""
     dx_ln, dw, db = _layer_norm_bwd(dn, x, mean, rstd, w)
     return (dout.float() + dx_ln).to(x.dtype), dw, db
 
 
-def _stage_residual(x, proj):
-    return (x + proj.to(x.dtype)) if x.dtype != proj.dtype else x + proj
+def _silu_chunk_major(z: torch.Tensor, hd: int) -> torch.Tensor:
+    """SiLU(z) for z [T, 4*hd] (u | v | q | k per row), written as [4, T, hd]: each of u, v, q, k
+    is then a contiguous [T, hd] block (q, k, v feed the attention op without copies)."""
+    t = z.shape[0]
+    act = z.new_empty((4, t, hd))
+    torch.ops.aten.silu.out(z.view(t, 4, hd).transpose(0, 1), out=act)
+    return act
+
+
+def _silu_backward_into(dz: torch.Tensor, grads, z: torch.Tensor, hd: int) -> None:
+    """dz[:, i*hd:(i+1)*hd] = grads[i] * SiLU'(z[:, i*hd:(i+1)*hd]) for the four blocks: each
+    gradient goes straight into its column block (no concatenation), math in fp32 (opmath)."""
+    t = z.shape[0]
+    for i, g in enumerate(grads):
+        cols = slice(i * hd, (i + 1) * hd)
+        torch.ops.aten.silu_backward.grad_input(
+            g.reshape(t, hd), z[:, cols], grad_input=dz[:, cols]
+        )
+
+
+def _residual(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+    out = x + proj  # one kernel; promotes bf16 proj into an fp32 residual stream
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 _STAGES: dict[str, Callable] = {
@@ -314,87 +329,107 @@ class _FusedHSTUFunction(torch.autograd.Function):
         with torch.autocast(dev.type, enabled=False):
             t = x.shape[0]
             hd = spec.num_heads * spec.head_dim
+            shape = (t, spec.num_heads, spec.head_dim)
             n_c, mean1, rstd1 = _stage("pre_norm", dev, x, w_in, b_in, spec.eps, cdtype)
-            z = F.linear(n_c, w_uvqk.to(cdtype), b_uvqk.to(cdtype))
-            act, q3, k3, v3 = _stage("silu_qkv", dev, z, spec.num_heads, spec.head_dim)
-            u = act[:, :hd]
+            # cast once; backward reuses the casts (no-ops when the weights are already cdtype)
+            w_uvqk_c, w_out_c = w_uvqk.to(cdtype), w_out.to(cdtype)
+            z = F.linear(n_c, w_uvqk_c, b_uvqk.to(cdtype))
+            act = _silu_chunk_major(z, hd)
+            u = act[0]
             if t > 0:
-                attn = _attention_forward(spec, q3, k3, v3).reshape(t, hd).to(cdtype)
+                attn = _attention_forward(
+                    spec, act[2].view(shape), act[3].view(shape), act[1].view(shape)
+                )
+                attn = attn.reshape(t, hd).to(cdtype)
             else:
                 attn = act.new_zeros((0, hd))
-            del q3, k3, v3
-            mask, scale = None, 1.0
-            if spec.training and spec.dropout > 0.0 and t > 0:
-                scale = 1.0 / (1.0 - spec.dropout)
-                if _stages_compiled(dev):
-                    mask = torch.rand((t, hd), device=dev) >= spec.dropout
-                else:  # eager: the very draw nn.Dropout makes (same seed, same mask)
-                    ln2, _, _ = _layer_norm_fwd(attn, w_attn, b_attn, spec.eps)
-                    mask = apply_dropout(ln2 * u.float(), spec.dropout)[1]
-            y_c, mean2, rstd2 = _stage(
-                "gate_fwd", dev, attn, w_attn, b_attn, u, mask, scale, spec.eps, cdtype
-            )
-            proj = F.linear(y_c, w_out.to(cdtype), b_out.to(cdtype))
-            out = _stage("residual", dev, x, proj)
+            p = spec.dropout if (spec.training and t > 0) else 0.0
+            mask, scale, seed = None, 1.0, 0
+            if spec.gate_ops is not None:
+                seed = lnmd.draw_seed() if p > 0.0 else 0
+                y_c, mean2, rstd2 = spec.gate_ops[0](
+                    attn, u, w_attn.float(), b_attn.float(), spec.eps, p, seed
+                )
+            else:
+                if p > 0.0:
+                    scale = 1.0 / (1.0 - p)
+                    if _stages_compiled(dev):
+                        mask = torch.rand((t, hd), device=dev) >= p
+                    else:  # eager: the very draw nn.Dropout makes (same seed, same mask)
+                        ln2, _, _ = _layer_norm_fwd(attn, w_attn, b_attn, spec.eps)
+                        mask = apply_dropout(ln2 * u.float(), p)[1]
+                y_c, mean2, rstd2 = _stage(
+                    "gate_fwd", dev, attn, w_attn, b_attn, u, mask, scale, spec.eps, cdtype
+                )
+            proj = F.linear(y_c, w_out_c, b_out.to(cdtype))
+            out = _residual(x, proj)
 
-        ctx.spec, ctx.cdtype, ctx.scale = spec, cdtype, scale
+        ctx.spec, ctx.cdtype, ctx.scale, ctx.p, ctx.seed = spec, cdtype, scale, p, seed
+        ctx.param_dtypes = (w_uvqk.dtype, b_uvqk.dtype, w_out.dtype, b_out.dtype)
         saved_n = None if spec.recompute_input_layernorm else n_c
         saved_act = None if spec.recompute_uvqk_silu else act
         ctx.save_for_backward(
             x, mean1, rstd1, saved_n, z, saved_act, attn, mean2, rstd2, mask,
-            w_in, b_in, w_uvqk, w_attn, b_attn, w_out,
+            w_in, b_in, w_uvqk_c, w_attn, b_attn, w_out_c,
         )  # fmt: skip
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         (x, mean1, rstd1, n_c, z, act, attn, mean2, rstd2, mask,
-         w_in, b_in, w_uvqk, w_attn, b_attn, w_out) = ctx.saved_tensors  # fmt: skip
+         w_in, b_in, w_uvqk_c, w_attn, b_attn, w_out_c) = ctx.saved_tensors  # fmt: skip
         spec, cdtype, scale = ctx.spec, ctx.cdtype, ctx.scale
+        dt_w_uvqk, dt_b_uvqk, dt_w_out, dt_b_out = ctx.param_dtypes
         dev = x.device
         with torch.autocast(dev.type, enabled=False):
             t = x.shape[0]
             hd = spec.num_heads * spec.head_dim
+            shape = (t, spec.num_heads, spec.head_dim)
             if act is None:  # recompute_uvqk_silu
-                act, q3, k3, v3 = _stage("silu_qkv", dev, z, spec.num_heads, spec.head_dim)
-            else:
-                q3 = k3 = v3 = None
-            u = act[:, :hd]
+                act = _silu_chunk_major(z, hd)
+            u = act[0]
 
-            # output projection: proj = y @ W_o^T + b_o, y recomputed from attn, u and the mask
-            y_c = _stage(
-                "gate_recompute", dev, attn, mean2, rstd2, w_attn, b_attn, u, mask, scale, cdtype
-            )
+            # output projection: proj = y @ W_o^T + b_o
             dproj = dout.to(cdtype)
-            d_w_out = (dproj.t() @ y_c).to(w_out.dtype)
-            d_b_out = dproj.float().sum(0).to(w_out.dtype)
-            dy = dproj @ w_out.to(cdtype)
+            dy = dproj @ w_out_c
+            d_b_out = dproj.sum(0, dtype=torch.float32).to(dt_b_out)
+
+            # dropout (the forward's mask), gating, LayerNorm(attn); y recomputed for dW_o
+            if spec.gate_ops is not None:
+                d_attn, du, d_w_attn, d_b_attn, y_c = spec.gate_ops[1](
+                    dy, attn, u, w_attn.float(), b_attn.float(), mean2, rstd2, ctx.p, ctx.seed,
+                    True,
+                )  # fmt: skip
+            else:
+                y_c = _stage(
+                    "gate_recompute", dev, attn, mean2, rstd2, w_attn, b_attn, u, mask, scale,
+                    cdtype,
+                )  # fmt: skip
+                d_attn, du, d_w_attn, d_b_attn = _stage(
+                    "gate_bwd", dev, dy, attn, mean2, rstd2, w_attn, b_attn, u, mask, scale, cdtype
+                )
+            del dy
+            d_w_out = (dproj.t() @ y_c).to(dt_w_out)
             del y_c
 
-            # dropout (the forward's mask), gating, LayerNorm(attn)
-            d_attn, du, d_w_attn, d_b_attn = _stage(
-                "gate_bwd", dev, dy, attn, mean2, rstd2, w_attn, b_attn, u, mask, scale, cdtype
-            )
-
-            # attention
-            shape = (t, spec.num_heads, spec.head_dim)
+            # attention (q, k, v: contiguous views of the chunk-major SiLU output)
             if t > 0:
-                if q3 is None:
-                    q3, k3, v3 = (
-                        act[:, i * hd : (i + 1) * hd].reshape(shape).contiguous() for i in (2, 3, 1)
-                    )
-                dq, dk, dv = _attention_backward(spec, d_attn.reshape(shape), q3, k3, v3)
+                q3, k3, v3 = act[2].view(shape), act[3].view(shape), act[1].view(shape)
+                dq, dk, dv = _attention_backward(spec, d_attn.view(shape), q3, k3, v3)
             else:
                 dq = dk = dv = act.new_zeros(shape)
+            del d_attn
 
-            # SiLU and the uvqk projection
-            dz = _stage("silu_bwd", dev, du, dv, dq, dk, z, cdtype)
+            # SiLU, straight into the column blocks of dz, then the uvqk projection
+            dz = torch.empty_like(z)
+            _silu_backward_into(dz, (du, dv, dq, dk), z, hd)
             del du, dv, dq, dk
             if n_c is None:  # recompute_input_layernorm
                 n_c = _stage("recompute_norm", dev, x, mean1, rstd1, w_in, b_in, cdtype)
-            d_w_uvqk = (dz.t() @ n_c).to(w_uvqk.dtype)
-            d_b_uvqk = dz.float().sum(0).to(w_uvqk.dtype)
-            dn = dz @ w_uvqk.to(cdtype)
+            d_w_uvqk = (dz.t() @ n_c).to(dt_w_uvqk)
+            d_b_uvqk = dz.sum(0, dtype=torch.float32).to(dt_b_uvqk)
+            dn = dz @ w_uvqk_c
+            del dz
 
             # input LayerNorm and the residual
             dx, d_w_in, d_b_in = _stage("in_norm_bwd", dev, dn, x, mean1, rstd1, w_in, dout)
@@ -432,6 +467,44 @@ def _use_compiled_ops(q_device: torch.device, attention_type: str, head_dim: int
     return ops is not None and hasattr(ops, "fwd") and hasattr(ops, "bwd")
 
 
+def default_gate_kernel() -> str:
+    """The gating implementation of layers built with gate_kernel=None (HSTU_FUSED_GATE_KERNEL
+    overrides the module default)."""
+    return _check_gate_kernel(
+        os.environ.get("HSTU_FUSED_GATE_KERNEL", DEFAULT_GATE_KERNEL), "HSTU_FUSED_GATE_KERNEL"
+    )
+
+
+def _check_gate_kernel(value: str, where: str) -> str:
+    if value not in GATE_KERNELS:
+        raise ValueError(f"{where}={value!r} is not supported: one of {list(GATE_KERNELS)}")
+    return value
+
+
+def _gate_ops(mode: str | None, x: torch.Tensor, inner: int):
+    """(fwd, bwd) of the compiled LayerNorm*u*dropout kernel when it runs this call's gating
+    step, else None (the PyTorch stages run)."""
+    if x.device.type != "cuda":
+        return None  # CPU development mode: eager PyTorch stages
+    mode = default_gate_kernel() if mode is None else mode
+    if mode == "compiled":
+        return None
+    cdtype = _compute_dtype(x)
+    fits = cdtype in (torch.float16, torch.bfloat16) and inner % 8 == 0 and inner <= lnmd.MAX_DIM
+    ops = (torch.ops.hstu_lnmd.fwd, torch.ops.hstu_lnmd.bwd) if lnmd.load_extension() else None
+    if mode == "auto":
+        return ops if fits else None
+    if ops is None:
+        raise RuntimeError(f"FusedHSTULayer(gate_kernel='cuda'): {lnmd.BUILD_HINT}")
+    if not fits:
+        raise ValueError(
+            f"FusedHSTULayer(gate_kernel='cuda') needs bf16/fp16 activations (autocast) and "
+            f"num_heads * head_dim a multiple of 8 up to {lnmd.MAX_DIM}; got {cdtype} and "
+            f"{inner}: use gate_kernel='compiled' (or 'auto')"
+        )
+    return ops
+
+
 def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
     """Runs ``layer``'s parameters through the fused Function."""
     if attn.max_seqlen < 0:
@@ -463,6 +536,7 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
             "scaling_arg": layer.scaling_seqlen,
         },
         use_compiled_ops=_use_compiled_ops(x.device, layer.attention_type, layer.head_dim),
+        gate_ops=_gate_ops(layer.gate_kernel, x, layer.num_heads * layer.head_dim),
     )
     return _FusedHSTUFunction.apply(
         x,
@@ -483,7 +557,9 @@ class FusedHSTULayer(HSTULayer):
 
     Same constructor, parameters and forward as `HSTULayer`, plus two memory options:
     ``recompute_input_layernorm`` (recompute the input LayerNorm in backward instead of storing
-    it) and ``recompute_uvqk_silu`` (store only the uvqk pre-activation, recompute the SiLU).
+    it) and ``recompute_uvqk_silu`` (store only the uvqk pre-activation, recompute the SiLU), and
+    ``gate_kernel`` ("auto" | "cuda" | "compiled"; None: `default_gate_kernel()`), the
+    implementation of dropout(LayerNorm(attn) * u) on CUDA (module docstring).
     """
 
     def __init__(
@@ -495,11 +571,15 @@ class FusedHSTULayer(HSTULayer):
         *,
         recompute_input_layernorm: bool = False,
         recompute_uvqk_silu: bool = False,
+        gate_kernel: str | None = None,
         **kwargs,
     ) -> None:
         super().__init__(hidden_size, num_heads, head_dim, dropout, **kwargs)
         self.recompute_input_layernorm = bool(recompute_input_layernorm)
         self.recompute_uvqk_silu = bool(recompute_uvqk_silu)
+        if gate_kernel is not None:
+            _check_gate_kernel(gate_kernel, "FusedHSTULayer(gate_kernel)")
+        self.gate_kernel = gate_kernel
 
     def forward(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
@@ -512,5 +592,5 @@ class FusedHSTULayer(HSTULayer):
     def extra_repr(self) -> str:
         return (
             f"recompute_input_layernorm={self.recompute_input_layernorm}, "
-            f"recompute_uvqk_silu={self.recompute_uvqk_silu}"
+            f"recompute_uvqk_silu={self.recompute_uvqk_silu}, gate_kernel={self.gate_kernel}"
         )

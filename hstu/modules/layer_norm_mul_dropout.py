@@ -1,0 +1,203 @@
+"""y = dropout(LayerNorm(x) * u): the HSTU gating step, compiled CUDA kernel + PyTorch twin.
+
+The compiled ops live in `hstu._layer_norm_mul_dropout_C` (kernels/layer_norm_mul_dropout/):
+
+    torch.ops.hstu_lnmd.fwd(x, u, weight, bias, eps, p, seed) -> (y, mean, rstd)
+    torch.ops.hstu_lnmd.bwd(dy, x, u, weight, bias, mean, rstd, p, seed, recompute_y)
+        -> (dx, du, dweight, dbias, y or empty)
+
+x, u, dy: [T, D] bf16/fp16 on CUDA (last dim contiguous, row stride a multiple of 8: u may be a
+column slice of a wider tensor); weight, bias: fp32 [D]; D a multiple of 8 up to 8192. Math in
+fp32; outputs in x's dtype, mean/rstd/dweight/dbias fp32.
+
+Dropout: the keep mask is not stored. It is a pure function of (seed, row, col) (Philox4x32-10,
+one call per 8-element chunk, 16 bits per element; kernels/layer_norm_mul_dropout/philox.h) and
+the backward regenerates it from the forward's seed. p is quantised to t / 65536 with
+t = round(65536 p); kept elements are scaled by 65536 / (65536 - t) (unbiased). Each call draws
+a fresh 63-bit seed from torch's default (CPU) generator, so `torch.manual_seed` fixes the masks.
+
+`reference_fwd` / `reference_bwd` are the PyTorch twins with the same signatures and the same
+mask (`keep_mask` computes it with NumPy): the test oracle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = [
+    "MAX_DIM",
+    "draw_seed",
+    "dropout_threshold",
+    "is_available",
+    "keep_mask",
+    "layer_norm_mul_dropout",
+    "load_extension",
+    "reference_bwd",
+    "reference_fwd",
+    "supports",
+]
+
+MAX_DIM = 8192
+BUILD_HINT = (
+    "the LayerNorm*u*dropout kernel (hstu._layer_norm_mul_dropout_C) is not built: build it with "
+    '`HSTU_KERNELS=layer_norm_mul_dropout HSTU_CUDA_ARCH_LIST="8.0" pip install '
+    '--no-build-isolation -e .` (H100/H200: HSTU_CUDA_ARCH_LIST="8.0;9.0"), or use '
+    "FusedHSTULayer(gate_kernel='compiled')"
+)
+
+_PHILOX_M = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
+_PHILOX_W = (np.uint64(0x9E3779B9), np.uint64(0xBB67AE85))
+_MASK32 = np.uint64(0xFFFFFFFF)
+_loaded: dict[str, bool] = {}
+
+
+def load_extension() -> bool:
+    """Import the extension (registers torch.ops.hstu_lnmd); False when it is not built."""
+    if "ok" not in _loaded:
+        try:
+            import hstu._layer_norm_mul_dropout_C  # noqa: F401
+
+            _loaded["ok"] = True
+        except ImportError:
+            _loaded["ok"] = False
+    return _loaded["ok"]
+
+
+def is_available() -> bool:
+    """True when the extension imports and CUDA is present."""
+    return torch.cuda.is_available() and load_extension()
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the kernel handles activations like ``x`` ([T, D], bf16/fp16, CUDA, D % 8 == 0)."""
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.shape[1] % 8 == 0
+        and 8 <= x.shape[1] <= MAX_DIM
+    )
+
+
+def draw_seed() -> int:
+    """A 63-bit dropout seed from torch's default generator (no device sync)."""
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+
+
+def dropout_threshold(p: float) -> tuple[int, float]:
+    """(threshold t, scale) of dropout probability ``p``: keep iff the 16-bit draw >= t."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout p must be in [0, 1); got {p}")
+    t = min(int(np.rint(p * 65536.0)), 65535)
+    return t, (1.0 if t == 0 else 65536.0 / (65536 - t))
+
+
+def _philox4x32_10(counter: np.ndarray, seed: int) -> list[np.ndarray]:
+    """Philox4x32-10 of counters (counter, 0, 0) (uint64 array) under key ``seed``."""
+    c = [
+        counter & _MASK32,
+        counter >> np.uint64(32),
+        np.zeros_like(counter),
+        np.zeros_like(counter),
+    ]
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64((seed >> 32) & 0xFFFFFFFF)
+    for r in range(10):
+        if r > 0:
+            k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
+        p0 = _PHILOX_M[0] * c[0]  # < 2**64: exact in uint64
+        p1 = _PHILOX_M[1] * c[2]
+        c = [
+            (p1 >> np.uint64(32)) ^ c[1] ^ k0,
+            p1 & _MASK32,
+            (p0 >> np.uint64(32)) ^ c[3] ^ k1,
+            p0 & _MASK32,
+        ]
+    return c
+
+
+def keep_mask(seed: int, rows: int, cols: int, p: float, device=None) -> torch.Tensor:
+    """The kernel's dropout keep mask (bool [rows, cols], True = kept) for ``seed`` and ``p``."""
+    if cols % 8:
+        raise ValueError(f"the dropout mask is drawn per 8 columns; cols={cols} is not a multiple")
+    t, _ = dropout_threshold(p)
+    if t == 0:
+        return torch.ones((rows, cols), dtype=torch.bool, device=device)
+    with np.errstate(over="ignore"):
+        words = _philox4x32_10(np.arange(rows * cols // 8, dtype=np.uint64), seed)
+    r16 = np.stack(
+        [(words[j // 2] >> np.uint64(16 * (j % 2))) & np.uint64(0xFFFF) for j in range(8)], axis=1
+    )
+    return torch.from_numpy(r16 >= t).reshape(rows, cols).to(device)
+
+
+def reference_fwd(x, u, weight, bias, eps: float, p: float, seed: int):
+    """PyTorch twin of torch.ops.hstu_lnmd.fwd: (y in x's dtype, mean fp32 [T], rstd fp32 [T])."""
+    xf = x.float()
+    mean = xf.mean(-1)
+    rstd = torch.rsqrt((xf - mean[:, None]).square().mean(-1) + eps)
+    ln = (xf - mean[:, None]) * rstd[:, None] * weight.float() + bias.float()
+    g = ln * u.float()
+    t, scale = dropout_threshold(p)
+    if t:
+        g = torch.where(keep_mask(seed, *x.shape, p, x.device), g * scale, 0.0)
+    return g.to(x.dtype), mean, rstd
+
+
+def reference_bwd(dy, x, u, weight, bias, mean, rstd, p: float, seed: int, recompute_y: bool):
+    """PyTorch twin of torch.ops.hstu_lnmd.bwd: (dx, du, dweight, dbias, y or empty)."""
+    xhat = (x.float() - mean[:, None]) * rstd[:, None]
+    ln = xhat * weight.float() + bias.float()
+    t, scale = dropout_threshold(p)
+    keep = keep_mask(seed, *x.shape, p, x.device) if t else None
+    dg = dy.float() if keep is None else torch.where(keep, dy.float() * scale, 0.0)
+    du = dg * ln
+    dln = dg * u.float()
+    dweight = (dln * xhat).sum(0)
+    dbias = dln.sum(0)
+    dxh = dln * weight.float()
+    dx = rstd[:, None] * (
+        dxh - dxh.mean(-1, keepdim=True) - xhat * (dxh * xhat).mean(-1, keepdim=True)
+    )
+    if recompute_y:
+        g = ln * u.float()
+        y = (g if keep is None else torch.where(keep, g * scale, 0.0)).to(x.dtype)
+    else:
+        y = x.new_empty((0,))
+    return dx.to(x.dtype), du.to(x.dtype), dweight, dbias, y
+
+
+class _LayerNormMulDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, u, weight, bias, eps, p, use_kernel):  # type: ignore[override]
+        seed = draw_seed() if p > 0.0 else 0
+        w, b = weight.float(), bias.float()
+        fwd = torch.ops.hstu_lnmd.fwd if use_kernel else reference_fwd
+        y, mean, rstd = fwd(x, u, w, b, eps, p, seed)
+        ctx.save_for_backward(x, u, w, b, mean, rstd)
+        ctx.p, ctx.seed, ctx.use_kernel = p, seed, use_kernel
+        ctx.dtypes = (weight.dtype, bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x, u, w, b, mean, rstd = ctx.saved_tensors
+        bwd = torch.ops.hstu_lnmd.bwd if ctx.use_kernel else reference_bwd
+        dx, du, dw, db, _ = bwd(dy, x, u, w, b, mean, rstd, ctx.p, ctx.seed, False)
+        return dx, du, dw.to(ctx.dtypes[0]), db.to(ctx.dtypes[1]), None, None, None
+
+
+def layer_norm_mul_dropout(
+    x: torch.Tensor,
+    u: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float = 1e-6,
+    p: float = 0.0,
+    training: bool = True,
+) -> torch.Tensor:
+    """dropout(LayerNorm(x) * u) with autograd: the CUDA kernel where it applies (bf16/fp16
+    CUDA tensors, built extension), else the PyTorch twin (same mask for the same seed)."""
+    p = float(p) if training else 0.0
+    use_kernel = supports(x) and load_extension()
+    return _LayerNormMulDropout.apply(x, u, weight, bias, float(eps), p, use_kernel)

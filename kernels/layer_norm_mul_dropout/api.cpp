@@ -1,0 +1,242 @@
+// Torch face of the LayerNorm(x) * u * dropout kernels: input checks before any launch, the
+// TORCH_LIBRARY schema (namespace hstu_lnmd) with CUDA and Meta implementations.
+//
+//   fwd(x, u, weight, bias, eps, p, seed) -> (y, mean, rstd)
+//   bwd(dy, x, u, weight, bias, mean, rstd, p, seed, recompute_y) -> (dx, du, dweight, dbias, y)
+//
+// x, u, dy: [T, D] bf16/fp16 (same dtype), last dim contiguous, row stride a multiple of 8;
+// weight, bias: fp32 [D]; D a multiple of 8 in [8, 8192]; 0 <= p < 1 (dropout keep mask
+// regenerated from `seed`, see philox.h). bwd's y is the recomputed forward output when
+// recompute_y, else an empty tensor.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "launch.h"
+
+namespace {
+
+using at::Tensor;
+
+// Messages are built with std::string (no iostream formatting in TORCH_CHECK: see the same note
+// in kernels/hstu_attention/api.cpp).
+[[noreturn]] void raise_value(const std::string& msg, const char* func, int line) {
+  throw c10::ValueError({func, __FILE__, static_cast<uint32_t>(line)}, "layer_norm_mul_dropout: " + msg);
+}
+[[noreturn]] void raise_type(const std::string& msg, const char* func, int line) {
+  throw c10::TypeError({func, __FILE__, static_cast<uint32_t>(line)}, "layer_norm_mul_dropout: " + msg);
+}
+#define LNMD_VALUE(cond, msg) \
+  do {                        \
+    if (!(cond)) raise_value((msg), __func__, __LINE__); \
+  } while (0)
+#define LNMD_TYPE(cond, msg) \
+  do {                       \
+    if (!(cond)) raise_type((msg), __func__, __LINE__); \
+  } while (0)
+
+std::string shape_of(const Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+std::string dtype_of(const Tensor& t) { return c10::toString(t.scalar_type()); }
+
+// A [T, D] 16-bit activation the kernels read with 16-byte vectors.
+void check_rows(const Tensor& t, const char* name, const Tensor& x) {
+  const std::string n(name);
+  LNMD_VALUE(t.is_cuda(), n + " must be a CUDA tensor; got device " + t.device().str());
+  LNMD_VALUE(t.device() == x.device(), n + " is on " + t.device().str() + " but x is on " +
+                                           x.device().str());
+  LNMD_TYPE(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
+            n + " must be bfloat16 or float16; got " + dtype_of(t));
+  LNMD_TYPE(t.scalar_type() == x.scalar_type(),
+            n + " has dtype " + dtype_of(t) + " but x has " + dtype_of(x));
+  LNMD_VALUE(t.dim() == 2, n + " must be 2-D [T, D]; got shape " + shape_of(t));
+  LNMD_VALUE(t.size(0) == x.size(0) && t.size(1) == x.size(1),
+             n + " has shape " + shape_of(t) + " but x has " + shape_of(x));
+  if (t.size(0) == 0) return;
+  LNMD_VALUE(t.stride(1) == 1, n + " must have a contiguous last dim (stride 1); got stride " +
+                                   std::to_string(t.stride(1)) + " (call .contiguous())");
+  LNMD_VALUE(t.size(0) == 1 || (t.stride(0) >= t.size(1) && t.stride(0) % 8 == 0),
+             n + " row stride must be >= D and a multiple of 8 elements; got " +
+                 std::to_string(t.stride(0)) + " (call .contiguous())");
+  LNMD_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+             n + " must start 16-byte aligned (call .contiguous())");
+}
+
+void check_vec(const Tensor& t, const char* name, int64_t n_expected, const Tensor& x) {
+  const std::string n(name);
+  LNMD_VALUE(t.device() == x.device(), n + " is on " + t.device().str() + " but x is on " +
+                                           x.device().str());
+  LNMD_TYPE(t.scalar_type() == at::kFloat, n + " must be float32; got " + dtype_of(t) +
+                                               " (pass weight.float())");
+  LNMD_VALUE(t.dim() == 1 && t.size(0) == n_expected && t.is_contiguous(),
+             n + " must be a contiguous 1-D tensor of " + std::to_string(n_expected) +
+                 " elements; got shape " + shape_of(t));
+}
+
+void check_width(const Tensor& x) {
+  const int64_t d = x.size(1);
+  LNMD_VALUE(d % 8 == 0 && d >= 8 && d <= lnmd::kMaxCols,
+             "the normalised dim D must be a multiple of 8 in [8, " +
+                 std::to_string(lnmd::kMaxCols) + "]; got D=" + std::to_string(d) +
+                 " (use FusedHSTULayer(gate_kernel='compiled') for other widths)");
+}
+
+lnmd::Dropout make_dropout(double p, int64_t seed) {
+  LNMD_VALUE(std::isfinite(p) && p >= 0.0 && p < 1.0,
+             "dropout p must be in [0, 1); got " + std::to_string(p));
+  lnmd::Dropout d;
+  d.seed = static_cast<uint64_t>(seed);
+  int64_t thr = static_cast<int64_t>(std::llround(p * 65536.0));
+  if (thr > 65535) thr = 65535;
+  d.threshold = static_cast<uint32_t>(thr);
+  d.scale = thr == 0 ? 1.0f : static_cast<float>(65536.0 / static_cast<double>(65536 - thr));
+  return d;
+}
+
+lnmd::DType dtype_enum(const Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 ? lnmd::DType::kBF16 : lnmd::DType::kFP16;
+}
+
+int num_sms(const Tensor& x) {
+  return at::cuda::getDeviceProperties(x.device().index())->multiProcessorCount;
+}
+
+void check_launch() {
+  const cudaError_t err = cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, std::string("layer_norm_mul_dropout: kernel launch failed: ") +
+                                      cudaGetErrorString(err));
+}
+
+std::tuple<Tensor, Tensor, Tensor> fwd_cuda(const Tensor& x, const Tensor& u, const Tensor& weight,
+                                            const Tensor& bias, double eps, double p,
+                                            int64_t seed) {
+  check_rows(x, "x", x);
+  check_rows(u, "u", x);
+  check_width(x);
+  check_vec(weight, "weight", x.size(1), x);
+  check_vec(bias, "bias", x.size(1), x);
+  LNMD_VALUE(std::isfinite(eps) && eps > 0.0, "eps must be finite and > 0; got " +
+                                                  std::to_string(eps));
+  const lnmd::Dropout drop = make_dropout(p, seed);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t t = x.size(0);
+  auto y = at::empty({t, x.size(1)}, x.options());
+  auto mean = at::empty({t}, x.options().dtype(at::kFloat));
+  auto rstd = at::empty({t}, x.options().dtype(at::kFloat));
+  if (t == 0) return {y, mean, rstd};
+  lnmd::FwdParams prm;
+  prm.x = x.data_ptr();
+  prm.x_stride = x.stride(0);
+  prm.u = u.data_ptr();
+  prm.u_stride = u.stride(0);
+  prm.weight = weight.data_ptr<float>();
+  prm.bias = bias.data_ptr<float>();
+  prm.y = y.data_ptr();
+  prm.mean = mean.data_ptr<float>();
+  prm.rstd = rstd.data_ptr<float>();
+  prm.rows = t;
+  prm.cols = static_cast<int>(x.size(1));
+  prm.eps = static_cast<float>(eps);
+  prm.dropout = drop;
+  lnmd::launch_fwd(dtype_enum(x), prm, num_sms(x), at::cuda::getCurrentCUDAStream());
+  check_launch();
+  return {y, mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
+    const Tensor& dy, const Tensor& x, const Tensor& u, const Tensor& weight, const Tensor& bias,
+    const Tensor& mean, const Tensor& rstd, double p, int64_t seed, bool recompute_y) {
+  check_rows(x, "x", x);
+  check_rows(u, "u", x);
+  check_rows(dy, "dy", x);
+  check_width(x);
+  check_vec(weight, "weight", x.size(1), x);
+  check_vec(bias, "bias", x.size(1), x);
+  check_vec(mean, "mean", x.size(0), x);
+  check_vec(rstd, "rstd", x.size(0), x);
+  const lnmd::Dropout drop = make_dropout(p, seed);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t t = x.size(0);
+  const int cols = static_cast<int>(x.size(1));
+  auto dx = at::empty({t, cols}, x.options());
+  auto du = at::empty({t, cols}, x.options());
+  auto y = recompute_y ? at::empty({t, cols}, x.options()) : at::empty({0}, x.options());
+  if (t == 0) {
+    return {dx, du, at::zeros({cols}, weight.options()), at::zeros({cols}, bias.options()), y};
+  }
+  const lnmd::DType dt = dtype_enum(x);
+  const int grid = lnmd::bwd_grid(dt, cols, t, num_sms(x));
+  auto partials = at::empty({grid, 2, cols}, x.options().dtype(at::kFloat));
+  lnmd::BwdParams prm;
+  prm.dy = dy.data_ptr();
+  prm.dy_stride = dy.stride(0);
+  prm.x = x.data_ptr();
+  prm.x_stride = x.stride(0);
+  prm.u = u.data_ptr();
+  prm.u_stride = u.stride(0);
+  prm.weight = weight.data_ptr<float>();
+  prm.bias = bias.data_ptr<float>();
+  prm.mean = mean.data_ptr<float>();
+  prm.rstd = rstd.data_ptr<float>();
+  prm.dx = dx.data_ptr();
+  prm.du = du.data_ptr();
+  prm.y = recompute_y ? y.data_ptr() : nullptr;
+  prm.partials = partials.data_ptr<float>();
+  prm.rows = t;
+  prm.cols = cols;
+  prm.dropout = drop;
+  lnmd::launch_bwd(dt, prm, grid, at::cuda::getCurrentCUDAStream());
+  check_launch();
+  auto sums = partials.sum(0);  // [2, cols]
+  return {dx, du, sums.select(0, 0), sums.select(0, 1), y};
+}
+
+std::tuple<Tensor, Tensor, Tensor> fwd_meta(const Tensor& x, const Tensor& u, const Tensor& weight,
+                                            const Tensor& bias, double eps, double p,
+                                            int64_t seed) {
+  const auto t = x.sym_size(0);
+  return {at::empty_symint({t, x.sym_size(1)}, x.options()),
+          at::empty_symint({t}, x.options().dtype(at::kFloat)),
+          at::empty_symint({t}, x.options().dtype(at::kFloat))};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_meta(
+    const Tensor& dy, const Tensor& x, const Tensor& u, const Tensor& weight, const Tensor& bias,
+    const Tensor& mean, const Tensor& rstd, double p, int64_t seed, bool recompute_y) {
+  auto shape = x.sym_sizes();
+  return {at::empty_symint(shape, x.options()), at::empty_symint(shape, x.options()),
+          at::empty_like(weight), at::empty_like(bias),
+          recompute_y ? at::empty_symint(shape, x.options()) : at::empty({0}, x.options())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hstu_lnmd, m) {
+  m.def("fwd(Tensor x, Tensor u, Tensor weight, Tensor bias, float eps, float p, int seed) -> "
+        "(Tensor, Tensor, Tensor)");
+  m.def("bwd(Tensor dy, Tensor x, Tensor u, Tensor weight, Tensor bias, Tensor mean, "
+        "Tensor rstd, float p, int seed, bool recompute_y) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(hstu_lnmd, CUDA, m) {
+  m.impl("fwd", &fwd_cuda);
+  m.impl("bwd", &bwd_cuda);
+}
+
+TORCH_LIBRARY_IMPL(hstu_lnmd, Meta, m) {
+  m.impl("fwd", &fwd_meta);
+  m.impl("bwd", &bwd_meta);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "LayerNorm(x) * u * dropout kernels (ops under torch.ops.hstu_lnmd)";
+}

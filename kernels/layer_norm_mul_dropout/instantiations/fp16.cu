@@ -1,0 +1,8 @@
+// fp16 instantiation of the LayerNorm * u * dropout kernels (forward and backward).
+#include "../launch_impl.h"
+
+namespace lnmd {
+template void run_fwd<__half>(const FwdParams&, int, cudaStream_t);
+template int grid_bwd<__half>(int, int64_t, int);
+template void run_bwd<__half>(const BwdParams&, int, cudaStream_t);
+}  // namespace lnmd

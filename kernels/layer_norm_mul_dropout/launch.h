@@ -1,0 +1,43 @@
+// Host-side dispatch: picks the row-group layout (warps per row, chunks per thread) for the row
+// width, the grid from the occupancy, and launches. Torch-free; api.cpp calls these.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "params.h"
+
+namespace lnmd {
+
+// Launch shape of one (dtype, cols): warps per row and 8-element chunks per thread.
+struct Shape {
+  int wpr;
+  int iters;
+};
+
+inline Shape shape_for(int cols) {
+  const int chunks = cols / 8;
+  if (chunks <= 32) return {1, 1};
+  if (chunks <= 64) return {1, 2};
+  if (chunks <= 128) return {2, 2};
+  if (chunks <= 256) return {4, 2};
+  if (chunks <= 512) return {4, 4};
+  return {4, 8};
+}
+
+// Blocks the backward launches for this problem (api.cpp sizes the partial buffer with it).
+int bwd_grid(DType dtype, int cols, int64_t rows, int num_sms);
+
+void launch_fwd(DType dtype, const FwdParams& p, int num_sms, cudaStream_t stream);
+void launch_bwd(DType dtype, const BwdParams& p, int grid, cudaStream_t stream);
+
+// Per-dtype entry points (instantiations/*.cu).
+template <typename T>
+void run_fwd(const FwdParams& p, int num_sms, cudaStream_t stream);
+template <typename T>
+int grid_bwd(int cols, int64_t rows, int num_sms);
+template <typename T>
+void run_bwd(const BwdParams& p, int grid, cudaStream_t stream);
+
+}  // namespace lnmd

@@ -1,0 +1,60 @@
+// Arguments of the LayerNorm(x) * u * dropout kernels (torch-free; filled in by api.cpp).
+//
+// x, u, dy: [rows, cols] 16-bit (bf16 or fp16), last dim contiguous, any row stride that is a
+// multiple of 8 elements with 16-byte aligned base pointers (u may be a column slice of the uvqk
+// activations). weight, bias: fp32 [cols]. Outputs are contiguous [rows, cols] in the input dtype;
+// mean and rstd are fp32 [rows]. cols is a multiple of 8 in [8, kMaxCols].
+#pragma once
+
+#include <cstdint>
+
+namespace lnmd {
+
+constexpr int kMaxCols = 8192;
+constexpr int kThreads = 128;  // 4 warps per block
+
+enum class DType { kBF16, kFP16 };
+
+struct Dropout {
+  uint64_t seed = 0;
+  uint32_t threshold = 0;  // keep iff 16-bit draw >= threshold; 0 = no dropout
+  float scale = 1.0f;      // 65536 / (65536 - threshold)
+};
+
+struct FwdParams {
+  const void* x = nullptr;
+  int64_t x_stride = 0;
+  const void* u = nullptr;
+  int64_t u_stride = 0;
+  const float* weight = nullptr;
+  const float* bias = nullptr;
+  void* y = nullptr;       // [rows, cols]
+  float* mean = nullptr;   // [rows]
+  float* rstd = nullptr;   // [rows]
+  int64_t rows = 0;
+  int cols = 0;
+  float eps = 1e-6f;
+  Dropout dropout;
+};
+
+struct BwdParams {
+  const void* dy = nullptr;
+  int64_t dy_stride = 0;
+  const void* x = nullptr;
+  int64_t x_stride = 0;
+  const void* u = nullptr;
+  int64_t u_stride = 0;
+  const float* weight = nullptr;
+  const float* bias = nullptr;
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
+  void* dx = nullptr;          // [rows, cols]
+  void* du = nullptr;          // [rows, cols]
+  void* y = nullptr;           // [rows, cols] recomputed forward output, or nullptr
+  float* partials = nullptr;   // [grid, 2, cols]: per-block d weight (row 0) and d bias (row 1)
+  int64_t rows = 0;
+  int cols = 0;
+  Dropout dropout;
+};
+
+}  // namespace lnmd

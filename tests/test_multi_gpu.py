@@ -177,3 +177,83 @@ def test_checkpoint_saved_on_two_resumes_on_other_counts(tmp_path, backend, resu
         _check_restored(ckpt, out, nproc, dynamic=backend == "dynamic")
         assert len(resumed) == 5
         np.testing.assert_allclose(resumed, full[5:], rtol=1e-5, atol=1e-6)
+
+
+# ---- scripts/check_multi_gpu.py -------------------------------------------------------------
+
+CHECK = ROOT / "scripts" / "check_multi_gpu.py"
+CHECK_TINY = [
+    "DatasetArgs.synthetic_num_users=300",
+    "DatasetArgs.synthetic_num_items=200",
+    "DatasetArgs.max_history_seqlen=24",
+    "NetworkArgs.num_layers=1",
+    "NetworkArgs.hidden_size=16",
+    "NetworkArgs.kv_channels=8",
+    "RankingArgs.prediction_head_arch=(16,)",
+    "TrainerArgs.eval_batch_size=24",
+]
+
+
+def _load_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_multi_gpu", CHECK)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_check_script_compares_curves():
+    mod = _load_check_module()
+    a = [(1, 2.0), (2, 1.0), (3, 0.5)]
+    b = [(1, 2.0), (2, 1.1), (3, 0.5025)]
+    d = mod.relative_differences(a, b)
+    assert d["max_rel_diff"] == pytest.approx(0.1) and d["max_rel_diff_step"] == 2
+    assert d["rel_diff_final"] == pytest.approx(0.005) and d["steps_compared"] == 3
+    with pytest.raises(ValueError, match="share no step"):
+        mod.relative_differences(a, [(9, 1.0)])
+
+
+def test_check_script_refuses_missing_gpus():
+    proc = subprocess.run(
+        [sys.executable, str(CHECK), "--device", "cuda", "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode != 0
+    assert "--nproc 2 needs 2 GPUs but 0 are visible" in proc.stderr
+
+
+def test_check_script_on_two_gloo_processes(tmp_path):
+    out = tmp_path / "check.jsonl"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(CHECK),
+            "--device",
+            "cpu",
+            "--nproc",
+            "2",
+            "--steps",
+            "8",
+            "--batch-size",
+            "24",
+            "--allow-non-a100",
+            "--json",
+            str(out),
+            "--bindings",
+            *CHECK_TINY,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if not k.startswith("HSTU_")},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(out.read_text().splitlines()[-1])
+    assert row["pass"] is True and row["precision"] == "fp32" and row["steps_compared"] == 8
+    assert row["max_rel_diff"] < 1e-5 and row["resume"]["steps_compared"] == 4
+    assert row["resume"]["saved_by"] == 2 and row["resume"]["max_rel_diff"] < 1e-5
+    assert row["loss_final_1"] == pytest.approx(row["loss_final_2"], rel=1e-5)

@@ -8,13 +8,19 @@ forward + backward, actual token lengths).
 
     python scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin \
         --bindings "EmbeddingArgs.item_capacity=2000000" "EmbeddingArgs.user_capacity=1000000"
-    python scripts/bench_e2e.py --nproc 8 ...     # later, multi-GPU: re-launches under torchrun
+    python scripts/bench_e2e.py --nproc 1,2,4 --paths compiled ...   # multi-GPU scaling
 
 The reference path sets HSTU_FORCE_REFERENCE_ATTENTION=1 (a benchmarking-only switch of
 `hstu.ops.attention`) and runs the unfused layer (--reference-fused keeps the fused one, which
 off the kernel replays the attention forward in backward). It materialises fp32 [B, H, N, N] scores, so at long lengths it may not
 fit: on out-of-memory its per-GPU batch is halved until it does (the row says so in
 "batch_per_gpu"); compare samples/s then.
+
+--nproc 1,2,4 runs one torchrun launch per count (same per-GPU batch, so the global batch grows
+with N) and prints each launch's rows (with "nproc"; peak memory is the largest over the ranks)
+and then one "scaling" row per path and count: samples/s relative to N=1 measured in the same
+invocation, and the per-GPU efficiency. It refuses when fewer GPUs than the largest N are
+visible. A single count > 1 (--nproc 8) runs that one launch.
 
 The synthetic data is regenerated with --mean-seq-len / --max-seq-len (heavy-tailed lognormal
 lengths) so long-sequence configs see long sequences. --device cpu runs a tiny config on CPU
@@ -54,10 +60,11 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--nproc",
-        type=int,
-        default=1,
-        help="GPUs: > 1 re-launches this script with torchrun --nproc_per_node=NPROC "
-        "(TrainerArgs.train_batch_size is then multiplied by NPROC: the config's value is per GPU)",
+        type=_nproc_list,
+        default=[1],
+        help="GPU counts, e.g. 1,2,4: each count > 1 (or a list) launches this script under "
+        "torchrun --nproc_per_node=N (TrainerArgs.train_batch_size is multiplied by N: the "
+        "config's value is per GPU); a list also prints the scaling vs N=1",
     )
     p.add_argument(
         "--reference-fused",
@@ -72,6 +79,101 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-users", type=int, default=2000, help="synthetic users (samples)")
     p.add_argument("--out", default="", help="also append the JSON lines to this file")
     return p.parse_args(argv)
+
+
+def _nproc_list(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(n < 1 for n in counts) or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(
+            f"--nproc {text!r}: give distinct positive GPU counts, e.g. 1 or 1,2,4"
+        )
+    return counts
+
+
+def _without_option(argv: list[str], name: str) -> list[str]:
+    """argv minus ``name VALUE`` / ``name=VALUE``."""
+    out, skip = [], False
+    for tok in argv:
+        if skip:
+            skip = False
+        elif tok == name:
+            skip = True
+        elif not tok.startswith(name + "="):
+            out.append(tok)
+    return out
+
+
+def _sweep(args: argparse.Namespace, argv: list[str]) -> int:
+    """One torchrun launch per GPU count; then the scaling rows."""
+    import tempfile
+
+    counts = args.nproc
+    if args.device != "cpu":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < max(counts):
+            raise SystemExit(
+                f"bench_e2e: --nproc {','.join(map(str, counts))} needs {max(counts)} GPUs but "
+                f"{have} are visible (CUDA_VISIBLE_DEVICES); drop the larger counts or use "
+                "--device cpu (gloo)"
+            )
+    base = _without_option(_without_option(argv, "--nproc"), "--out")
+    rows: dict[int, list[dict]] = {}
+    for n in counts:
+        with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp:
+            out = os.path.join(tmp, "rows.jsonl")
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={n}",
+                os.path.abspath(__file__),
+                *base,  # no --nproc here: torchrun's parser would take it for its own flags
+                "--out",
+                out,
+            ]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-6000:])
+                _emit({"nproc": n, "error": f"launch failed (exit {proc.returncode})"}, args.out)
+                rows[n] = []
+                continue
+            with open(out) as f:
+                rows[n] = [json.loads(line) for line in f if line.strip()]
+        for row in rows[n]:
+            _emit({"nproc": n, **row}, args.out)
+    paths = {r["path"] for rs in rows.values() for r in rs if "path" in r}
+    for path in sorted(paths):
+        by_n = {
+            n: next((r for r in rs if r.get("path") == path and "error" not in r), None)
+            for n, rs in rows.items()
+        }
+        one = by_n.get(1)
+        for n in counts:
+            r = by_n.get(n)
+            if r is None:
+                continue
+            scale = r["samples_per_s"] / one["samples_per_s"] if one else None
+            _emit(
+                {
+                    "summary": "scaling",
+                    "path": path,
+                    "nproc": n,
+                    "samples_per_s": r["samples_per_s"],
+                    "tflops_per_gpu": r["tflops_per_gpu"],
+                    "peak_mem_gb": r.get("peak_mem_gb"),
+                    "batch_per_gpu": r["batch_per_gpu"],
+                    "scaling_vs_1": scale,
+                    "efficiency": scale / n if scale is not None else None,
+                    "same_batch_per_gpu": one is not None
+                    and one["batch_per_gpu"] == r["batch_per_gpu"],
+                },
+                args.out,
+            )
+    return 0 if all(rows.values()) else 1
 
 
 def _emit(row: dict, out: str) -> None:
@@ -182,23 +284,22 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
         else "cpu",
     }
     if trainer.device.type == "cuda":
-        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
+        peak = torch.tensor(
+            [torch.cuda.max_memory_allocated(trainer.device) / 2**30], device=trainer.device
+        )
+        import torch.distributed as dist
+
+        if dist.is_initialized() and world > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest rank
+        row["peak_mem_gb"] = float(peak)
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={args.nproc}",
-            os.path.abspath(__file__),
-            *(argv if argv is not None else sys.argv[1:]),
-        ]
-        return subprocess.call(cmd)
+    if "LOCAL_RANK" not in os.environ and (len(args.nproc) > 1 or args.nproc[0] > 1):
+        return _sweep(args, list(argv if argv is not None else sys.argv[1:]))
     device_type = args.device
     if device_type == "auto":
         device_type = "cuda" if torch.cuda.is_available() else "cpu"

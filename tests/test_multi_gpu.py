@@ -257,3 +257,22 @@ def test_check_script_on_two_gloo_processes(tmp_path):
     assert row["max_rel_diff"] < 1e-5 and row["resume"]["steps_compared"] == 4
     assert row["resume"]["saved_by"] == 2 and row["resume"]["max_rel_diff"] < 1e-5
     assert row["loss_final_1"] == pytest.approx(row["loss_final_2"], rel=1e-5)
+
+
+def test_bench_e2e_refuses_more_processes_than_gpus():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--nproc", "1,2,4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode != 0
+    assert "--nproc 1,2,4 needs 4 GPUs but 0 are visible" in proc.stderr
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--nproc", "2,2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "distinct positive GPU counts" in bad.stderr

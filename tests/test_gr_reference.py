@@ -361,3 +361,28 @@ def test_dense_backend_two_processes_match_one(tmp_path):
     a, b = np.array(curves[1]), np.array(curves[2])
     assert a.shape == b.shape == (12,)
     np.testing.assert_allclose(b, a, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gr_options_on_cuda_match_cpu_and_train_in_bf16():
+    """The biased reference attention, dense tables and per-row negatives on the GPU: the eval
+    query equals the CPU model's (fp32), and a bf16-autocast training step gives a finite loss
+    with gradients on the item table and the relative bias."""
+    cfg, data, splits, model = _setup("retrieval", *GR_BINDINGS)
+    gpu = build_model(cfg, data)
+    gpu.load_state_dict(model.state_dict())
+    gpu = gpu.cuda()
+    model.eval()
+    gpu.eval()
+    batch = splits.eval.collate(list(range(8)))
+    q_cpu = model(batch)["query"]
+    q_gpu = gpu(batch.to(torch.device("cuda")))["query"].cpu()
+    torch.testing.assert_close(q_gpu, q_cpu, atol=1e-4, rtol=1e-4)
+    gpu.train()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = gpu(splits.train.collate(list(range(8))).to(torch.device("cuda")))
+    out["loss"].backward()
+    assert torch.isfinite(out["loss"])
+    assert gpu.dense_tables.tables["item_table"].weight.grad.abs().sum() > 0
+    assert all(layer.relative_bias.weight.grad.abs().sum() > 0 for layer in gpu.encoder.layers)

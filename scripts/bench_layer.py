@@ -1,14 +1,24 @@
-"""One HSTU layer, forward + backward: FusedHSTULayer (each recompute option) vs the unfused
-HSTULayer, same weights and inputs, same run. One JSON object per line:
+"""One HSTU layer, forward + backward: FusedHSTULayer (gating kernel and recompute options) vs
+the unfused HSTULayer, same weights and inputs, same run; plus the gating step alone. One JSON
+object per line:
 
     python scripts/bench_layer.py                         # GPU: bf16 autocast, compiled attention
     python scripts/bench_layer.py --device cpu --batch 4 --max-len 128 --hidden 64 --head-dim 32
 
-"fused_eager" is the fused layer with its elementwise stages left eager (on CUDA they are
-torch.compiled by default; on CPU always eager). Lengths are randint(N // 2, N + 1) from seed 0 (DESIGN.md benchmarks). Time is the median of
---iters forward+backward calls after --warmup (CUDA events on GPU, perf_counter on CPU); FLOPs
-as in `hstu.training.flops` for one layer (linears + attention, forward + backward); peak memory
-is the CUDA peak of one forward+backward above the inputs and weights.
+Layer variants: "fused" (the default gate_kernel, "auto"), "fused_gate_cuda" (the compiled
+LayerNorm*u*dropout kernel), "fused_gate_compiled" (its torch.compiled PyTorch stages),
+"fused_eager" (every elementwise stage eager), "fused_recompute_*" (memory options, default gate).
+Gating-step variants, [T, H*d] forward + backward of dropout(LayerNorm(a) * u) alone (u a column
+block of a [T, 4*H*d] tensor, as in the layer): "gate_op_cuda" (torch.ops.hstu_lnmd, including
+the recompute of y) and "gate_op_compiled" (the layer's torch.compiled stages gate_fwd,
+gate_recompute, gate_bwd, with a dropout mask).
+
+Lengths are randint(N // 2, N + 1) from seed 0 (DESIGN.md benchmarks). `ms_fwd_bwd` is the
+median of --iters forward+backward calls after --warmup (CUDA events on GPU, perf_counter on
+CPU); `host_ms` the median CPU time to enqueue one forward+backward (no sync inside: on a GPU
+a layer is launch-bound when host_ms approaches ms_fwd_bwd). FLOPs as in `hstu.training.flops`
+for one layer (linears + attention, forward + backward); peak memory is the CUDA peak of one
+forward+backward above the inputs and weights.
 """
 
 from __future__ import annotations
@@ -24,18 +34,24 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import hstu.modules.fused_hstu_layer as fused_mod  # noqa: E402
+from hstu.modules import layer_norm_mul_dropout as lnmd  # noqa: E402
 from hstu.modules.fused_hstu_layer import FusedHSTULayer, set_stage_compile  # noqa: E402
 from hstu.modules.hstu_layer import AttentionInputs, HSTULayer  # noqa: E402
 from hstu.training.flops import StackShape, step_flops  # noqa: E402
 
+# name -> (recompute_input_layernorm, recompute_uvqk_silu, gate_kernel, compile stages)
 VARIANTS = {
     "unfused": None,
-    "fused": (False, False),
-    "fused_eager": (False, False),  # elementwise stages not torch.compiled
-    "fused_recompute_ln": (True, False),
-    "fused_recompute_silu": (False, True),
-    "fused_recompute_both": (True, True),
+    "fused": (False, False, None, True),
+    "fused_gate_cuda": (False, False, "cuda", True),
+    "fused_gate_compiled": (False, False, "compiled", True),
+    "fused_eager": (False, False, "compiled", False),
+    "fused_recompute_ln": (True, False, None, True),
+    "fused_recompute_silu": (False, True, None, True),
+    "fused_recompute_both": (True, True, None, True),
 }
+GATE_VARIANTS = ("gate_op_cuda", "gate_op_compiled")
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -50,9 +66,52 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(list(VARIANTS) + list(GATE_VARIANTS)))
     p.add_argument("--out", default="")
     return p.parse_args(argv)
+
+
+def _host_ms(fn, iters: int, cuda: bool) -> float:
+    """Median CPU time of one call, the device drained before each (the enqueue cost)."""
+    times = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(1000.0 * (time.perf_counter() - t0))
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _gate_step(variant: str, t: int, inner: int, dropout: float, dev, dtype, gen):
+    """A forward+backward of the gating step alone at [T, inner] (u: a block of [T, 4*inner])."""
+    attn = torch.randn(t, inner, generator=gen).to(dev, dtype)
+    u = torch.randn(t, 4 * inner, generator=gen).to(dev, dtype)[:, :inner]
+    dy = torch.randn(t, inner, generator=gen).to(dev, dtype)
+    w = torch.ones(inner, device=dev)
+    b = torch.zeros(inner, device=dev)
+    eps = 1e-6
+    if variant == "gate_op_cuda":
+        if not lnmd.load_extension():
+            raise RuntimeError(lnmd.BUILD_HINT)
+
+        def step():
+            seed = lnmd.draw_seed(dev)
+            y, mean, rstd = torch.ops.hstu_lnmd.fwd(attn, u, w, b, eps, dropout, *seed)
+            torch.ops.hstu_lnmd.bwd(dy, attn, u, w, b, mean, rstd, dropout, *seed, True)
+
+        return step
+    scale = 1.0 / (1.0 - dropout)
+
+    def step():
+        keep = torch.rand((t, inner), device=dev) >= dropout
+        _, mean, rstd = fused_mod._stage("gate_fwd", dev, attn, w, b, u, keep, scale, eps, dtype)
+        fused_mod._stage("gate_recompute", dev, attn, mean, rstd, w, b, u, keep, scale, dtype)
+        fused_mod._stage("gate_bwd", dev, dy, attn, mean, rstd, w, b, u, keep, scale, dtype)
+
+    return step
 
 
 def _time(fn, iters: int, warmup: int, cuda: bool) -> float:
@@ -95,29 +154,44 @@ def main(argv=None) -> int:
     autocast = cuda and dtype != torch.float32
     name = torch.cuda.get_device_name(dev) if cuda else "cpu"
     for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
-        if variant not in VARIANTS:
-            raise SystemExit(f"--variants: unknown {variant!r}; one of {list(VARIANTS)}")
-        rec = VARIANTS[variant]
-        if rec is None:
-            layer = ref
-        else:
-            layer = FusedHSTULayer(
-                args.hidden,
-                args.heads,
-                args.head_dim,
-                args.dropout,
-                recompute_input_layernorm=rec[0],
-                recompute_uvqk_silu=rec[1],
-            ).to(dev)
-            layer.load_state_dict(ref.state_dict())
-        layer.train()
-        set_stage_compile(variant != "fused_eager")
-        xi = x.clone().requires_grad_(True)
+        if variant not in VARIANTS and variant not in GATE_VARIANTS:
+            raise SystemExit(
+                f"--variants: unknown {variant!r}; one of {list(VARIANTS) + list(GATE_VARIANTS)}"
+            )
+        rec = VARIANTS.get(variant)
+        set_stage_compile(rec[3] if rec is not None else True)
+        try:
+            if variant in GATE_VARIANTS:
+                gdt = dtype if autocast else torch.float32
+                step = _gate_step(
+                    variant, t, args.heads * args.head_dim, args.dropout, dev, gdt, gen
+                )
+            else:
+                if rec is None:
+                    layer = ref
+                else:
+                    layer = FusedHSTULayer(
+                        args.hidden,
+                        args.heads,
+                        args.head_dim,
+                        args.dropout,
+                        recompute_input_layernorm=rec[0],
+                        recompute_uvqk_silu=rec[1],
+                        gate_kernel=rec[2],
+                    ).to(dev)
+                    layer.load_state_dict(ref.state_dict())
+                layer.train()
+                xi = x.clone().requires_grad_(True)
 
-        def step(layer=layer, xi=xi):
-            with torch.autocast(dev.type, dtype=dtype, enabled=autocast):
-                out = layer(xi, attn)
-            out.backward(grad)
+                def step(layer=layer, xi=xi):
+                    with torch.autocast(dev.type, dtype=dtype, enabled=autocast):
+                        out = layer(xi, attn)
+                    out.backward(grad)
+
+                step()  # surfaces a missing kernel before timing
+        except (RuntimeError, ValueError) as exc:
+            _emit(args.out, {"variant": variant, "device": name, "error": str(exc)})
+            continue
 
         peak = None
         if cuda:
@@ -129,6 +203,8 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**30
         ms = _time(step, args.iters, args.warmup, cuda)
+        host = _host_ms(step, max(5, args.iters // 2), cuda)
+        gate_only = variant in GATE_VARIANTS
         row = {
             "variant": variant,
             "device": name,
@@ -139,17 +215,23 @@ def main(argv=None) -> int:
             "hidden": args.hidden,
             "heads": args.heads,
             "head_dim": args.head_dim,
+            "dropout": args.dropout,
             "ms_fwd_bwd": ms,
-            "tflops": flops / (ms / 1000.0) / 1e12,
+            "host_ms": host,
+            "tflops": None if gate_only else flops / (ms / 1000.0) / 1e12,
             "peak_mem_gb": peak,
         }
-        line = json.dumps(row)
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        _emit(args.out, row)
     return 0
+
+
+def _emit(out: str, row: dict) -> None:
+    line = json.dumps(row)
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
 
 
 if __name__ == "__main__":

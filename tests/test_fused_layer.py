@@ -323,9 +323,9 @@ def test_fused_gate_kernel_path_matches_unfused_cpu(monkeypatch):
     ref, fused = _pair(dropout=p, recompute=(True, True))
     seeds = []
     real_draw = lnmd.draw_seed
-    monkeypatch.setattr(lnmd, "draw_seed", lambda: seeds.append(real_draw()) or seeds[-1])
+    monkeypatch.setattr(lnmd, "draw_seed", lambda dev: seeds.append(real_draw(dev)) or seeds[-1])
     res_f = _run(fused, x, attn, g)
-    keep = lnmd.keep_mask(seeds[-1], t, HEADS * DIM, p)
+    keep = lnmd.keep_mask(*seeds[-1], t, HEADS * DIM, p)
     ref.dropout = _FixedMaskDropout(keep, p)
     _assert_match(_run(ref, x, attn, g), res_f)
     assert len(seeds) == 1 and calls

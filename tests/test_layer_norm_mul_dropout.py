@@ -46,18 +46,22 @@ def test_dropout_threshold_quantises_p_and_rejects_bad_values():
 
 
 def test_keep_mask_statistics_and_determinism():
-    m = lnmd.keep_mask(1234, 512, 1024, 0.3)
+    m = lnmd.keep_mask(1234, 8, 512, 1024, 0.3)
     assert m.shape == (512, 1024) and m.dtype == torch.bool
     assert abs(float((~m).float().mean()) - 0.3) < 0.005
     # per-column and per-row drop rates are flat (no stripes from the 8-wide chunking)
     cols = (~m).float().mean(0).view(-1, 8).mean(0)
     assert float((cols - 0.3).abs().max()) < 0.01
-    assert torch.equal(m, lnmd.keep_mask(1234, 512, 1024, 0.3))
-    other = lnmd.keep_mask(1235, 512, 1024, 0.3)
-    assert 0.3 < float((m != other).float().mean()) < 0.5  # independent masks disagree ~42%
-    assert bool(lnmd.keep_mask(7, 3, 16, 0.0).all())
+    assert torch.equal(m, lnmd.keep_mask(1234, 8, 512, 1024, 0.3))
+    for other in (
+        lnmd.keep_mask(1235, 8, 512, 1024, 0.3),
+        lnmd.keep_mask(1234, 12, 512, 1024, 0.3),
+    ):
+        # another seed or another offset: an independent mask (disagrees on 2 p (1 - p) = 42%)
+        assert abs(float((m != other).float().mean()) - 0.42) < 0.01
+    assert bool(lnmd.keep_mask(7, 0, 3, 16, 0.0).all())
     with pytest.raises(ValueError, match="multiple"):
-        lnmd.keep_mask(7, 3, 12, 0.5)
+        lnmd.keep_mask(7, 0, 3, 12, 0.5)
 
 
 def test_draw_seed_follows_torch_manual_seed():
@@ -66,7 +70,7 @@ def test_draw_seed_follows_torch_manual_seed():
     torch.manual_seed(5)
     assert lnmd.draw_seed() == a
     assert lnmd.draw_seed() != a
-    assert 0 <= a < 2**63
+    assert 0 <= a[0] < 2**63 and a[1] == 0
 
 
 @pytest.mark.parametrize("p", [0.0, 0.25])
@@ -75,10 +79,10 @@ def test_reference_twin_matches_autograd(p, dtype):
     t, d, eps, seed = 37, 48, 1e-6, 99
     x, u, w, b, dy = _inputs(t, d, dtype, u_stride_cols=4 * d)
     thr, scale = lnmd.dropout_threshold(p)
-    keep = lnmd.keep_mask(seed, t, d, p) if thr else None
+    keep = lnmd.keep_mask(seed, 4, t, d, p) if thr else None
     y_ref, (dx_ref, du_ref, dw_ref, db_ref) = _autograd_formula(x, u, w, b, dy, eps, keep, scale)
-    y, mean, rstd = lnmd.reference_fwd(x, u, w, b, eps, p, seed)
-    dx, du, dw, db, y2 = lnmd.reference_bwd(dy, x, u, w, b, mean, rstd, p, seed, True)
+    y, mean, rstd = lnmd.reference_fwd(x, u, w, b, eps, p, seed, 4)
+    dx, du, dw, db, y2 = lnmd.reference_bwd(dy, x, u, w, b, mean, rstd, p, seed, 4, True)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     assert y.dtype == dx.dtype == du.dtype == dtype and dw.dtype == db.dtype == torch.float32
     torch.testing.assert_close(y.float(), y_ref, **tol)
@@ -89,14 +93,14 @@ def test_reference_twin_matches_autograd(p, dtype):
     torch.testing.assert_close(db, db_ref, atol=1e-4, rtol=1e-4)
     if keep is not None:
         assert torch.equal(y == 0, ~keep)  # dropped exactly where the mask says
-    _, _, _, _, empty = lnmd.reference_bwd(dy, x, u, w, b, mean, rstd, p, seed, False)
+    _, _, _, _, empty = lnmd.reference_bwd(dy, x, u, w, b, mean, rstd, p, seed, 4, False)
     assert empty.numel() == 0
 
 
 def test_autograd_function_eval_mode_has_no_dropout_cpu():
     x, u, w, b, _ = _inputs(20, 32)
     a = lnmd.layer_norm_mul_dropout(x, u, w, b, 1e-6, p=0.5, training=False)
-    ref, _, _ = lnmd.reference_fwd(x, u, w, b, 1e-6, 0.0, 0)
+    ref, _, _ = lnmd.reference_fwd(x, u, w, b, 1e-6, 0.0, 0, 0)
     torch.testing.assert_close(a, ref, atol=0, rtol=0)
     torch.manual_seed(3)
     dropped = lnmd.layer_norm_mul_dropout(x, u, w, b, 1e-6, p=0.5, training=True)
@@ -134,9 +138,9 @@ def test_kernel_matches_twin_cuda(dtype, t, d, u_cols, p):
     mean/rstd 1e-5 rel; backward: dx, du, recomputed y likewise; dweight, dbias (fp32 sums in
     another order) within 1e-4 relative L2. Dropout masks equal exactly."""
     x, u, w, b, dy = _inputs(t, d, dtype, "cuda", seed=t + d, u_stride_cols=u_cols)
-    seed, eps = 2**62 + 12345, 1e-6
-    y, mean, rstd = torch.ops.hstu_lnmd.fwd(x, u, w, b, eps, p, seed)
-    y_r, mean_r, rstd_r = lnmd.reference_fwd(x, u, w, b, eps, p, seed)
+    seed, off, eps = -(2**62) + 12345, 2**40 + 8, 1e-6  # 64-bit seed and offset, high bits set
+    y, mean, rstd = torch.ops.hstu_lnmd.fwd(x, u, w, b, eps, p, seed, off)
+    y_r, mean_r, rstd_r = lnmd.reference_fwd(x, u, w, b, eps, p, seed, off)
     tol = (
         {"atol": 1e-2, "rtol": 1.6e-2} if dtype == torch.bfloat16 else {"atol": 2e-3, "rtol": 2e-3}
     )
@@ -144,16 +148,16 @@ def test_kernel_matches_twin_cuda(dtype, t, d, u_cols, p):
     torch.testing.assert_close(rstd, rstd_r, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(y.float(), y_r.float(), **tol)
     if p > 0:  # dropped exactly where the twin's mask says (where the undropped y is nonzero)
-        keep = lnmd.keep_mask(seed, t, d, p, "cuda")
-        live = torch.ops.hstu_lnmd.fwd(x, u, w, b, eps, 0.0, seed)[0] != 0
+        keep = lnmd.keep_mask(seed, off, t, d, p, "cuda")
+        live = torch.ops.hstu_lnmd.fwd(x, u, w, b, eps, 0.0, seed, off)[0] != 0
         assert torch.equal((y == 0) & live, ~keep & live)
-    dx, du, dw, db, y2 = torch.ops.hstu_lnmd.bwd(dy, x, u, w, b, mean, rstd, p, seed, True)
-    dx_r, du_r, dw_r, db_r, y2_r = lnmd.reference_bwd(dy, x, u, w, b, mean, rstd, p, seed, True)
+    dx, du, dw, db, y2 = torch.ops.hstu_lnmd.bwd(dy, x, u, w, b, mean, rstd, p, seed, off, True)
+    dx_r, du_r, dw_r, db_r, _ = lnmd.reference_bwd(dy, x, u, w, b, mean, rstd, p, seed, off, True)
     torch.testing.assert_close(y2, y, atol=0, rtol=0)  # the recompute is the forward's y
     torch.testing.assert_close(du.float(), du_r.float(), **tol)
     assert _rel(dx, dx_r) < 1e-2, _rel(dx, dx_r)
     assert _rel(dw, dw_r) < 1e-4 and _rel(db, db_r) < 1e-4, (_rel(dw, dw_r), _rel(db, db_r))
-    _, _, _, _, none = torch.ops.hstu_lnmd.bwd(dy, x, u, w, b, mean, rstd, p, seed, False)
+    _, _, _, _, none = torch.ops.hstu_lnmd.bwd(dy, x, u, w, b, mean, rstd, p, seed, off, False)
     assert none.numel() == 0
 
 
@@ -163,7 +167,7 @@ def test_kernel_dropout_statistics_and_eval_cuda():
     """p = 0.1 over 4M elements: drop rate within 0.002 of p, mean of y / (LN*u) ~ 1 (unbiased
     scale); a fresh seed per call; eval mode (training=False) equals p = 0."""
     x, u, w, b, _ = _inputs(4096, 1024, torch.bfloat16, "cuda")
-    y0, _, _ = torch.ops.hstu_lnmd.fwd(x, u, w, b, 1e-6, 0.0, 0)
+    y0, _, _ = torch.ops.hstu_lnmd.fwd(x, u, w, b, 1e-6, 0.0, 0, 0)
     torch.manual_seed(0)
     y1 = lnmd.layer_norm_mul_dropout(x, u, w, b, 1e-6, p=0.1, training=True)
     y2 = lnmd.layer_norm_mul_dropout(x, u, w, b, 1e-6, p=0.1, training=True)
@@ -184,12 +188,12 @@ def test_kernel_autograd_function_gradients_cuda():
     x, u, w, b, dy = _inputs(200, 512, torch.bfloat16, "cuda")
     leaves = [t.clone().requires_grad_(True) for t in (x, u, w, b)]
     torch.manual_seed(1)
-    seed = lnmd.draw_seed()
+    seed, off = lnmd.draw_seed("cuda")
     torch.manual_seed(1)
     out = lnmd.layer_norm_mul_dropout(*leaves, 1e-6, p=0.2, training=True)
     out.backward(dy)
-    _, mean, rstd = torch.ops.hstu_lnmd.fwd(x, u, w, b, 1e-6, 0.2, seed)
-    dx, du, dw, db, _ = torch.ops.hstu_lnmd.bwd(dy, x, u, w, b, mean, rstd, 0.2, seed, False)
+    _, mean, rstd = torch.ops.hstu_lnmd.fwd(x, u, w, b, 1e-6, 0.2, seed, off)
+    dx, du, dw, db, _ = torch.ops.hstu_lnmd.bwd(dy, x, u, w, b, mean, rstd, 0.2, seed, off, False)
     for got, want in zip([t.grad for t in leaves], (dx, du, dw, db)):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
@@ -200,25 +204,25 @@ def test_kernel_input_errors_cuda():
     x, u, w, b, _ = _inputs(4, 64, torch.bfloat16, "cuda")
     fwd = torch.ops.hstu_lnmd.fwd
     with pytest.raises(ValueError, match="multiple of 8"):
-        fwd(x[:, :60].contiguous(), u[:, :60].contiguous(), w[:60], b[:60], 1e-6, 0.0, 0)
+        fwd(x[:, :60].contiguous(), u[:, :60].contiguous(), w[:60], b[:60], 1e-6, 0.0, 0, 0)
     with pytest.raises(TypeError, match="bfloat16 or float16"):
-        fwd(x.float(), u.float(), w, b, 1e-6, 0.0, 0)
+        fwd(x.float(), u.float(), w, b, 1e-6, 0.0, 0, 0)
     with pytest.raises(TypeError, match="float32"):
-        fwd(x, u, w.bfloat16(), b, 1e-6, 0.0, 0)
+        fwd(x, u, w.bfloat16(), b, 1e-6, 0.0, 0, 0)
     with pytest.raises(TypeError, match="has dtype"):
-        fwd(x, u.half(), w, b, 1e-6, 0.0, 0)
+        fwd(x, u.half(), w, b, 1e-6, 0.0, 0, 0)
     with pytest.raises(ValueError, match="contiguous last dim"):
-        fwd(x, u.t().contiguous().t(), w, b, 1e-6, 0.0, 0)
+        fwd(x, u.t().contiguous().t(), w, b, 1e-6, 0.0, 0, 0)
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
-        fwd(x, u, w, b, 1e-6, 1.0, 0)
+        fwd(x, u, w, b, 1e-6, 1.0, 0, 0)
     with pytest.raises(ValueError, match="shape"):
-        fwd(x, u[:3], w, b, 1e-6, 0.0, 0)
+        fwd(x, u[:3], w, b, 1e-6, 0.0, 0, 0)
     wide = torch.zeros(2, 8200, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="8192"):
-        fwd(wide, wide, w.new_zeros(8200), b.new_zeros(8200), 1e-6, 0.0, 0)
+        fwd(wide, wide, w.new_zeros(8200), b.new_zeros(8200), 1e-6, 0.0, 0, 0)
     # T = 0: empty outputs, zero parameter gradients
     e = x[:0]
-    y, mean, rstd = fwd(e, e, w, b, 1e-6, 0.1, 3)
+    y, mean, rstd = fwd(e, e, w, b, 1e-6, 0.1, 3, 0)
     assert y.shape == (0, 64) and mean.shape == (0,)
-    dx, du, dw, db, _ = torch.ops.hstu_lnmd.bwd(e, e, e, w, b, mean, rstd, 0.1, 3, False)
+    dx, du, dw, db, _ = torch.ops.hstu_lnmd.bwd(e, e, e, w, b, mean, rstd, 0.1, 3, 0, False)
     assert dx.shape == (0, 64) and float(dw.abs().sum()) == 0.0 and float(db.abs().sum()) == 0.0

@@ -86,20 +86,21 @@ def test_philox_host_build_matches_known_answer_and_numpy_twin(tmp_path: Path):
         timeout=120,
     )
     assert build.returncode == 0, build.stderr[-4000:]
-    for seed, p in ((0, 0.1), (2**62 + 987654321, 0.5), (123456789, 0.03)):
+    for seed, offset, p in ((0, 0, 0.1), (2**62 + 987654321, 2**33 + 4, 0.5), (123456789, 8, 0.03)):
         thr, _ = lnmd.dropout_threshold(p)
         rows, cols = 5, 64
         run = subprocess.run(
-            [str(exe), str(seed), str(thr), str(rows * cols // 8)],
+            [str(exe), str(seed), str(offset), str(thr), str(rows * cols // 8)],
             capture_output=True,
             text=True,
             timeout=60,
         )
         assert run.returncode == 0, run.stderr
         lines = run.stdout.split("\n")
-        # Random123's kat_vectors: philox4x32 10, counter 0, key 0
+        # Random123's kat_vectors for philox4x32 10: counter 0 / key 0, counter and key all ones
         assert lines[0] == "6627e8d5 e169c58d bc57ac4c 9b00dbd8"
-        host_bits = torch.tensor([int(v) for v in lines[1:] if v])
-        mask = lnmd.keep_mask(seed, rows, cols, p).reshape(-1, 8).long()
+        assert lines[1] == "408f276d 41c83b0e a20bc7c6 6d5451fd"
+        host_bits = torch.tensor([int(v) for v in lines[2:] if v])
+        mask = lnmd.keep_mask(seed, offset, rows, cols, p).reshape(-1, 8).long()
         twin_bits = (mask << torch.arange(8)).sum(1)
-        assert torch.equal(host_bits, twin_bits), (seed, p)
+        assert torch.equal(host_bits, twin_bits), (seed, offset, p)

@@ -344,11 +344,11 @@ class _FusedHSTUFunction(torch.autograd.Function):
             else:
                 attn = act.new_zeros((0, hd))
             p = spec.dropout if (spec.training and t > 0) else 0.0
-            mask, scale, seed = None, 1.0, 0
+            mask, scale, seed = None, 1.0, (0, 0)
             if spec.gate_ops is not None:
-                seed = lnmd.draw_seed() if p > 0.0 else 0
+                seed = lnmd.draw_seed(dev) if p > 0.0 else (0, 0)
                 y_c, mean2, rstd2 = spec.gate_ops[0](
-                    attn, u, w_attn.float(), b_attn.float(), spec.eps, p, seed
+                    attn, u, w_attn.float(), b_attn.float(), spec.eps, p, *seed
                 )
             else:
                 if p > 0.0:
@@ -397,7 +397,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
             # dropout (the forward's mask), gating, LayerNorm(attn); y recomputed for dW_o
             if spec.gate_ops is not None:
                 d_attn, du, d_w_attn, d_b_attn, y_c = spec.gate_ops[1](
-                    dy, attn, u, w_attn.float(), b_attn.float(), mean2, rstd2, ctx.p, ctx.seed,
+                    dy, attn, u, w_attn.float(), b_attn.float(), mean2, rstd2, ctx.p, *ctx.seed,
                     True,
                 )  # fmt: skip
             else:

@@ -2,19 +2,21 @@
 
 The compiled ops live in `hstu._layer_norm_mul_dropout_C` (kernels/layer_norm_mul_dropout/):
 
-    torch.ops.hstu_lnmd.fwd(x, u, weight, bias, eps, p, seed) -> (y, mean, rstd)
-    torch.ops.hstu_lnmd.bwd(dy, x, u, weight, bias, mean, rstd, p, seed, recompute_y)
+    torch.ops.hstu_lnmd.fwd(x, u, weight, bias, eps, p, seed, offset) -> (y, mean, rstd)
+    torch.ops.hstu_lnmd.bwd(dy, x, u, weight, bias, mean, rstd, p, seed, offset, recompute_y)
         -> (dx, du, dweight, dbias, y or empty)
 
 x, u, dy: [T, D] bf16/fp16 on CUDA (last dim contiguous, row stride a multiple of 8: u may be a
 column slice of a wider tensor); weight, bias: fp32 [D]; D a multiple of 8 up to 8192. Math in
 fp32; outputs in x's dtype, mean/rstd/dweight/dbias fp32.
 
-Dropout: the keep mask is not stored. It is a pure function of (seed, row, col) (Philox4x32-10,
-one call per 8-element chunk, 16 bits per element; kernels/layer_norm_mul_dropout/philox.h) and
-the backward regenerates it from the forward's seed. p is quantised to t / 65536 with
-t = round(65536 p); kept elements are scaled by 65536 / (65536 - t) (unbiased). Each call draws
-a fresh 63-bit seed from torch's default (CPU) generator, so `torch.manual_seed` fixes the masks.
+Dropout: the keep mask is not stored. It is a pure function of (seed, offset, row, col)
+(Philox4x32-10, one call per 8-element chunk, 16 bits per element;
+kernels/layer_norm_mul_dropout/philox.h) and the backward regenerates it from the forward's seed
+and offset. p is quantised to t / 65536 with t = round(65536 p); kept elements are scaled by
+65536 / (65536 - t) (unbiased). `draw_seed` takes the seed of the device's default CUDA generator
+and its Philox offset, then advances that offset (no device sync), the way torch's own dropout
+consumes the generator: `torch.manual_seed` fixes the masks and every call gets fresh ones.
 
 `reference_fwd` / `reference_bwd` are the PyTorch twins with the same signatures and the same
 mask (`keep_mask` computes it with NumPy): the test oracle.
@@ -80,9 +82,21 @@ def supports(x: torch.Tensor) -> bool:
     )
 
 
-def draw_seed() -> int:
-    """A 63-bit dropout seed from torch's default generator (no device sync)."""
-    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+def _as_int64(v: int) -> int:
+    return v - 2**64 if v >= 2**63 else v  # same 64 bits, in the ops' int range
+
+
+def draw_seed(device: torch.device | str | None = None) -> tuple[int, int]:
+    """(seed, offset) of one dropout call: on CUDA the default generator's seed and Philox
+    offset, which it advances by 4 (no sync); elsewhere a seed drawn from the CPU generator."""
+    device = torch.device("cpu" if device is None else device)
+    if device.type != "cuda":
+        return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64)), 0
+    index = torch.cuda.current_device() if device.index is None else device.index
+    gen = torch.cuda.default_generators[index]
+    offset = gen.get_offset()
+    gen.set_offset(offset + 4)
+    return _as_int64(gen.initial_seed()), _as_int64(offset)
 
 
 def dropout_threshold(p: float) -> tuple[int, float]:
@@ -93,14 +107,11 @@ def dropout_threshold(p: float) -> tuple[int, float]:
     return t, (1.0 if t == 0 else 65536.0 / (65536 - t))
 
 
-def _philox4x32_10(counter: np.ndarray, seed: int) -> list[np.ndarray]:
-    """Philox4x32-10 of counters (counter, 0, 0) (uint64 array) under key ``seed``."""
-    c = [
-        counter & _MASK32,
-        counter >> np.uint64(32),
-        np.zeros_like(counter),
-        np.zeros_like(counter),
-    ]
+def _philox4x32_10(counter: np.ndarray, offset: int, seed: int) -> list[np.ndarray]:
+    """Philox4x32-10 of the counters (counter lo, counter hi, offset lo, offset hi) (counter: a
+    uint64 array) under key ``seed``."""
+    hi = np.full_like(counter, np.uint64(offset & 0xFFFFFFFFFFFFFFFF))
+    c = [counter & _MASK32, counter >> np.uint64(32), hi & _MASK32, hi >> np.uint64(32)]
     k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64((seed >> 32) & 0xFFFFFFFF)
     for r in range(10):
         if r > 0:
@@ -116,22 +127,22 @@ def _philox4x32_10(counter: np.ndarray, seed: int) -> list[np.ndarray]:
     return c
 
 
-def keep_mask(seed: int, rows: int, cols: int, p: float, device=None) -> torch.Tensor:
-    """The kernel's dropout keep mask (bool [rows, cols], True = kept) for ``seed`` and ``p``."""
+def keep_mask(seed: int, offset: int, rows: int, cols: int, p: float, device=None) -> torch.Tensor:
+    """The kernel's dropout keep mask (bool [rows, cols], True = kept) for (seed, offset), p."""
     if cols % 8:
         raise ValueError(f"the dropout mask is drawn per 8 columns; cols={cols} is not a multiple")
     t, _ = dropout_threshold(p)
     if t == 0:
         return torch.ones((rows, cols), dtype=torch.bool, device=device)
     with np.errstate(over="ignore"):
-        words = _philox4x32_10(np.arange(rows * cols // 8, dtype=np.uint64), seed)
+        words = _philox4x32_10(np.arange(rows * cols // 8, dtype=np.uint64), offset, seed)
     r16 = np.stack(
         [(words[j // 2] >> np.uint64(16 * (j % 2))) & np.uint64(0xFFFF) for j in range(8)], axis=1
     )
     return torch.from_numpy(r16 >= t).reshape(rows, cols).to(device)
 
 
-def reference_fwd(x, u, weight, bias, eps: float, p: float, seed: int):
+def reference_fwd(x, u, weight, bias, eps: float, p: float, seed: int, offset: int):
     """PyTorch twin of torch.ops.hstu_lnmd.fwd: (y in x's dtype, mean fp32 [T], rstd fp32 [T])."""
     xf = x.float()
     mean = xf.mean(-1)
@@ -140,16 +151,18 @@ def reference_fwd(x, u, weight, bias, eps: float, p: float, seed: int):
     g = ln * u.float()
     t, scale = dropout_threshold(p)
     if t:
-        g = torch.where(keep_mask(seed, *x.shape, p, x.device), g * scale, 0.0)
+        g = torch.where(keep_mask(seed, offset, *x.shape, p, x.device), g * scale, 0.0)
     return g.to(x.dtype), mean, rstd
 
 
-def reference_bwd(dy, x, u, weight, bias, mean, rstd, p: float, seed: int, recompute_y: bool):
+def reference_bwd(
+    dy, x, u, weight, bias, mean, rstd, p: float, seed: int, offset: int, recompute_y: bool
+):
     """PyTorch twin of torch.ops.hstu_lnmd.bwd: (dx, du, dweight, dbias, y or empty)."""
     xhat = (x.float() - mean[:, None]) * rstd[:, None]
     ln = xhat * weight.float() + bias.float()
     t, scale = dropout_threshold(p)
-    keep = keep_mask(seed, *x.shape, p, x.device) if t else None
+    keep = keep_mask(seed, offset, *x.shape, p, x.device) if t else None
     dg = dy.float() if keep is None else torch.where(keep, dy.float() * scale, 0.0)
     du = dg * ln
     dln = dg * u.float()
@@ -170,12 +183,12 @@ def reference_bwd(dy, x, u, weight, bias, mean, rstd, p: float, seed: int, recom
 class _LayerNormMulDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, u, weight, bias, eps, p, use_kernel):  # type: ignore[override]
-        seed = draw_seed() if p > 0.0 else 0
+        seed, offset = draw_seed(x.device) if p > 0.0 else (0, 0)
         w, b = weight.float(), bias.float()
         fwd = torch.ops.hstu_lnmd.fwd if use_kernel else reference_fwd
-        y, mean, rstd = fwd(x, u, w, b, eps, p, seed)
+        y, mean, rstd = fwd(x, u, w, b, eps, p, seed, offset)
         ctx.save_for_backward(x, u, w, b, mean, rstd)
-        ctx.p, ctx.seed, ctx.use_kernel = p, seed, use_kernel
+        ctx.p, ctx.seed, ctx.offset, ctx.use_kernel = p, seed, offset, use_kernel
         ctx.dtypes = (weight.dtype, bias.dtype)
         return y
 
@@ -183,7 +196,7 @@ class _LayerNormMulDropout(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         x, u, w, b, mean, rstd = ctx.saved_tensors
         bwd = torch.ops.hstu_lnmd.bwd if ctx.use_kernel else reference_bwd
-        dx, du, dw, db, _ = bwd(dy, x, u, w, b, mean, rstd, ctx.p, ctx.seed, False)
+        dx, du, dw, db, _ = bwd(dy, x, u, w, b, mean, rstd, ctx.p, ctx.seed, ctx.offset, False)
         return dx, du, dw.to(ctx.dtypes[0]), db.to(ctx.dtypes[1]), None, None, None
 
 

@@ -1,12 +1,13 @@
 // Torch face of the LayerNorm(x) * u * dropout kernels: input checks before any launch, the
 // TORCH_LIBRARY schema (namespace hstu_lnmd) with CUDA and Meta implementations.
 //
-//   fwd(x, u, weight, bias, eps, p, seed) -> (y, mean, rstd)
-//   bwd(dy, x, u, weight, bias, mean, rstd, p, seed, recompute_y) -> (dx, du, dweight, dbias, y)
+//   fwd(x, u, weight, bias, eps, p, seed, offset) -> (y, mean, rstd)
+//   bwd(dy, x, u, weight, bias, mean, rstd, p, seed, offset, recompute_y)
+//       -> (dx, du, dweight, dbias, y)
 //
 // x, u, dy: [T, D] bf16/fp16 (same dtype), last dim contiguous, row stride a multiple of 8;
 // weight, bias: fp32 [D]; D a multiple of 8 in [8, 8192]; 0 <= p < 1 (dropout keep mask
-// regenerated from `seed`, see philox.h). bwd's y is the recomputed forward output when
+// regenerated from `seed` and `offset`, see philox.h). bwd's y is the recomputed forward output when
 // recompute_y, else an empty tensor.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -79,6 +80,8 @@ void check_vec(const Tensor& t, const char* name, int64_t n_expected, const Tens
   LNMD_VALUE(t.dim() == 1 && t.size(0) == n_expected && t.is_contiguous(),
              n + " must be a contiguous 1-D tensor of " + std::to_string(n_expected) +
                  " elements; got shape " + shape_of(t));
+  LNMD_VALUE(n_expected == 0 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+             n + " must start 16-byte aligned (pass a fresh tensor, e.g. .clone())");
 }
 
 void check_width(const Tensor& x) {
@@ -89,11 +92,12 @@ void check_width(const Tensor& x) {
                  " (use FusedHSTULayer(gate_kernel='compiled') for other widths)");
 }
 
-lnmd::Dropout make_dropout(double p, int64_t seed) {
+lnmd::Dropout make_dropout(double p, int64_t seed, int64_t offset) {
   LNMD_VALUE(std::isfinite(p) && p >= 0.0 && p < 1.0,
              "dropout p must be in [0, 1); got " + std::to_string(p));
   lnmd::Dropout d;
   d.seed = static_cast<uint64_t>(seed);
+  d.offset = static_cast<uint64_t>(offset);
   int64_t thr = static_cast<int64_t>(std::llround(p * 65536.0));
   if (thr > 65535) thr = 65535;
   d.threshold = static_cast<uint32_t>(thr);
@@ -117,7 +121,7 @@ void check_launch() {
 
 std::tuple<Tensor, Tensor, Tensor> fwd_cuda(const Tensor& x, const Tensor& u, const Tensor& weight,
                                             const Tensor& bias, double eps, double p,
-                                            int64_t seed) {
+                                            int64_t seed, int64_t offset) {
   check_rows(x, "x", x);
   check_rows(u, "u", x);
   check_width(x);
@@ -125,7 +129,7 @@ std::tuple<Tensor, Tensor, Tensor> fwd_cuda(const Tensor& x, const Tensor& u, co
   check_vec(bias, "bias", x.size(1), x);
   LNMD_VALUE(std::isfinite(eps) && eps > 0.0, "eps must be finite and > 0; got " +
                                                   std::to_string(eps));
-  const lnmd::Dropout drop = make_dropout(p, seed);
+  const lnmd::Dropout drop = make_dropout(p, seed, offset);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t t = x.size(0);
   auto y = at::empty({t, x.size(1)}, x.options());
@@ -153,7 +157,8 @@ std::tuple<Tensor, Tensor, Tensor> fwd_cuda(const Tensor& x, const Tensor& u, co
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
     const Tensor& dy, const Tensor& x, const Tensor& u, const Tensor& weight, const Tensor& bias,
-    const Tensor& mean, const Tensor& rstd, double p, int64_t seed, bool recompute_y) {
+    const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset,
+    bool recompute_y) {
   check_rows(x, "x", x);
   check_rows(u, "u", x);
   check_rows(dy, "dy", x);
@@ -162,7 +167,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
   check_vec(bias, "bias", x.size(1), x);
   check_vec(mean, "mean", x.size(0), x);
   check_vec(rstd, "rstd", x.size(0), x);
-  const lnmd::Dropout drop = make_dropout(p, seed);
+  const lnmd::Dropout drop = make_dropout(p, seed, offset);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t t = x.size(0);
   const int cols = static_cast<int>(x.size(1));
@@ -195,13 +200,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
   prm.dropout = drop;
   lnmd::launch_bwd(dt, prm, grid, at::cuda::getCurrentCUDAStream());
   check_launch();
-  auto sums = partials.sum(0);  // [2, cols]
-  return {dx, du, sums.select(0, 0), sums.select(0, 1), y};
+  // separate tensors (not views of one [2, D] sum): op outputs must not alias each other
+  return {dx, du, partials.select(1, 0).sum(0), partials.select(1, 1).sum(0), y};
 }
 
 std::tuple<Tensor, Tensor, Tensor> fwd_meta(const Tensor& x, const Tensor& u, const Tensor& weight,
                                             const Tensor& bias, double eps, double p,
-                                            int64_t seed) {
+                                            int64_t seed, int64_t offset) {
   const auto t = x.sym_size(0);
   return {at::empty_symint({t, x.sym_size(1)}, x.options()),
           at::empty_symint({t}, x.options().dtype(at::kFloat)),
@@ -210,7 +215,8 @@ std::tuple<Tensor, Tensor, Tensor> fwd_meta(const Tensor& x, const Tensor& u, co
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_meta(
     const Tensor& dy, const Tensor& x, const Tensor& u, const Tensor& weight, const Tensor& bias,
-    const Tensor& mean, const Tensor& rstd, double p, int64_t seed, bool recompute_y) {
+    const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset,
+    bool recompute_y) {
   auto shape = x.sym_sizes();
   return {at::empty_symint(shape, x.options()), at::empty_symint(shape, x.options()),
           at::empty_like(weight), at::empty_like(bias),
@@ -220,10 +226,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_meta(
 }  // namespace
 
 TORCH_LIBRARY(hstu_lnmd, m) {
-  m.def("fwd(Tensor x, Tensor u, Tensor weight, Tensor bias, float eps, float p, int seed) -> "
-        "(Tensor, Tensor, Tensor)");
+  m.def("fwd(Tensor x, Tensor u, Tensor weight, Tensor bias, float eps, float p, int seed, "
+        "int offset) -> (Tensor, Tensor, Tensor)");
   m.def("bwd(Tensor dy, Tensor x, Tensor u, Tensor weight, Tensor bias, Tensor mean, "
-        "Tensor rstd, float p, int seed, bool recompute_y) -> "
+        "Tensor rstd, float p, int seed, int offset, bool recompute_y) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 

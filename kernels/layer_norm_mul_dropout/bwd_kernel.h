@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p) {
         uint32_t keep = 0xFFu;
         if (dropout) {
           keep = keep_bits(static_cast<uint64_t>(row) * nchunks + c, p.dropout.seed,
-                           p.dropout.threshold);
+                           p.dropout.offset, p.dropout.threshold);
         }
 #pragma unroll
         for (int j = 0; j < 8; ++j) {

@@ -17,6 +17,7 @@ enum class DType { kBF16, kFP16 };
 
 struct Dropout {
   uint64_t seed = 0;
+  uint64_t offset = 0;
   uint32_t threshold = 0;  // keep iff 16-bit draw >= threshold; 0 = no dropout
   float scale = 1.0f;      // 65536 / (65536 - threshold)
 };

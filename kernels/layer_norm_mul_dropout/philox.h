@@ -1,9 +1,10 @@
 // Counter-based dropout mask: Philox4x32-10 (Salmon et al., SC'11), host + device.
 //
-// The mask of a [rows, cols] tensor is a pure function of (seed, row, col), so the backward
-// regenerates the forward's mask instead of storing it. One Philox call per 8-element chunk:
-// counter = (chunk index lo, chunk index hi, 0, 0) with chunk index = row * (cols / 8) + col / 8,
-// key = (seed lo, seed hi); its four 32-bit outputs split into eight 16-bit draws r_0..r_7
+// The mask of a [rows, cols] tensor is a pure function of (seed, offset, row, col), so the
+// backward regenerates the forward's mask instead of storing it. One Philox call per 8-element
+// chunk: counter = (chunk lo, chunk hi, offset lo, offset hi) with chunk = row * (cols / 8) +
+// col / 8, key = (seed lo, seed hi) (seed and offset: the CUDA generator's, as torch's own
+// dropout uses them); its four 32-bit outputs split into eight 16-bit draws r_0..r_7
 // (word j / 2, low half for even j). Element j of the chunk is kept iff r_j >= threshold, where
 // threshold = round(p * 65536) (p quantised to 1/65536); kept elements are scaled by
 // 65536 / (65536 - threshold), so the expectation is exact. hstu/modules/layer_norm_mul_dropout.py
@@ -40,9 +41,9 @@ LNMD_HD void mulhilo(uint32_t a, uint32_t b, uint32_t& lo, uint32_t& hi) {
 #endif
 }
 
-LNMD_HD Philox4 philox4x32_10(uint64_t counter, uint64_t seed) {
-  uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32);
-  uint32_t c2 = 0u, c3 = 0u;
+LNMD_HD Philox4 philox4x32_10(uint64_t counter_lo, uint64_t counter_hi, uint64_t seed) {
+  uint32_t c0 = static_cast<uint32_t>(counter_lo), c1 = static_cast<uint32_t>(counter_lo >> 32);
+  uint32_t c2 = static_cast<uint32_t>(counter_hi), c3 = static_cast<uint32_t>(counter_hi >> 32);
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
 #pragma unroll
   for (int r = 0; r < 10; ++r) {
@@ -64,8 +65,8 @@ LNMD_HD Philox4 philox4x32_10(uint64_t counter, uint64_t seed) {
 }
 
 // Bit j (0..7) set iff element j of chunk `chunk` is kept at this threshold.
-LNMD_HD uint32_t keep_bits(uint64_t chunk, uint64_t seed, uint32_t threshold) {
-  const Philox4 r = philox4x32_10(chunk, seed);
+LNMD_HD uint32_t keep_bits(uint64_t chunk, uint64_t seed, uint64_t offset, uint32_t threshold) {
+  const Philox4 r = philox4x32_10(chunk, offset, seed);
   uint32_t bits = 0u;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {

@@ -337,3 +337,41 @@ def test_gate_kernel_option_is_validated():
     assert fused_mod.default_gate_kernel() in fused_mod.GATE_KERNELS
     # CPU tensors run the eager stages whatever the setting
     assert fused_mod._gate_ops("cuda", torch.zeros(2, HIDDEN), HEADS * DIM) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason="needs CUDA and the compiled HSTU attention kernel")
+def test_fused_gate_cuda_dropout_matches_unfused_with_its_mask_cuda(monkeypatch):
+    """gate_kernel='cuda' with dropout p = 0.25 (exact in the kernel's 1/65536 steps), bf16: the
+    unfused layer driven by the kernel's Philox mask (the seed/offset the forward drew) matches
+    within the bf16 tolerances above, so the backward regenerated the forward's mask."""
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+
+    if not lnmd.load_extension():
+        pytest.skip("the LayerNorm*u*dropout extension is not built")
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    hidden, heads, dim, p = 256, 4, 64, 0.25
+    ref = HSTULayer(hidden, heads, dim, p).to(dev)
+    fused = FusedHSTULayer(hidden, heads, dim, p, gate_kernel="cuda").to(dev)
+    fused.load_state_dict(ref.state_dict())
+    lengths = [300, 1, 77, 512, 0, 129]
+    attn = _layout(lengths, targets=[10, 0, 5, 20, 0, 7], device=dev)
+    t = sum(lengths)
+    x = torch.randn(t, hidden, device=dev)
+    g = torch.randn(t, hidden, device=dev)
+    seeds = []
+    real_draw = lnmd.draw_seed
+    monkeypatch.setattr(lnmd, "draw_seed", lambda d: seeds.append(real_draw(d)) or seeds[-1])
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out_f, g_f = _run(fused, x, attn, g)
+    assert len(seeds) == 1
+    ref.dropout = _FixedMaskDropout(lnmd.keep_mask(*seeds[0], t, heads * dim, p, dev), p)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out_r, g_r = _run(ref, x, attn, g)
+    torch.testing.assert_close(out_f, out_r, atol=2e-2, rtol=2e-2)
+    for name in g_r:
+        err = (g_f[name].float() - g_r[name].float()).norm() / g_r[name].float().norm().clamp_min(
+            1e-6
+        )
+        assert err < 3e-2, (name, float(err))

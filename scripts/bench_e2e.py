@@ -39,6 +39,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 # run from a checkout: this repository's hstu, not another installed copy
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -287,8 +288,6 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
         peak = torch.tensor(
             [torch.cuda.max_memory_allocated(trainer.device) / 2**30], device=trainer.device
         )
-        import torch.distributed as dist
-
         if dist.is_initialized() and world > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest rank
         row["peak_mem_gb"] = float(peak)
@@ -329,8 +328,6 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 args.out,
             )
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -298,9 +298,9 @@ class Checkpointer:
         resharded = saved_world != world_size
         src_rank = 0 if resharded else rank
         if resharded:
-            logger.warning(
-                "checkpoint %s was saved by %d ranks, loading into %d: returning rank 0's state; "
-                "sharded state must be redistributed from load_all_ranks()",
+            logger.info(
+                "checkpoint %s was saved by %d ranks, loading into %d: returning rank 0's state "
+                "(sharded state is regrouped from load_all_ranks())",
                 step_dir,
                 saved_world,
                 world_size,

@@ -170,14 +170,14 @@ def _stage_gate_recompute(attn, mean, rstd, w, b, u, keep, scale: float, cdtype:
 
 def _stage_gate_bwd(dy, attn, mean, rstd, w, b, u, keep, scale: float, cdtype: torch.dtype):
     """Backward of dropout (same mask), gating and LayerNorm(attn):
-    (d attn in the matmul dtype, du fp32, d weight, d bias)."""
+    (d attn and du in the matmul dtype, d weight, d bias)."""
     dy = dy.float()
     if keep is not None:
         dy = dy * keep * scale
     ln = (attn.float() - mean) * rstd * w.float() + b.float()
     du = dy * ln
     d_attn, dw, db = _layer_norm_bwd(dy * u.float(), attn, mean, rstd, w)
-    return d_attn.to(cdtype), du, dw, db
+    return d_attn.to(cdtype), du.to(cdtype), dw, db
 
 
 def _stage_in_norm_bwd(dn, x, mean, rstd, w, dout):

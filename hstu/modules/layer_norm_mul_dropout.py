@@ -92,6 +92,8 @@ def draw_seed(device: torch.device | str | None = None) -> tuple[int, int]:
     device = torch.device("cpu" if device is None else device)
     if device.type != "cuda":
         return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64)), 0
+    if not torch.cuda.default_generators:  # filled by CUDA's lazy init
+        torch.cuda.init()
     index = torch.cuda.current_device() if device.index is None else device.index
     gen = torch.cuda.default_generators[index]
     offset = gen.get_offset()

@@ -22,13 +22,16 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const FwdParams p) {
     const bool active = row < p.rows;  // uniform over the row group
     const char* xrow = row_ptr<T>(p.x, row, p.x_stride);
 
+    const char* urow = row_ptr<T>(p.u, row, p.u_stride);
     float xv[Tr::ITERS][8];
+    uint4 uraw[Tr::ITERS];  // u is loaded with x, so its latency hides behind the reductions
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < Tr::ITERS; ++i) {
       const int c = tid + i * Tr::TPR;
       if (active && c < nchunks) {
         Vec<T>::load(xrow + c * 16, xv[i]);
+        uraw[i] = *reinterpret_cast<const uint4*>(urow + c * 16);
 #pragma unroll
         for (int j = 0; j < 8; ++j) s += xv[i][j];
       } else {
@@ -56,14 +59,13 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const FwdParams p) {
       p.mean[row] = mean;
       p.rstd[row] = rstd;
     }
-    const char* urow = row_ptr<T>(p.u, row, p.u_stride);
     char* yrow = static_cast<char*>(p.y) + row * static_cast<int64_t>(p.cols) * sizeof(T);
 #pragma unroll
     for (int i = 0; i < Tr::ITERS; ++i) {
       const int c = tid + i * Tr::TPR;
       if (c >= nchunks) continue;
       float uv[8], w[8], b[8], out[8];
-      Vec<T>::load(urow + c * 16, uv);
+      Vec<T>::load(&uraw[i], uv);
       load_f32x8(p.weight + c * 8, w);
       load_f32x8(p.bias + c * 8, b);
       uint32_t keep = 0xFFu;

@@ -21,14 +21,9 @@ CUDA_SOURCES = ["instantiations/bf16.cu", "instantiations/fp16.cu", "launch.cu"]
 
 
 def _nvcc() -> str | None:
-    cands = [os.environ.get("NVCC")]
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if cuda_home:
-        cands.append(os.path.join(cuda_home, "bin", "nvcc"))
-    cands += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
-    for c in cands:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
+    for cand in (os.environ.get("NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and os.access(cand, os.X_OK):
+            return cand
     return None
 
 

@@ -277,3 +277,30 @@ def test_restore_into_errors_name_the_entry():
         restore_into(bigger, _record(full, [(0, 6)]), "t")
     with pytest.raises(ValueError, match=r"state\['w'\] is in this run's state but not in"):
         restore_into({"w": torch.zeros(1)}, [{"v": torch.zeros(1)}])
+
+
+def _dtensor_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hstu.training.reshard import to_portable
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full = torch.arange(15, dtype=torch.float32).reshape(5, 3)
+        dt = distribute_tensor(full, mesh, [Shard(0)])  # uneven: 3 + 2 rows
+        torch.save({"w": to_portable(dt)}, f"{out}/rank_{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensor_pieces_are_saved_with_their_offsets(tmp_path):
+    from hstu.training.reshard import restore_into
+
+    mp.spawn(_dtensor_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    saved = [torch.load(tmp_path / f"rank_{r}.pt", weights_only=False)["w"] for r in range(2)]
+    assert [p["offsets"] for s in saved for p in s["pieces"]] == [[0, 0], [3, 0]]
+    target = torch.zeros(5, 3)
+    restore_into(target, saved)
+    torch.testing.assert_close(target, torch.arange(15, dtype=torch.float32).reshape(5, 3))

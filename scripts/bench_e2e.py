@@ -260,8 +260,10 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
         torch.cuda.reset_peak_memory_stats(trainer.device)
     flops = tokens = samples = 0.0
     start = time.perf_counter()
-    for _ in range(args.steps):
-        stats = trainer.train_step()
+    # as Trainer.fit runs them: statistics stay on the device and are read back once at the end
+    # (inside the timed region), so the host queues step i+1 while the GPU runs step i
+    pending = [trainer._train_step_async() for _ in range(args.steps)]
+    for stats in trainer._resolve(pending):
         flops += stats["flops"]
         tokens += stats["tokens"]
         samples += stats["samples"]

@@ -16,7 +16,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DistInfo", "init_distributed", "wrap_model", "all_reduce_sum", "barrier", "cleanup"]
+__all__ = [
+    "DistInfo",
+    "init_distributed",
+    "wrap_model",
+    "all_reduce_sum",
+    "all_reduce_sum_host",
+    "barrier",
+    "cleanup",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +83,9 @@ def init_distributed(device_type: str) -> DistInfo:
 
 
 def cleanup(info: DistInfo) -> None:
+    global _HOST_GROUP
     if info.owns_group and dist.is_initialized():
+        _HOST_GROUP = None
         dist.destroy_process_group()
 
 
@@ -89,6 +99,32 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
+    return t.tolist()
+
+
+_HOST_GROUP: object | None = None
+
+
+def _host_group():
+    """A gloo group over the same ranks for host-side sums (created once, collectively).
+
+    Sums of host numbers (loss-term counts, FLOPs) go through it, so they never enqueue work
+    on the GPU stream nor wait for it: the training step stays free of host<->device syncs.
+    """
+    global _HOST_GROUP
+    if dist.get_backend() == "gloo":
+        return None  # the default group is already host-side
+    if _HOST_GROUP is None:
+        _HOST_GROUP = dist.new_group(backend="gloo")
+    return _HOST_GROUP
+
+
+def all_reduce_sum_host(values: list[float]) -> list[float]:
+    """Sums a few host floats over all ranks without touching the GPU (gloo group)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=_host_group())
     return t.tolist()
 
 

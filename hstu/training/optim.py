@@ -105,8 +105,11 @@ def build_lr_scheduler(
     )
 
 
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float | None:
-    """Clip the global L2 norm of the gradients to ``max_norm``; returns the norm before clipping.
+def clip_grad_norm(
+    params: Iterable[torch.nn.Parameter], max_norm: float, *, as_tensor: bool = False
+) -> float | torch.Tensor | None:
+    """Clip the global L2 norm of the gradients to ``max_norm``; returns the norm before clipping
+    (a 0-dim tensor on the gradients' device with ``as_tensor=True``: no host sync).
 
     A no-op returning None when ``max_norm`` is 0 (OptimizerArgs.grad_clip_norm's "off").
     """
@@ -116,5 +119,6 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> flo
         return None
     grads = [p for p in params if p.grad is not None]
     if not grads:
-        return 0.0
-    return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+        return torch.zeros(()) if as_tensor else 0.0
+    norm = torch.nn.utils.clip_grad_norm_(grads, max_norm)
+    return norm if as_tensor else float(norm)

@@ -33,6 +33,7 @@ from hstu.training.checkpoint import Checkpointer, capture_rng_state, restore_rn
 from hstu.training.distributed import (
     DistInfo,
     all_reduce_sum,
+    all_reduce_sum_host,
     barrier,
     cleanup,
     init_distributed,
@@ -73,6 +74,23 @@ def _loss_count(batch: Batch, task: str) -> int:
     if task == "ranking":
         return int(batch.num_candidates.sum())
     return int(torch.clamp(batch.history_lengths() - 1, min=0).sum())
+
+
+# statistics of at most this many steps wait on the device before being read back
+_MAX_PENDING_STEPS = 64
+
+
+@dataclass
+class _PendingStep:
+    """Statistics of a step whose device values have not been read back yet."""
+
+    loss_sum: torch.Tensor  # [1] float64 on the device, summed over ranks
+    global_count: float
+    samples: float
+    local_tokens: float
+    lengths: torch.Tensor | None  # attention sequence lengths of this rank (device)
+    grad_norm: torch.Tensor | None
+    task_losses: torch.Tensor | None
 
 
 class Trainer:
@@ -295,43 +313,84 @@ class Trainer:
         return torch.autocast("cuda", dtype=self.autocast_dtype)
 
     def train_step(self) -> dict[str, float]:
+        """One optimisation step; returns its statistics as floats (one host<->device sync).
+
+        `fit()` uses `_train_step_async()` instead and resolves statistics only every
+        `TrainerArgs.log_interval` steps, so the host can queue the next step's kernels while the
+        GPU still runs this one."""
+        return self._resolve([self._train_step_async()])[0]
+
+    def _train_step_async(self) -> _PendingStep:
+        """One optimisation step without host<->device syncs of its own: loss-term counts come
+        from the host-side batch (summed over ranks through a gloo group), the loss, gradient
+        norm and attention lengths stay on the device until `_resolve`."""
         self.model.train()
-        batch = next(self.train_iter).to(self.device)
-        local_count = _loss_count(batch, self.cfg.task)
-        (global_count,) = all_reduce_sum([local_count], self.device)
+        host_batch = next(self.train_iter)
+        local_count = _loss_count(host_batch, self.cfg.task)
+        global_count, samples = all_reduce_sum_host([local_count, host_batch.batch_size])
+        if self.device.type == "cuda":
+            batch = host_batch.pin_memory().to(self.device, non_blocking=True)
+        else:
+            batch = host_batch.to(self.device)
         normalizer = max(global_count, 1.0) / self.info.world_size
         with self._autocast():
             out = self.model(batch, loss_normalizer=normalizer)
         out["loss"].backward()
-        flops = self._batch_flops()
-        grad_norm = clip_grad_norm(self.dense_params, self.cfg.optimizer.grad_clip_norm)
+        attn = self.core.last_attention_inputs
+        lengths = None if attn is None else attn.seq_offsets[1:] - attn.seq_offsets[:-1]
+        grad_norm = clip_grad_norm(
+            self.dense_params, self.cfg.optimizer.grad_clip_norm, as_tensor=True
+        )
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, tokens, samples, flops = all_reduce_sum(
-            [float(out["loss_sum"]), float(out["num_tokens"]), float(batch.batch_size), flops],
-            self.device,
-        )
-        result = {
-            "loss": loss_sum / max(global_count, 1.0),
-            "tokens": tokens,
-            "samples": samples,
-            "flops": flops,
-        }
-        if grad_norm is not None:
-            result["grad_norm"] = float(grad_norm)
+        loss_sum = out["loss_sum"].detach().to(torch.float64).reshape(1)
+        if self.info.world_size > 1:
+            torch.distributed.all_reduce(loss_sum)  # queued on the stream, no host wait
+        task_losses = None
         if self.cfg.task == "ranking" and "task_losses" in out:
-            for name, value in zip(self._task_names(), out["task_losses"].tolist()):
-                result[f"task_loss/{name}"] = value
-        return result
+            task_losses = out["task_losses"].detach()
+        return _PendingStep(
+            loss_sum=loss_sum,
+            global_count=float(global_count),
+            samples=float(samples),
+            local_tokens=float(out["num_tokens"]),
+            lengths=lengths,
+            grad_norm=grad_norm,
+            task_losses=task_losses,
+        )
 
-    def _batch_flops(self) -> float:
-        """HSTU-stack FLOPs (forward + backward) of this rank's last batch (hstu.training.flops)."""
-        attn = self.core.last_attention_inputs
-        if attn is None:
-            return 0.0
-        lengths = attn.seq_offsets[1:] - attn.seq_offsets[:-1]
-        return step_flops(self.stack_shape, lengths.cpu()).total
+    def _resolve(self, pending: list[_PendingStep]) -> list[dict[str, float]]:
+        """Converts queued step statistics to floats: one device->host copy for all of them, one
+        host-side collective for the token and FLOP totals."""
+        if not pending:
+            return []
+        dev = [p.loss_sum.reshape(1) for p in pending]
+        if pending[0].grad_norm is not None:
+            dev += [p.grad_norm.detach().to(dev[0]).reshape(1) for p in pending]
+        host = torch.cat(dev).cpu().tolist()
+        n = len(pending)
+        local = [float(p.local_tokens) for p in pending]
+        local += [
+            0.0 if p.lengths is None else step_flops(self.stack_shape, p.lengths.cpu()).total
+            for p in pending
+        ]
+        totals = all_reduce_sum_host(local)
+        out = []
+        for i, p in enumerate(pending):
+            row = {
+                "loss": host[i] / max(p.global_count, 1.0),
+                "tokens": totals[i],
+                "samples": p.samples,
+                "flops": totals[n + i],
+            }
+            if p.grad_norm is not None:
+                row["grad_norm"] = host[n + i]
+            if p.task_losses is not None:
+                for name, value in zip(self._task_names(), p.task_losses.tolist()):
+                    row[f"task_loss/{name}"] = value
+            out.append(row)
+        return out
 
     def _embedding_stats(self) -> dict[str, float]:
         """`embeddings/<table>/<stat>` of the dynamic tables (summed over ranks when sharded;
@@ -427,22 +486,34 @@ class Trainer:
         window_tokens = window_samples = window_flops = 0.0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        pending: list[_PendingStep] = []
         while self.step < t.max_train_iters:
-            stats = self.train_step()
+            pending.append(self._train_step_async())
             self.step += 1
             window_steps += 1
-            window_tokens += stats["tokens"]
-            window_samples += stats["samples"]
-            window_flops += stats["flops"]
-            result.losses.append((self.step, stats["loss"]))
-            if not math.isfinite(stats["loss"]):
-                raise FloatingPointError(
-                    f"loss became {stats['loss']} at step {self.step}; lower "
-                    f"OptimizerArgs.learning_rate or set OptimizerArgs.grad_clip_norm"
-                )
             bar.update(1)
+            log_now = self.step % t.log_interval == 0 or self.step == t.max_train_iters
+            eval_now = t.eval_interval > 0 and self.step % t.eval_interval == 0
+            ckpt_now = t.ckpt_save_interval > 0 and self.step % t.ckpt_save_interval == 0
+            if not (log_now or eval_now or ckpt_now or len(pending) >= _MAX_PENDING_STEPS):
+                continue
+            # statistics are read back here only (no per-step host<->device sync); a non-finite
+            # loss is caught before any checkpoint or evaluation of the window
+            first_step = self.step - len(pending) + 1
+            for i, stats in enumerate(self._resolve(pending)):
+                step_i = first_step + i
+                window_tokens += stats["tokens"]
+                window_samples += stats["samples"]
+                window_flops += stats["flops"]
+                result.losses.append((step_i, stats["loss"]))
+                if not math.isfinite(stats["loss"]):
+                    raise FloatingPointError(
+                        f"loss became {stats['loss']} at step {step_i}; lower "
+                        f"OptimizerArgs.learning_rate or set OptimizerArgs.grad_clip_norm"
+                    )
+            pending = []
             bar.set_postfix(loss=f"{stats['loss']:.4f}")
-            if self.step % t.log_interval == 0 or self.step == t.max_train_iters:
+            if log_now:
                 elapsed = time.perf_counter() - window_start
                 scalars = {
                     "train/loss": stats["loss"],
@@ -480,13 +551,9 @@ class Trainer:
                     )
                 window_start, window_steps = time.perf_counter(), 0
                 window_tokens = window_samples = window_flops = 0.0
-            if (
-                t.eval_interval > 0
-                and self.step % t.eval_interval == 0
-                and self.step < t.max_train_iters
-            ):
+            if eval_now and self.step < t.max_train_iters:
                 self._run_eval(result)
-            if t.ckpt_save_interval > 0 and self.step % t.ckpt_save_interval == 0:
+            if ckpt_now:
                 result.checkpoint_dir = self.save_checkpoint()
         bar.close()
         self._run_eval(result)

@@ -358,7 +358,8 @@ std::tuple<Tensor, Tensor, Tensor> bwd_cuda(
   if (q.size(0) == 0) return {dq, dk, dv};
   hstu::HstuParams p = make_params(q, c, max_seqlen, target_group_size, window_size, alpha,
                                    inv_scale, causal);
-  Tensor dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+  // Head-major [H, T, D]: the kernel's dQ reductions then use compile-time row offsets.
+  Tensor dq_accum = at::zeros({q.size(1), q.size(0), q.size(2)}, q.options().dtype(at::kFloat));
   Tensor sem;
   if (deterministic) {
     const int64_t m_blocks = (int64_t(p.max_seqlen) + kMinBlockM - 1) / kMinBlockM;

@@ -3,9 +3,11 @@
 //   S = Q K^T, dP = dO V^T                       (recomputed, fp32)
 //   P = SiLU(alpha S) / scale, dS = dP * alpha SiLU'(alpha S) / scale   (masked)
 //   dV += P^T dO, dK += dS^T Q                   (P, dS staged in shared memory as Element)
-//   dQ += dS K                                   (fp32 atomics into dq_accum; in deterministic
-//                                                 mode the key blocks of one query block take
-//                                                 turns in key-block order via a semaphore)
+//   dQ += dS K                                   (fp32 reductions into the head-major dq_accum,
+//                                                 issued before the dK GEMM so they overlap it;
+//                                                 in deterministic mode the key blocks of one
+//                                                 query block take turns in key-block order via
+//                                                 a semaphore)
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -26,6 +28,17 @@ __device__ __forceinline__ void semaphore_wait(const int* sem, int value) {
   __threadfence();
 }
 
+// dq_accum += a pair of fp32 values at adjacent columns (8-byte aligned): one vector reduction
+// on SM90 (red.global.add.v2.f32), two scalar ones before.
+__device__ __forceinline__ void red_add_f32x2(float* ptr, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(ptr), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(ptr, a);
+  atomicAdd(ptr + 1, b);
+#endif
+}
+
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     hstu_bwd_kernel(const __grid_constant__ HstuParams p) {
@@ -33,6 +46,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   constexpr int kBlockM = Kt::kBlockM;
   constexpr int kBlockN = Kt::kBlockN;
   constexpr int kHeadDim = Kt::kHeadDim;
+  constexpr int kDQCols = Kt::kDQCols;
   constexpr int kQdOElems = int(size(typename Kt::SmemLayoutQdO{}));
   extern __shared__ __align__(1024) char smem_[];
 
@@ -72,7 +86,9 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   const Element* k_ptr = reinterpret_cast<const Element*>(p.k) + base;
   const Element* v_ptr = reinterpret_cast<const Element*>(p.v) + base;
   const Element* do_ptr = reinterpret_cast<const Element*>(p.dout) + base;
-  float* dqacc_ptr = p.dq_accum + base;
+  // dq_accum is head-major [H, T, D]: inside one head the row stride is the compile-time D, so
+  // every dQ reduction address is one base register plus an immediate offset.
+  float* dqacc_ptr = p.dq_accum + (int64_t(bidh) * p.total + seq_start) * kHeadDim;
   Element* dk_ptr = reinterpret_cast<Element*>(p.dk) + base;
   Element* dv_ptr = reinterpret_cast<Element*>(p.dv) + base;
   auto row_tile = [&](auto* ptr, int row0, auto rows) {
@@ -88,8 +104,9 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   Tensor sdOt = make_tensor(sdO.data(), typename Kt::SmemLayoutQdOt{});
   Tensor sdOtNoSwizzle = make_tensor(sdO.data().get(), typename Kt::SmemLayoutQdOtNoSwizzle{});
   Tensor sK = make_tensor(sdO.data() + Kt::kStages * kQdOElems, typename Kt::SmemLayoutKV{});
-  Tensor sKt = make_tensor(sK.data(), typename Kt::SmemLayoutKt{});
-  Tensor sKtNoSwizzle = make_tensor(sK.data().get(), typename Kt::SmemLayoutKtNoSwizzle{});
+  Tensor sKtC = make_tensor(sK.data(), typename Kt::SmemLayoutKtChunk{});
+  Tensor sKtCNoSwizzle =
+      make_tensor(sK.data().get(), typename Kt::SmemLayoutKtChunkNoSwizzle{});
   Tensor sV = make_tensor(sK.data() + size(sK), typename Kt::SmemLayoutKV{});
   Tensor sP = make_tensor(sV.data() + size(sV), typename Kt::SmemLayoutPdS{});
   Tensor sPt = make_tensor(sP.data(), typename Kt::SmemLayoutPdSt{});
@@ -108,14 +125,10 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV =
       gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  auto load_qdo = [&](int m, int stage) {
-    const int off = stage * kQdOElems;
-    Tensor dq = make_tensor(tQsQ.data() + off, tQsQ.layout());
-    Tensor ddo = make_tensor(tdOsdO.data() + off, tdOsdO.layout());
-    Tensor gq = gmem_thr_copy.partition_S(row_tile(q_ptr, m * kBlockM, Int<kBlockM>{}));
-    Tensor gdo = gmem_thr_copy.partition_S(row_tile(do_ptr, m * kBlockM, Int<kBlockM>{}));
-    copy_rows_zfill(gmem_tiled_copy, gq, dq, tQcQ, L - m * kBlockM);
-    copy_rows_zfill(gmem_tiled_copy, gdo, ddo, tQcQ, L - m * kBlockM);
+  auto load_rows = [&](const Element* ptr, auto const& dst_base, int m, int stage) {
+    Tensor dst = make_tensor(dst_base.data() + stage * kQdOElems, dst_base.layout());
+    Tensor src = gmem_thr_copy.partition_S(row_tile(ptr, m * kBlockM, Int<kBlockM>{}));
+    copy_rows_zfill(gmem_tiled_copy, src, dst, tQcQ, L - m * kBlockM);
   };
 
   // MMAs and their shared -> register copies.
@@ -136,7 +149,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   typename Kt::TiledMmadQ tiled_mma_dq;
   auto thr_mma_dq = tiled_mma_dq.get_thread_slice(tidx);
   Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);
-  Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKtNoSwizzle);
+  Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKtCNoSwizzle);
 
   auto copy_QdO = make_tiled_copy_A(typename Kt::SmemCopyAtom{}, tiled_mma_sdp);
   auto thr_copy_QdO = copy_QdO.get_thread_slice(tidx);
@@ -161,7 +174,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   Tensor tdQsdS = thr_copy_dS.partition_S(sdS);
   auto copy_Kt = make_tiled_copy_B(typename Kt::SmemCopyAtomT{}, tiled_mma_dq);
   auto thr_copy_Kt = copy_Kt.get_thread_slice(tidx);
-  Tensor tdQsKt = thr_copy_Kt.partition_S(sKt);
+  Tensor tdQsKt = thr_copy_Kt.partition_S(sKtC);
 
   auto copy_PdS = make_tiled_copy_C(typename Kt::SmemCopyAtomR2S{}, tiled_mma_sdp);
   auto thr_copy_PdS = copy_PdS.get_thread_slice(tidx);
@@ -170,7 +183,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
 
   Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor tdQcdQ =
-      thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+      thr_mma_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDQCols>>{}));
 
   Tensor acc_dk = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(tiled_mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -187,74 +200,131 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     copy_rows_zfill(gmem_tiled_copy, gk, tKsK, tKVcKV, L - n0);
     copy_rows_zfill(gmem_tiled_copy, gv, tVsV, tKVcKV, L - n0);
   }
-  if (m_block < m_hi) load_qdo(m_block, 0);
+  if (m_block < m_hi) {
+    load_rows(q_ptr, tQsQ, m_block, 0);
+    load_rows(do_ptr, tdOsdO, m_block, 0);
+  }
   cute::cp_async_fence();
   pass_through(0, min(m_block, num_m_blocks));
 
-  const float alpha = p.alpha;
+  // With h = alpha s / 2 and t = tanh(h) (sigmoid(alpha s) = (1 + t) / 2):
+  //   P  = SiLU(alpha s) / scale                      = h' (1 + t),            h' = h / scale
+  //   dS = dP alpha / scale * sig (1 + alpha s (1 - sig)) = dP * (1 + t) u c,  u = 1 + h (1 - t),
+  //                                                                           c = alpha / (2 scale)
   const float half_alpha = 0.5f * p.alpha;
   const float scale = p.inv_scale;
-  const float alpha_scale = p.alpha * p.inv_scale;
-  int stage = 0;
+  const float c_ds = 0.5f * p.alpha * p.inv_scale;
+  int stage = 0;  // the Q/dO buffer of the current query block
   while (m_block < m_hi) {
+    const int off = stage * kQdOElems;
     const int m0 = m_block * kBlockM;
     const int next = next_active(m_block);
-    const int off = stage * kQdOElems;
+    // Q/dO of this block have landed, and every warp is done with the previous block's sP/sdS
+    // and with the stage the prefetch below overwrites.
     cute::cp_async_wait<0>();
     __syncthreads();
     if (Kt::kDoubleBuffer && next < m_hi) {
-      load_qdo(next, stage ^ 1);
+      load_rows(q_ptr, tQsQ, next, stage ^ 1);
+      load_rows(do_ptr, tdOsdO, next, stage ^ 1);
       cute::cp_async_fence();
     }
 
+    // S = Q K^T -> P (stored) and the dS factor (kept in registers, masked entries zeroed).
     Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
-    clear(acc_dp);
     gemm_ss(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + off, tSsQ.layout()), tSsK,
             tiled_mma_sdp, copy_QdO, copy_KV, thr_copy_QdO, thr_copy_KV);
-    gemm_ss(acc_dp, tdPrdO, tdPrV, make_tensor(tdPsdO.data() + off, tdPsdO.layout()), tdPsV,
-            tiled_mma_sdp, copy_QdO, copy_KV, thr_copy_QdO, thr_copy_KV);
-    // sig = sigmoid(alpha s); P = alpha s sig / scale;
-    // dS = dP * alpha / scale * sig * (1 + alpha s (1 - sig)).
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_s); ++i) {
-      const float a = acc_s(i) * alpha;
-      const float sig = fmaf(0.5f, tanh_approx(acc_s(i) * half_alpha), 0.5f);
-      const float asig = a * sig;
-      acc_s(i) = asig * scale;
-      acc_dp(i) = acc_dp(i) * alpha_scale * (sig + asig - asig * sig);
+    // Masked elements: s = 0 gives P = 0, and their factor is zeroed, so dS = 0 too. The mask is
+    // first taken as bits so that only one fp32 fragment is live while the rules are evaluated.
+    const bool tile_full = mk.tile_full(m0, m0 + kBlockM, n0, n1);
+    constexpr int kMaskWords = (int(decltype(size(acc_s))::value) + 31) / 32;
+    uint32_t valid[kMaskWords];
+    if (!tile_full) {
+      mask_bits(mk, tScS, m0, n0, acc_s, valid);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        if (!((valid[i / 32] >> (i % 32)) & 1u)) acc_s(i) = 0.f;
+      }
     }
-    if (!mk.tile_full(m0, m0 + kBlockM, n0, n1)) apply_mask(mk, tScS, m0, n0, acc_s, acc_dp);
+    Tensor rP = make_tensor<Element>(acc_s.layout());
     {
-      Tensor rP = convert_fragment<Element>(acc_s);
+      cutlass::NumericArrayConverter<Element, float, 2> cvt2;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); i += 2) {
+        cutlass::Array<float, 2> pr;
+        CUTE_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          const float h = acc_s(i + e) * half_alpha;
+          const float t = tanh_approx(h);
+          const float hs = h * scale;
+          pr[e] = fmaf(hs, t, hs);
+          const float uc = fmaf(fmaf(-h, t, h), c_ds, c_ds);
+          acc_s(i + e) = fmaf(t, uc, uc);
+        }
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(&rP(i)) = cvt2(pr);
+      }
+    }
+    if (!tile_full) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        if (!((valid[i / 32] >> (i % 32)) & 1u)) acc_s(i) = 0.f;
+      }
+    }
+    copy(copy_PdS, thr_copy_PdS.retile_S(rP), tPsP);
+
+    // dP = dO V^T -> dS = dP * factor (stored).
+    Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_dp);
+    gemm_ss_lean(acc_dp, tdPrdO, tdPrV, make_tensor(tdPsdO.data() + off, tdPsdO.layout()),
+                 tdPsV, tiled_mma_sdp, copy_QdO, copy_KV, thr_copy_QdO, thr_copy_KV);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dp); ++i) acc_dp(i) *= acc_s(i);
+    {
       Tensor rdS = convert_fragment<Element>(acc_dp);
-      copy(copy_PdS, thr_copy_PdS.retile_S(rP), tPsP);
       copy(copy_PdS, thr_copy_PdS.retile_S(rdS), tdSsdS);
     }
     __syncthreads();
 
     gemm_ss(acc_dv, tdVrPt, tdVrdO, tdVsPt, make_tensor(tdVsdOt.data() + off, tdVsdOt.layout()),
             tiled_mma_dkv, copy_PdSt, copy_QdOt, thr_copy_PdSt, thr_copy_QdOt);
-    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, make_tensor(tdKsQt.data() + off, tdKsQt.layout()),
-            tiled_mma_dkv, copy_PdSt, copy_QdOt, thr_copy_PdSt, thr_copy_QdOt);
+    if (!Kt::kDoubleBuffer && next < m_hi) {
+      __syncthreads();  // dO is read by nobody else: its next block streams in during dQ, dK
+      load_rows(do_ptr, tdOsdO, next, 0);
+      cute::cp_async_fence();
+    }
 
-    Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    clear(acc_dq);
-    gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, tiled_mma_dq, copy_dS, copy_Kt, thr_copy_dS,
-            thr_copy_Kt);
-    Tensor gdQacc = make_tensor(make_gmem_ptr(dqacc_ptr + int64_t(m0) * p.row_stride),
-                                Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                                make_stride(p.row_stride, _1{}));
-    Tensor tdQgdQacc = thr_mma_dq.partition_C(gdQacc);
+    // dQ = dS K, one column chunk at a time, reduced into dq_accum (fire-and-forget atomics that
+    // overlap the dK GEMM below). Deterministic mode: wait for key block n_block - 1 first.
     if (sem_row != nullptr) {
       if (tidx == 0) semaphore_wait(sem_row + m_block, n_block);
       __syncthreads();
     }
     const int rows = L - m0;
     CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); ++i) {
-      if (get<0>(tdQcdQ(i)) < rows) atomicAdd(&tdQgdQacc(i), acc_dq(i));
+    for (int chunk = 0; chunk < Kt::kDQChunks; ++chunk) {
+      Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kDQCols>>{});
+      clear(acc_dq);
+      gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS,
+              make_tensor(tdQsKt.data() + chunk * kBlockN * kDQCols, tdQsKt.layout()),
+              tiled_mma_dq, copy_dS, copy_Kt, thr_copy_dS, thr_copy_Kt);
+      Tensor gdQacc = make_tensor(
+          make_gmem_ptr(dqacc_ptr + int64_t(m0) * kHeadDim + chunk * kDQCols),
+          Shape<Int<kBlockM>, Int<kDQCols>>{}, Stride<Int<kHeadDim>, _1>{});
+      Tensor tdQgdQacc = thr_mma_dq.partition_C(gdQacc);
+      static_assert(decltype(size<0>(acc_dq))::value == 4);
+      CUTE_UNROLL
+      for (int mi = 0; mi < size<1>(acc_dq); ++mi) {
+        CUTE_UNROLL
+        for (int r = 0; r < 2; ++r) {
+          if (get<0>(tdQcdQ(make_coord(0, r), mi, 0)) < rows) {
+            CUTE_UNROLL
+            for (int ni = 0; ni < size<2>(acc_dq); ++ni) {
+              red_add_f32x2(&tdQgdQacc(make_coord(0, r), mi, ni),
+                            acc_dq(make_coord(0, r), mi, ni), acc_dq(make_coord(1, r), mi, ni));
+            }
+          }
+        }
+      }
     }
     if (sem_row != nullptr) {
       __threadfence();
@@ -262,9 +332,12 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       if (tidx == 0) atomicExch(sem_row + m_block, n_block + 1);
     }
     pass_through(m_block + 1, min(next, num_m_blocks));
-    __syncthreads();
+
+    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, make_tensor(tdKsQt.data() + off, tdKsQt.layout()),
+            tiled_mma_dkv, copy_PdSt, copy_QdOt, thr_copy_PdSt, thr_copy_QdOt);
     if (!Kt::kDoubleBuffer && next < m_hi) {
-      load_qdo(next, 0);
+      __syncthreads();
+      load_rows(q_ptr, tQsQ, next, 0);
       cute::cp_async_fence();
     }
     if (Kt::kDoubleBuffer) stage ^= 1;
@@ -294,20 +367,23 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   copy_rows_store(gmem_tiled_copy_st, tdVsV, tdVgdV, tKVcKV, L - n0);
 }
 
-// dq_accum (fp32) -> dq (Element), vectorised by 4.
-template <typename Element>
+// dq_accum [H, T, D] fp32 (head-major) -> dq [T, H, D] Element; grid (chunks of T * D / 4, H).
+template <typename Element, int kHeadDim>
 __global__ void hstu_convert_dq_kernel(const float* __restrict__ acc, Element* __restrict__ out,
-                                       int64_t n) {
-  const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
-  if (i + 3 < n) {
-    const float4 a = *reinterpret_cast<const float4*>(acc + i);
-    out[i] = Element(a.x);
-    out[i + 1] = Element(a.y);
-    out[i + 2] = Element(a.z);
-    out[i + 3] = Element(a.w);
-  } else {
-    for (int64_t j = i; j < n; ++j) out[j] = Element(acc[j]);
-  }
+                                       int total, int64_t row_stride, int64_t head_stride) {
+  static_assert(kHeadDim % 4 == 0);
+  const int64_t per_head = int64_t(total) * kHeadDim;
+  const int64_t j = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (j >= per_head) return;
+  const int h = blockIdx.y;
+  const int64_t t = j / kHeadDim;
+  const int d = int(j % kHeadDim);
+  const float4 a = *reinterpret_cast<const float4*>(acc + int64_t(h) * per_head + j);
+  Element* o = out + t * row_stride + int64_t(h) * head_stride + d;
+  o[0] = Element(a.x);
+  o[1] = Element(a.y);
+  o[2] = Element(a.z);
+  o[3] = Element(a.w);
 }
 
 }  // namespace hstu

@@ -90,8 +90,11 @@ struct FwdTraits : BaseTraits<Element_, kHeadDim_, kNWarps_ * 32> {
 // Backward: one CTA per key block (kBlockN keys), looping over query blocks of kBlockM rows.
 // Three tiled MMAs: S/dP = [M x N], dK/dV = [N x D], dQ = [M x D]; the Atom* parameters say how
 // many warps stack along the first mode of each.
+// dQ = dS K is computed kDQChunks column chunks of the head dim at a time (each chunk's fp32
+// accumulator is flushed with atomics before the next), which caps its registers at d256.
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_,
-          int AtomLayoutMSdP_, int AtomLayoutNdKV_, int AtomLayoutMdQ_, bool kDoubleBuffer_>
+          int AtomLayoutMSdP_, int AtomLayoutNdKV_, int AtomLayoutMdQ_, bool kDoubleBuffer_,
+          int kDQChunks_ = 1>
 struct BwdTraits : BaseTraits<Element_, kHeadDim_, kNWarps_ * 32> {
   using Base = BaseTraits<Element_, kHeadDim_, kNWarps_ * 32>;
   using Element = typename Base::Element;
@@ -104,6 +107,10 @@ struct BwdTraits : BaseTraits<Element_, kHeadDim_, kNWarps_ * 32> {
   static constexpr int AtomLayoutMSdP = AtomLayoutMSdP_;
   static constexpr int AtomLayoutNdKV = AtomLayoutNdKV_;
   static constexpr int AtomLayoutMdQ = AtomLayoutMdQ_;
+  static constexpr int kDQChunks = kDQChunks_;
+  static constexpr int kDQCols = kHeadDim / kDQChunks;
+  // A chunk must start on a swizzle-atom column boundary so that it is itself a swizzled K tile.
+  static_assert(kDQCols % Base::kBlockKSmem == 0);
 
   using TiledMmaSdP = TiledMMA<
       typename Base::MmaAtom, Layout<Shape<Int<AtomLayoutMSdP>, Int<kNWarps / AtomLayoutMSdP>, _1>>,
@@ -126,6 +133,12 @@ struct BwdTraits : BaseTraits<Element_, kHeadDim_, kNWarps_ * 32> {
   using SmemLayoutKt = decltype(composition(
       SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
   using SmemLayoutKtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutKt{}));
+  // One dQ column chunk of K^T: [kDQCols, kBlockN], at element offset chunk * kBlockN * kDQCols.
+  using SmemLayoutKChunk = decltype(tile_to_shape(typename Base::SmemLayoutAtomQKV{},
+                                                  Shape<Int<kBlockN>, Int<kDQCols>>{}));
+  using SmemLayoutKtChunk = decltype(composition(
+      SmemLayoutKChunk{}, make_layout(Shape<Int<kDQCols>, Int<kBlockN>>{}, GenRowMajor{})));
+  using SmemLayoutKtChunkNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutKtChunk{}));
 
   static constexpr int kPBlockN = kBlockN >= 64 ? 64 : 32;
   using SmemLayoutPdS = decltype(tile_to_shape(typename SmemAtom<kPBlockN>::type{},

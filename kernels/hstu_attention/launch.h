@@ -4,6 +4,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <type_traits>
+
 #include "bwd_kernel.h"
 #include "fwd_kernel.h"
 #include "kernel_traits.h"
@@ -33,24 +36,29 @@ struct FwdConfig<T, 256> {
 };
 
 // Backward tiles (kBlockM, kBlockN, warps, warp layouts of S/dP, dK/dV, dQ, double-buffered
-// Q/dO); every configuration fits the A100's 163 KB of shared memory per block.
+// Q/dO, dQ column chunks); `type` fits the A100's 163 KB of shared memory per block. `big_smem`,
+// where present, is used instead when the device allows a block more shared memory (H100: 227 KB).
 template <typename T, int D>
 struct BwdConfig;
 template <typename T>
 struct BwdConfig<T, 32> {
   using type = BwdTraits<T, 32, 128, 128, 8, 2, 4, 4, true>;
+  using big_smem = type;
 };
 template <typename T>
 struct BwdConfig<T, 64> {
   using type = BwdTraits<T, 64, 128, 128, 8, 2, 4, 4, true>;
+  using big_smem = type;
 };
 template <typename T>
 struct BwdConfig<T, 128> {
   using type = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, true>;
+  using big_smem = type;
 };
 template <typename T>
 struct BwdConfig<T, 256> {
   using type = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, false>;
+  using big_smem = type;
 };
 
 // Checks that the extension has code for the current GPU (else cudaErrorNoKernelImageForDevice /
@@ -89,9 +97,35 @@ cudaError_t run_hstu_fwd(HstuParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename T, int D>
-cudaError_t run_hstu_bwd(HstuParams& p, cudaStream_t stream) {
-  using Kt = typename BwdConfig<T, D>::type;
+// Largest dynamic shared memory a block may opt into on the current device (cached per device).
+inline int max_smem_optin() {
+  static int cached[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
+  if (cached[dev] == 0) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    cached[dev] = v;
+  }
+  return cached[dev];
+}
+
+// Shared memory the backward may plan with: the device's opt-in limit, capped by the environment
+// variable HSTU_ATTN_MAX_SMEM (bytes) when set, e.g. 166912 to run the A100 tiles on an H100.
+inline int bwd_smem_budget() {
+  int v = max_smem_optin();
+  if (const char* e = std::getenv("HSTU_ATTN_MAX_SMEM")) {
+    const long cap = std::strtol(e, nullptr, 10);
+    if (cap > 0 && cap < v) v = int(cap);
+  }
+  return v;
+}
+
+template <typename Kt>
+cudaError_t launch_hstu_bwd_kernel(HstuParams& p, cudaStream_t stream) {
   auto kernel = &hstu_bwd_kernel<Kt>;
   constexpr int smem = Kt::kSmemSize;
   static bool ready[kMaxDevices] = {};
@@ -101,14 +135,28 @@ cudaError_t run_hstu_bwd(HstuParams& p, cudaStream_t stream) {
   if (grid.x > 0 && p.batch > 0 && p.heads > 0) {
     kernel<<<grid, Kt::kNThreads, smem, stream>>>(p);
     err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
   }
-  const int64_t n = int64_t(p.total) * p.heads * p.head_dim;
-  if (n > 0) {
+  return err;
+}
+
+template <typename T, int D>
+cudaError_t run_hstu_bwd(HstuParams& p, cudaStream_t stream) {
+  using Small = typename BwdConfig<T, D>::type;
+  using Big = typename BwdConfig<T, D>::big_smem;
+  cudaError_t err;
+  if constexpr (!std::is_same_v<Small, Big>) {
+    err = bwd_smem_budget() >= Big::kSmemSize ? launch_hstu_bwd_kernel<Big>(p, stream)
+                                              : launch_hstu_bwd_kernel<Small>(p, stream);
+  } else {
+    err = launch_hstu_bwd_kernel<Small>(p, stream);
+  }
+  if (err != cudaSuccess) return err;
+  const int64_t per_head = int64_t(p.total) * D;
+  if (per_head > 0 && p.heads > 0) {
     const int threads = 256;
-    const int64_t blocks = (n / 4 + threads) / threads;
-    hstu_convert_dq_kernel<T><<<dim3(unsigned(blocks)), threads, 0, stream>>>(
-        p.dq_accum, reinterpret_cast<T*>(p.dq), n);
+    const int64_t blocks = (per_head / 4 + threads - 1) / threads;
+    hstu_convert_dq_kernel<T, D><<<dim3(unsigned(blocks), unsigned(p.heads)), threads, 0, stream>>>(
+        p.dq_accum, reinterpret_cast<T*>(p.dq), p.total, p.row_stride, p.head_stride);
     err = cudaGetLastError();
   }
   return err;

@@ -41,6 +41,25 @@ __device__ __forceinline__ void gemm_ss(Acc& acc, FragA& tCrA, FragB& tCrB, Smem
   }
 }
 
+// acc += A @ B^T like gemm_ss, but each k-slice is loaded right before its MMAs: half the
+// operand registers, for the phases where the accumulators leave no room for a second slice.
+template <class Acc, class FragA, class FragB, class SmemA, class SmemB, class TiledMma,
+          class CopyA, class CopyB, class ThrCopyA, class ThrCopyB>
+__device__ __forceinline__ void gemm_ss_lean(Acc& acc, FragA& tCrA, FragB& tCrB,
+                                             SmemA const& tCsA, SmemB const& tCsB,
+                                             TiledMma const& mma, CopyA const& copy_a,
+                                             CopyB const& copy_b, ThrCopyA const& thr_a,
+                                             ThrCopyB const& thr_b) {
+  auto tCrA_v = thr_a.retile_D(tCrA);
+  auto tCrB_v = thr_b.retile_D(tCrB);
+  CUTE_UNROLL
+  for (int i = 0; i < size<2>(tCrA); ++i) {
+    copy(copy_a, tCsA(_, _, i), tCrA_v(_, _, i));
+    copy(copy_b, tCsB(_, _, i), tCrB_v(_, _, i));
+    cute::gemm(mma, tCrA(_, _, i), tCrB(_, _, i), acc);
+  }
+}
+
 // acc += A @ B^T with A already in registers (P of the forward).
 template <class Acc, class FragA, class FragB, class SmemB, class TiledMma, class CopyB,
           class ThrCopyB>
@@ -122,6 +141,34 @@ __device__ __forceinline__ void apply_mask(Mask const& mk, CoordT const& tScS, i
           if (!((j >= lo1 && j < hi1) || (j >= lo2 && j < hi2))) {
             ((accs(make_coord(cc, r), mi, ni) = 0.f), ...);
           }
+        }
+      }
+    }
+  }
+}
+
+// Validity bits of the m16n8k16 accumulator elements (bit i of word i / 32 = element i of the
+// fragment's flat index), computed the same way as apply_mask. Keeping the mask as bits lets the
+// backward fold it into its elementwise pass without holding a second fp32 fragment.
+template <class Mask, class CoordT, class Acc, int W>
+__device__ __forceinline__ void mask_bits(Mask const& mk, CoordT const& tScS, int m0, int n0,
+                                          Acc const& acc, uint32_t (&bits)[W]) {
+  static_assert(W * 32 >= decltype(size(acc))::value);
+  CUTE_UNROLL
+  for (int w = 0; w < W; ++w) bits[w] = 0u;
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<1>(acc); ++mi) {
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      int lo1, hi1, lo2, hi2;
+      mk.row_keys(m0 + get<0>(tScS(make_coord(0, r), mi, 0)), lo1, hi1, lo2, hi2);
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<2>(acc); ++ni) {
+        CUTE_UNROLL
+        for (int cc = 0; cc < 2; ++cc) {
+          const int j = n0 + get<1>(tScS(make_coord(cc, r), mi, ni));
+          const int idx = acc.layout()(make_coord(cc, r), mi, ni);
+          if ((j >= lo1 && j < hi1) || (j >= lo2 && j < hi2)) bits[idx / 32] |= 1u << (idx % 32);
         }
       }
     }

@@ -149,7 +149,20 @@ def test_all_sequences_empty_or_no_tokens() -> None:
     assert out.shape == (0, 2, 64)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("smem", ["device", "166912"], ids=["device_smem", "a100_smem"])
+def test_d256_backward_both_tile_configs(smem: str, dtype: torch.dtype, monkeypatch) -> None:
+    """d256 picks double-buffered Q/dO tiles when the device allows 208 KB of shared memory per
+    block (H100) and single-buffered ones otherwise (A100: 163 KB); HSTU_ATTN_MAX_SMEM caps the
+    budget, so both run here."""
+    if smem == "device":
+        monkeypatch.delenv("HSTU_ATTN_MAX_SMEM", raising=False)
+    else:
+        monkeypatch.setenv("HSTU_ATTN_MAX_SMEM", smem)
+    _check(LENGTHS, 256, dtype, **_mask_kwargs(MASKS["all"], LENGTHS))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_deterministic_backward_is_bitwise_reproducible(d: int) -> None:
     lengths = [700, 0, 1, 513, 129]
     kw = _mask_kwargs(dict(ctx=[3, 0, 0, 6, 1], tgt=[50, 0, 1, 40, 10]), lengths)

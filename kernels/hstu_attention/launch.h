@@ -57,8 +57,9 @@ struct BwdConfig<T, 128> {
 };
 template <typename T>
 struct BwdConfig<T, 256> {
-  using type = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, false>;
-  using big_smem = type;
+  // 144 KB single-buffered; 208 KB with Q/dO double-buffered. dQ in two 128-column chunks.
+  using type = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, false, 2>;
+  using big_smem = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, true, 2>;
 };
 
 // Checks that the extension has code for the current GPU (else cudaErrorNoKernelImageForDevice /

@@ -250,6 +250,14 @@ def test_error_offsets() -> None:
         _call(q, k, v, big, max_seqlen=2**31 - 1)
 
 
+def test_error_sequence_longer_than_grid() -> None:
+    n = 65535 * 64 + 1
+    q = torch.zeros(n, 1, 32, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="at most 4194240 tokens"):
+        _call(q, q, q, offs, max_seqlen=n)
+
+
 def test_error_counts() -> None:
     q, k, v, offs = _good()
     with pytest.raises(ValueError, match=r"num_targets must have shape \[B\]"):

@@ -27,6 +27,7 @@ namespace {
 
 using at::Tensor;
 constexpr int kMinBlockM = 64;  // smallest backward query tile (dQ semaphore rows)
+constexpr int64_t kMaxSeqLen = int64_t(65535) * 64;  // grid z: blocks of >= 64 tokens
 
 // Error messages are assembled here with std::to_string (no iostreams): on the lent GPU machine
 // TORCH_CHECK messages that stream an integer crashed the process instead of raising.
@@ -290,7 +291,11 @@ hstu::HstuParams make_params(const Tensor& q, const Checked& c, int64_t max_seql
   p.batch = c.batch;
   p.heads = int(q.size(1));
   p.head_dim = int(q.size(2));
-  // Grid size: only as many query/key blocks as the longest sequence needs.
+  // Grid size: only as many query/key blocks as the longest sequence needs. The block index is
+  // the grid's z dimension (at most 65535 blocks of >= 64 tokens).
+  HSTU_CHECK_VALUE(c.max_len <= kMaxSeqLen, "hstu_attention: the CUDA kernel supports sequences of "
+              "at most ", kMaxSeqLen, " tokens; the longest here has ", c.max_len,
+              " (split it, or use hstu.ops.reference)");
   p.max_seqlen = int(std::min<int64_t>(max_seqlen, c.max_len));
   p.total = int(q.size(0));
   p.target_group_size = int(std::min<int64_t>(target_group_size, std::numeric_limits<int>::max()));

@@ -50,9 +50,12 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   constexpr int kQdOElems = int(size(typename Kt::SmemLayoutQdO{}));
   extern __shared__ __align__(1024) char smem_[];
 
-  const int n_block = blockIdx.x;
-  const int bidb = blockIdx.y;
-  const int bidh = blockIdx.z;
+  // Grid (B, H, key blocks): key block 0 (the most query blocks under a causal mask) of every
+  // sequence and head is dispatched first, the lightest blocks last, which keeps the tail short.
+  // Deterministic mode relies on key block n - 1 being dispatched before key block n.
+  const int n_block = blockIdx.z;
+  const int bidb = blockIdx.x;
+  const int bidh = blockIdx.y;
   const int tidx = threadIdx.x;
   const int seq_start = p.cu_seqlens[bidb];
   const int L = p.cu_seqlens[bidb + 1] - seq_start;

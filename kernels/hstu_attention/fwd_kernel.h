@@ -36,11 +36,13 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   constexpr int kHeadDim = Kt::kHeadDim;
   extern __shared__ __align__(1024) char smem_[];
 
-  // Heaviest query blocks first for a short tail: block 0 (it holds the contextual rows, which
-  // see the whole history), then the last block down to block 1 (causal work shrinks with m).
-  const int m_block = blockIdx.x == 0 ? 0 : int(gridDim.x) - int(blockIdx.x);
-  const int bidb = blockIdx.y;
-  const int bidh = blockIdx.z;
+  // Grid (B, H, query blocks): the query block is the slowest-varying index, so CTAs are
+  // dispatched heaviest first across the whole batch (a short tail): block 0 (it holds the
+  // contextual rows, which see the whole history), then the last block down to block 1 (causal
+  // work shrinks with m).
+  const int m_block = blockIdx.z == 0 ? 0 : int(gridDim.z) - int(blockIdx.z);
+  const int bidb = blockIdx.x;
+  const int bidh = blockIdx.y;
   const int tidx = threadIdx.x;
   const int seq_start = p.cu_seqlens[bidb];
   const int L = p.cu_seqlens[bidb + 1] - seq_start;

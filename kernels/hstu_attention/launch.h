@@ -92,8 +92,8 @@ cudaError_t run_hstu_fwd(HstuParams& p, cudaStream_t stream) {
   static bool ready[kMaxDevices] = {};
   cudaError_t err = prepare_kernel(kernel, smem, ready);
   if (err != cudaSuccess) return err;
-  dim3 grid((p.max_seqlen + Kt::kBlockM - 1) / Kt::kBlockM, p.batch, p.heads);
-  if (grid.x == 0 || p.batch == 0 || p.heads == 0) return cudaSuccess;
+  dim3 grid(p.batch, p.heads, (p.max_seqlen + Kt::kBlockM - 1) / Kt::kBlockM);
+  if (grid.z == 0 || p.batch == 0 || p.heads == 0) return cudaSuccess;
   kernel<<<grid, Kt::kNThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
@@ -132,8 +132,8 @@ cudaError_t launch_hstu_bwd_kernel(HstuParams& p, cudaStream_t stream) {
   static bool ready[kMaxDevices] = {};
   cudaError_t err = prepare_kernel(kernel, smem, ready);
   if (err != cudaSuccess) return err;
-  dim3 grid((p.max_seqlen + Kt::kBlockN - 1) / Kt::kBlockN, p.batch, p.heads);
-  if (grid.x > 0 && p.batch > 0 && p.heads > 0) {
+  dim3 grid(p.batch, p.heads, (p.max_seqlen + Kt::kBlockN - 1) / Kt::kBlockN);
+  if (grid.z > 0 && p.batch > 0 && p.heads > 0) {
     kernel<<<grid, Kt::kNThreads, smem, stream>>>(p);
     err = cudaGetLastError();
   }

@@ -9,8 +9,9 @@ Prints one JSON object per line:
         [--extra] [--out f.jsonl]
 
 "cutlass" rows time eager calls (Python, autograd and launch overhead included, as an eager
-training step sees them); with --graph, "cutlass_cudagraph" rows time the same calls replayed
-from a CUDA graph (GPU time alone).
+training step sees them); "cutlass_op" "bwd" rows time the backward op alone (2.5x forward
+FLOPs); with --graph, "cutlass_cudagraph" rows time the same calls replayed from a CUDA graph
+(GPU time alone).
 
 The reference pads every sequence and materialises fp32 [B, H, N, N] scores: it is measured with
 fewer iterations (--ref-iters) and, when the full batch does not fit or --ref-max-elems is
@@ -194,8 +195,51 @@ def main() -> None:
                 "peak_mem_bytes_per_token": mem * 2**20 / max(int(lengths.sum()), 1),
             }
         )
+        # The backward alone: the raw op (no autograd), same arguments as the autograd wrapper.
+        bwd_args = (
+            do,
+            q,
+            k,
+            v,
+            offsets,
+            n,
+            kw.get("num_contexts"),
+            kw.get("num_targets"),
+            1,
+            0,
+            1.0 / math.sqrt(d),
+            1.0 / n,
+            True,
+            bool(extra.get("deterministic", False)),
+        )
+
+        def bwd_op(_a=bwd_args):
+            torch.ops.hstu_attention.bwd(*_a)
+
+        b_ms = time_ms(bwd_op, args.iters)
+        emit(
+            {
+                **shape,
+                "impl": "cutlass_op",
+                "pass": "bwd",
+                "ms": b_ms,
+                "tflops": 2.5 * flops / b_ms / 1e9,
+                "iters": args.iters,
+            }
+        )
         if args.graph:
             try:
+                g_b = time_graph_ms(bwd_op, args.iters)
+                emit(
+                    {
+                        **shape,
+                        "impl": "cutlass_cudagraph",
+                        "pass": "bwd",
+                        "ms": g_b,
+                        "tflops": 2.5 * flops / g_b / 1e9,
+                        "iters": args.iters,
+                    }
+                )
                 g_f, g_fb = time_graph_ms(fns[0], args.iters), time_graph_ms(fns[1], args.iters)
                 emit(
                     {

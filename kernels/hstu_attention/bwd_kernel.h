@@ -235,8 +235,8 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     // S = Q K^T -> P (stored) and the dS factor (kept in registers, masked entries zeroed).
     Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
-    gemm_ss(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + off, tSsQ.layout()), tSsK,
-            tiled_mma_sdp, copy_QdO, copy_KV, thr_copy_QdO, thr_copy_KV);
+    gemm_smem<Kt::kLeanGemms>(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + off, tSsQ.layout()),
+                              tSsK, tiled_mma_sdp, copy_QdO, copy_KV, thr_copy_QdO, thr_copy_KV);
     // Masked elements: s = 0 gives P = 0, and their factor is zeroed, so dS = 0 too. The mask is
     // first taken as bits so that only one fp32 fragment is live while the rules are evaluated.
     const bool tile_full = mk.tile_full(m0, m0 + kBlockM, n0, n1);
@@ -288,8 +288,9 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     }
     __syncthreads();
 
-    gemm_ss(acc_dv, tdVrPt, tdVrdO, tdVsPt, make_tensor(tdVsdOt.data() + off, tdVsdOt.layout()),
-            tiled_mma_dkv, copy_PdSt, copy_QdOt, thr_copy_PdSt, thr_copy_QdOt);
+    gemm_smem<Kt::kLeanGemms>(acc_dv, tdVrPt, tdVrdO, tdVsPt,
+                              make_tensor(tdVsdOt.data() + off, tdVsdOt.layout()), tiled_mma_dkv,
+                              copy_PdSt, copy_QdOt, thr_copy_PdSt, thr_copy_QdOt);
     if (!Kt::kDoubleBuffer && next < m_hi) {
       __syncthreads();  // dO is read by nobody else: its next block streams in during dQ, dK
       load_rows(do_ptr, tdOsdO, next, 0);
@@ -307,9 +308,10 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     for (int chunk = 0; chunk < Kt::kDQChunks; ++chunk) {
       Tensor acc_dq = partition_fragment_C(tiled_mma_dq, Shape<Int<kBlockM>, Int<kDQCols>>{});
       clear(acc_dq);
-      gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS,
-              make_tensor(tdQsKt.data() + chunk * kBlockN * kDQCols, tdQsKt.layout()),
-              tiled_mma_dq, copy_dS, copy_Kt, thr_copy_dS, thr_copy_Kt);
+      gemm_smem<Kt::kLeanGemms>(
+          acc_dq, tdQrdS, tdQrKt, tdQsdS,
+          make_tensor(tdQsKt.data() + chunk * kBlockN * kDQCols, tdQsKt.layout()), tiled_mma_dq,
+          copy_dS, copy_Kt, thr_copy_dS, thr_copy_Kt);
       Tensor gdQacc = make_tensor(
           make_gmem_ptr(dqacc_ptr + int64_t(m0) * kHeadDim + chunk * kDQCols),
           Shape<Int<kBlockM>, Int<kDQCols>>{}, Stride<Int<kHeadDim>, _1>{});
@@ -336,8 +338,9 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     }
     pass_through(m_block + 1, min(next, num_m_blocks));
 
-    gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, make_tensor(tdKsQt.data() + off, tdKsQt.layout()),
-            tiled_mma_dkv, copy_PdSt, copy_QdOt, thr_copy_PdSt, thr_copy_QdOt);
+    gemm_smem<Kt::kLeanGemms>(acc_dk, tdKrdSt, tdKrQt, tdKsdSt,
+                              make_tensor(tdKsQt.data() + off, tdKsQt.layout()), tiled_mma_dkv,
+                              copy_PdSt, copy_QdOt, thr_copy_PdSt, thr_copy_QdOt);
     if (!Kt::kDoubleBuffer && next < m_hi) {
       __syncthreads();
       load_rows(q_ptr, tQsQ, next, 0);
@@ -381,12 +384,16 @@ __global__ void hstu_convert_dq_kernel(const float* __restrict__ acc, Element* _
   const int h = blockIdx.y;
   const int64_t t = j / kHeadDim;
   const int d = int(j % kHeadDim);
+  // One 16-byte load, one 8-byte store (row and head strides are multiples of 4 elements).
   const float4 a = *reinterpret_cast<const float4*>(acc + int64_t(h) * per_head + j);
-  Element* o = out + t * row_stride + int64_t(h) * head_stride + d;
-  o[0] = Element(a.x);
-  o[1] = Element(a.y);
-  o[2] = Element(a.z);
-  o[3] = Element(a.w);
+  cutlass::Array<float, 4> in;
+  in[0] = a.x;
+  in[1] = a.y;
+  in[2] = a.z;
+  in[3] = a.w;
+  const cutlass::Array<Element, 4> o = cutlass::NumericArrayConverter<Element, float, 4>{}(in);
+  *reinterpret_cast<uint2*>(out + t * row_stride + int64_t(h) * head_stride + d) =
+      *reinterpret_cast<const uint2*>(&o);
 }
 
 }  // namespace hstu

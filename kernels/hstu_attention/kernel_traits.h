@@ -92,9 +92,11 @@ struct FwdTraits : BaseTraits<Element_, kHeadDim_, kNWarps_ * 32> {
 // many warps stack along the first mode of each.
 // dQ = dS K is computed kDQChunks column chunks of the head dim at a time (each chunk's fp32
 // accumulator is flushed with atomics before the next), which caps its registers at d256.
+// kLeanGemms: every GEMM loads each k-slice right before its MMAs (fewer operand registers)
+// instead of prefetching the next slice; chosen per configuration by ptxas spills.
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_,
           int AtomLayoutMSdP_, int AtomLayoutNdKV_, int AtomLayoutMdQ_, bool kDoubleBuffer_,
-          int kDQChunks_ = 1>
+          int kDQChunks_ = 1, bool kLeanGemms_ = false>
 struct BwdTraits : BaseTraits<Element_, kHeadDim_, kNWarps_ * 32> {
   using Base = BaseTraits<Element_, kHeadDim_, kNWarps_ * 32>;
   using Element = typename Base::Element;
@@ -108,6 +110,7 @@ struct BwdTraits : BaseTraits<Element_, kHeadDim_, kNWarps_ * 32> {
   static constexpr int AtomLayoutNdKV = AtomLayoutNdKV_;
   static constexpr int AtomLayoutMdQ = AtomLayoutMdQ_;
   static constexpr int kDQChunks = kDQChunks_;
+  static constexpr bool kLeanGemms = kLeanGemms_;
   static constexpr int kDQCols = kHeadDim / kDQChunks;
   // A chunk must start on a swizzle-atom column boundary so that it is itself a swizzled K tile.
   static_assert(kDQCols % Base::kBlockKSmem == 0);

@@ -36,8 +36,8 @@ struct FwdConfig<T, 256> {
 };
 
 // Backward tiles (kBlockM, kBlockN, warps, warp layouts of S/dP, dK/dV, dQ, double-buffered
-// Q/dO, dQ column chunks); `type` fits the A100's 163 KB of shared memory per block. `big_smem`,
-// where present, is used instead when the device allows a block more shared memory (H100: 227 KB).
+// Q/dO, dQ column chunks, lean GEMMs); `type` fits the A100's 163 KB of shared memory per block.
+// `big_smem` is used instead when the device allows a block more shared memory (H100: 227 KB).
 template <typename T, int D>
 struct BwdConfig;
 template <typename T>
@@ -47,12 +47,12 @@ struct BwdConfig<T, 32> {
 };
 template <typename T>
 struct BwdConfig<T, 64> {
-  using type = BwdTraits<T, 64, 128, 128, 8, 2, 4, 4, true>;
+  using type = BwdTraits<T, 64, 128, 128, 8, 2, 4, 4, true, 1, true>;
   using big_smem = type;
 };
 template <typename T>
 struct BwdConfig<T, 128> {
-  using type = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, true>;
+  using type = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, true, 1, true>;
   using big_smem = type;
 };
 template <typename T>

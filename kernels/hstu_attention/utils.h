@@ -60,6 +60,16 @@ __device__ __forceinline__ void gemm_ss_lean(Acc& acc, FragA& tCrA, FragB& tCrB,
   }
 }
 
+// gemm_ss_lean when kLean, else gemm_ss (a per-configuration choice: whichever spills less).
+template <bool kLean, class... Args>
+__device__ __forceinline__ void gemm_smem(Args&&... args) {
+  if constexpr (kLean) {
+    gemm_ss_lean(static_cast<Args&&>(args)...);
+  } else {
+    gemm_ss(static_cast<Args&&>(args)...);
+  }
+}
+
 // acc += A @ B^T with A already in registers (P of the forward).
 template <class Acc, class FragA, class FragB, class SmemB, class TiledMma, class CopyB,
           class ThrCopyB>

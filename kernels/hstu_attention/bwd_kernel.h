@@ -210,12 +210,13 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   cute::cp_async_fence();
   pass_through(0, min(m_block, num_m_blocks));
 
-  // With h = alpha s / 2 and t = tanh(h) (sigmoid(alpha s) = (1 + t) / 2):
-  //   P  = SiLU(alpha s) / scale                      = h' (1 + t),            h' = h / scale
-  //   dS = dP alpha / scale * sig (1 + alpha s (1 - sig)) = dP * (1 + t) u c,  u = 1 + h (1 - t),
-  //                                                                           c = alpha / (2 scale)
+  // With h = alpha s / 2, t = tanh(h) (so sig = sigmoid(alpha s) = (1 + t) / 2) and
+  // S_len = scaling_seqlen:
+  //   P  = SiLU(alpha s) / S_len                          = h' (1 + t),  h' = h / S_len
+  //   dS = dP alpha / S_len sig (1 + alpha s (1 - sig))   = dP (1 + t) u c,
+  //        u = 1 + h (1 - t),  c = alpha / (2 S_len)
   const float half_alpha = 0.5f * p.alpha;
-  const float scale = p.inv_scale;
+  const float inv_scale = p.inv_scale;
   const float c_ds = 0.5f * p.alpha * p.inv_scale;
   int stage = 0;  // the Q/dO buffer of the current query block
   while (m_block < m_hi) {
@@ -259,7 +260,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
         for (int e = 0; e < 2; ++e) {
           const float h = acc_s(i + e) * half_alpha;
           const float t = tanh_approx(h);
-          const float hs = h * scale;
+          const float hs = h * inv_scale;
           pr[e] = fmaf(hs, t, hs);
           const float uc = fmaf(fmaf(-h, t, h), c_ds, c_ds);
           acc_s(i + e) = fmaf(t, uc, uc);
@@ -292,7 +293,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
                               make_tensor(tdVsdOt.data() + off, tdVsdOt.layout()), tiled_mma_dkv,
                               copy_PdSt, copy_QdOt, thr_copy_PdSt, thr_copy_QdOt);
     if (!Kt::kDoubleBuffer && next < m_hi) {
-      __syncthreads();  // dO is read by nobody else: its next block streams in during dQ, dK
+      __syncthreads();  // the rest of this block does not read dO: the next one streams in now
       load_rows(do_ptr, tdOsdO, next, 0);
       cute::cp_async_fence();
     }

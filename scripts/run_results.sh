@@ -34,12 +34,9 @@ BEAUTY_BINDINGS=(
   --gin-bindings "TrainerArgs.log_interval=250"
   --gin-bindings "TrainerArgs.ckpt_save_interval=-1"
 )
-# ML-1M: the paper's setup (configs/ml_1m_retrieval.gin) with fewer steps and the CPU sparse
-# optimizer (fbgemm has no CPU Adam) at the sparse learning rate chosen on Beauty's validation
-# split (not tuned on ML-1M).
+# ML-1M: the paper's setup (configs/ml_1m_retrieval.gin: dense Adam item table, which runs on
+# CPU too) with fewer steps: 800 steps = 12 epochs, inside 15 minutes on a 2-core box.
 ML1M_BINDINGS=(
-  --gin-bindings "EmbeddingArgs.sparse_optimizer_str='rowwise_adagrad'"
-  --gin-bindings "EmbeddingArgs.sparse_learning_rate=0.2"
   --gin-bindings "TrainerArgs.max_train_iters=800"
   --gin-bindings "TrainerArgs.eval_interval=400"
   --gin-bindings "TrainerArgs.log_interval=100"

@@ -308,6 +308,23 @@ def test_dense_backend_trains_and_resumes_exactly(tmp_path):
     assert [s for s, _ in resumed.losses] == list(range(9, 17))
     np.testing.assert_allclose([v for _, v in resumed.losses], losses[8:], rtol=1e-6, atol=1e-7)
 
+    # a dense-table checkpoint does not load into a torchrec-table run: a clear error, not
+    # torch's missing-keys message
+    with pytest.raises(ValueError, match="embedding_backend='dense'"):
+        try:
+            run_training(
+                _cfg(
+                    "retrieval",
+                    tmp_path / "d",
+                    f"TrainerArgs.ckpt_load_dir='{first.checkpoint_dir}'",
+                    *extra,
+                    "EmbeddingArgs.embedding_backend='torchrec'",
+                )
+            )
+        finally:
+            if torch.distributed.is_initialized():  # the Trainer failed before owning cleanup
+                torch.distributed.destroy_process_group()
+
 
 _DIST_SCRIPT = r"""
 import json, os, sys

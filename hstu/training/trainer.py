@@ -221,7 +221,11 @@ class Trainer:
             self._state(),
             rank=self.info.rank,
             world_size=self.info.world_size,
-            extra_meta={"task": self.cfg.task, "dataset": self.cfg.dataset.dataset_name},
+            extra_meta={
+                "task": self.cfg.task,
+                "dataset": self.cfg.dataset.dataset_name,
+                "embedding_backend": self.cfg.embedding.embedding_backend,
+            },
         )
         if self.info.is_main:
             logger.info("checkpoint saved: %s", path)
@@ -249,6 +253,14 @@ class Trainer:
                 f"format loads on any number of processes)"
             )
         saved_dynamic = "dynamic_embeddings" in state
+        saved_backend = meta.get("extra_meta", {}).get("embedding_backend")  # absent before 11-22
+        if saved_backend is not None and saved_backend != self.cfg.embedding.embedding_backend:
+            raise ValueError(
+                f"checkpoint {load_dir} was written with EmbeddingArgs.embedding_backend="
+                f"'{saved_backend}' but this run uses '{self.cfg.embedding.embedding_backend}'; "
+                f"the tables are stored differently, so resume with --gin-bindings "
+                f"\"EmbeddingArgs.embedding_backend='{saved_backend}'\""
+            )
         if saved_dynamic != (self.core.dynamic_collection is not None):
             saved = "dynamic" if saved_dynamic else "torchrec"
             raise ValueError(

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dist_helpers import torchrun_losses
 
 from hstu.embeddings.sharding import merge_collection_dumps
 from hstu.training.checkpoint import Checkpointer
 from hstu.training.reshard import SHARDS_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "dist_train_worker.py"
 
 # Small enough for 2 cores; dropout off and a fixed attention scaling so that the loss of a global
 # batch does not depend on how it is split over ranks (the default scaling uses the local batch's
@@ -49,28 +49,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo CPU mult
 
 
 def _torchrun(nproc: int, bindings: list[str], out: Path) -> list[float]:
-    out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HSTU_")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            str(WORKER),
-            str(ROOT),
-            json.dumps(bindings),
-            str(out),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [loss for _, loss in json.loads((out / "losses.json").read_text())]
+    return torchrun_losses(nproc, bindings, out, timeout=300)
 
 
 def _global(entry) -> torch.Tensor:

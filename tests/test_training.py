@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from dist_helpers import torchrun_losses
 
 from hstu.config.gin_utils import load_config
 from hstu.data.registry import build_samples, load_sequence_data
@@ -163,22 +160,8 @@ def test_bad_inputs_are_clear_errors(tmp_path):
         run_training(_cfg("ranking", tmp_path, "TrainerArgs.train_batch_size=100000"))
 
 
-_DIST_SCRIPT = r"""
-import json, os, sys
-sys.path.insert(0, sys.argv[1])
-from hstu.config.gin_utils import load_config
-from hstu.training.trainer import run_training
-cfg = load_config("ranking", [], json.loads(sys.argv[2]))
-res = run_training(cfg)
-if int(os.environ.get("RANK", "0")) == 0:
-    json.dump([l for _, l in res.losses], open(sys.argv[3], "w"))
-"""
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo CPU equivalence test")
 def test_two_processes_match_one(tmp_path):
-    script = tmp_path / "dist_run.py"
-    script.write_text(_DIST_SCRIPT)
     curves = {}
     for nproc in (1, 2):
         bindings = SMALL + [
@@ -191,28 +174,7 @@ def test_two_processes_match_one(tmp_path):
             "TrainerArgs.ckpt_save_interval=-1",
             "NetworkArgs.hidden_dropout=0.0",
         ]
-        out = tmp_path / f"losses_{nproc}.json"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HSTU_")}
-        env["OMP_NUM_THREADS"] = "1"
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={nproc}",
-                str(script),
-                str(ROOT),
-                json.dumps(bindings),
-                str(out),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        curves[nproc] = json.loads(out.read_text())
+        curves[nproc] = torchrun_losses(nproc, bindings, tmp_path / f"out_{nproc}")
     a, b = np.array(curves[1]), np.array(curves[2])
     assert a.shape == b.shape == (20,)
     np.testing.assert_allclose(b, a, rtol=1e-2)

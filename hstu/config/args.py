@@ -50,6 +50,7 @@ LR_SCHEDULERS: tuple[str, ...] = ("constant", "cosine", "linear")
 EMBEDDING_BACKENDS: tuple[str, ...] = ("torchrec", "dynamic", "dense")
 # "position": learned relative position bias in every HSTU layer (Meta HSTU's position part)
 RELATIVE_ATTENTION_BIAS: tuple[str, ...] = ("none", "position")
+FUSED_GATE_KERNELS: tuple[str, ...] = ("auto", "cuda", "compiled")
 SPARSE_OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adagrad", "rowwise_adagrad")
 INITIALIZERS: tuple[str, ...] = ("normal", "uniform", "truncated_normal", "constant")
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu")
@@ -282,6 +283,7 @@ class NetworkArgs:
     fused_layer: bool = False  # True: FusedHSTULayer (one autograd Function); False: HSTULayer (faster today, see docs/benchmarks.md)
     recompute_input_layernorm: bool = False  # fused layer: recompute LayerNorm(x) in backward
     recompute_uvqk_silu: bool = False  # fused layer: store only the uvqk pre-activation
+    fused_gate_kernel: str = "auto"  # fused layer LayerNorm*u*dropout: auto | cuda | compiled
     # Meta HSTU reference (research/) settings; the defaults keep this framework's own choices
     relative_attention_bias: str = "none"  # "position": learned bias per relative position
     scale_item_embeddings: bool = False  # item embedding * sqrt(hidden_size) before positions
@@ -307,6 +309,7 @@ class NetworkArgs:
         _bool(self, "fused_layer")
         _bool(self, "recompute_input_layernorm")
         _bool(self, "recompute_uvqk_silu")
+        _choice(self, "fused_gate_kernel", FUSED_GATE_KERNELS)
         _choice(self, "relative_attention_bias", RELATIVE_ATTENTION_BIAS)
         _bool(self, "scale_item_embeddings")
         _float(self, "position_init_std", min_value=0.0)
@@ -318,6 +321,11 @@ class NetworkArgs:
                 f"NetworkArgs.relative_attention_bias={self.relative_attention_bias!r} needs "
                 "NetworkArgs.fused_layer=False (the fused layer has no attention bias; the "
                 "unfused layer runs biased attention through the PyTorch reference)"
+            )
+        if not self.fused_layer and self.fused_gate_kernel != "auto":
+            raise ValueError(
+                f"NetworkArgs.fused_gate_kernel={self.fused_gate_kernel!r} applies only to the "
+                "fused layer; set NetworkArgs.fused_layer=True or leave it at 'auto'"
             )
         if not self.fused_layer and (self.recompute_input_layernorm or self.recompute_uvqk_silu):
             raise ValueError(

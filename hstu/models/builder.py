@@ -87,6 +87,8 @@ def _build_model(
         fused_layer=net.fused_layer,
         recompute_input_layernorm=net.recompute_input_layernorm,
         recompute_uvqk_silu=net.recompute_uvqk_silu,
+        # 'auto' leaves the layer default (HSTU_FUSED_GATE_KERNEL may override it)
+        fused_gate_kernel=None if net.fused_gate_kernel == "auto" else net.fused_gate_kernel,
         attention_type=net.attention_type,
         dynamic_tables=dynamic_table_options(cfg, dynamic_device),
         dense_tables=dense_table_options(cfg),

@@ -158,12 +158,18 @@ class HSTUEncoder(nn.Module):
         fused: bool = False,
         recompute_input_layernorm: bool = False,
         recompute_uvqk_silu: bool = False,
+        gate_kernel: str | None = None,
         final_layernorm: bool = True,
         relative_bias_len: int = 0,
         uvqk_init_std: float = 0.0,
         **layer_kwargs,
     ) -> None:
         super().__init__()
+        if gate_kernel is not None and not fused:
+            raise ValueError(
+                f"HSTUEncoder(gate_kernel={gate_kernel!r}) applies only to the fused layer "
+                "(NetworkArgs.fused_layer=True)"
+            )
         if fused and relative_bias_len:
             raise ValueError(
                 "the fused layer (NetworkArgs.fused_layer=True) has no attention bias: set "
@@ -181,6 +187,7 @@ class HSTUEncoder(nn.Module):
                     hidden_size,
                     recompute_input_layernorm=recompute_input_layernorm,
                     recompute_uvqk_silu=recompute_uvqk_silu,
+                    gate_kernel=gate_kernel,
                     **layer_kwargs,
                 )
                 for _ in range(num_layers)

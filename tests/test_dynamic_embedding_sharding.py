@@ -144,9 +144,24 @@ def test_two_gpu_nccl_sharded_kernels_match_one_cpu_rank(tmp_path):
     _run_and_check(tmp_path, "nccl", "sharder", rtol=1e-4, atol=2e-5)
 
 
+def _spawn(tmp_path, backend: str, mode: str) -> None:
+    """Runs the WORLD workers. One retry, on a fresh port, when a worker is killed by SIGABRT:
+    on the 2-core CI box the gloo workers occasionally abort inside the C++ runtime during
+    DistributedModelParallel's set-up ("terminate called without an active exception", about
+    1 run in 15, never in our code's Python frames). A worker that fails with a Python error,
+    or aborts twice, still fails the test."""
+    for attempt in (0, 1):
+        args = (_free_port(), str(tmp_path), backend, mode)
+        try:
+            mp.start_processes(_worker, args=args, nprocs=WORLD, start_method="spawn")
+            return
+        except mp.ProcessExitedException as e:
+            if attempt == 1 or e.signal_name != "SIGABRT":
+                raise
+
+
 def _run_and_check(tmp_path, backend: str, mode: str, rtol: float, atol: float) -> None:
-    args = (_free_port(), str(tmp_path), backend, mode)
-    mp.start_processes(_worker, args=args, nprocs=WORLD, start_method="spawn")
+    _spawn(tmp_path, backend, mode)
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     assert res[0]["type"] == "ShardedDynamicEmbeddingCollection"
     if mode == "sharder":

@@ -79,7 +79,19 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--num-users", type=int, default=2000, help="synthetic users (samples)")
     p.add_argument("--out", default="", help="also append the JSON lines to this file")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--profile",
+        default="",
+        metavar="DIR",
+        help="after the timed steps, run --profile-steps more under torch.profiler (rank 0): "
+        "writes DIR/<path>_trace.json.gz (chrome://tracing, Perfetto) and prints a "
+        '"profile" row: GPU kernel time vs step time per step and the top kernels',
+    )
+    p.add_argument("--profile-steps", type=int, default=5)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.profile_steps < 1:
+        p.error("--steps and --profile-steps must be >= 1, --warmup >= 0")
+    return args
 
 
 def _nproc_list(text: str) -> list[int]:
@@ -232,6 +244,8 @@ def _run_path(path: str, args: argparse.Namespace, device_type: str, world: int)
             trainer = Trainer(cfg, device_type)
             row = _time_trainer(trainer, args)
             row.update(path=path, batch_per_gpu=per_gpu, fused_layer=cfg.network.fused_layer)
+            if args.profile and trainer.info.is_main:
+                row["profile"] = _profile(trainer, args, path)
             return row
         except torch.OutOfMemoryError:
             if per_gpu <= 1:
@@ -245,6 +259,57 @@ def _run_path(path: str, args: argparse.Namespace, device_type: str, world: int)
             gc.collect()
             if device_type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _profile(trainer, args: argparse.Namespace, path: str) -> dict:
+    """--profile-steps steps under torch.profiler, run as `_time_trainer` runs them; summary of
+    the exported trace: kernel time vs wall time per step, the largest GPU idle gaps, the top
+    kernels."""
+    import gzip
+    import shutil
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out_dir = Path(args.profile)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU]
+    if trainer.device.type == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    n = args.profile_steps
+    _sync(trainer)
+    with profile(activities=acts) as prof:
+        start = time.perf_counter()
+        trainer._resolve([trainer._train_step_async() for _ in range(n)])
+        _sync(trainer)
+        wall = time.perf_counter() - start
+    raw = out_dir / f"{path}_trace.json"
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    events = json.loads(raw.read_text()).get("traceEvents", [])
+    raw.unlink()
+    kernels = sorted(
+        (e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"]
+    )
+    per_name: dict[str, float] = {}
+    for e in kernels:
+        per_name[e["name"]] = per_name.get(e["name"], 0.0) + e["dur"]
+    idle = 0.0
+    if kernels:
+        end = kernels[0]["ts"] + kernels[0]["dur"]
+        for e in kernels[1:]:
+            idle += max(0.0, e["ts"] - end)
+            end = max(end, e["ts"] + e["dur"])
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:10]
+    return {
+        "trace": f"{raw}.gz",
+        "steps": n,
+        "step_ms_profiled": 1e3 * wall / n,
+        "kernel_ms_per_step": sum(per_name.values()) / 1e3 / n,
+        "gpu_idle_ms_per_step_between_kernels": idle / 1e3 / n,
+        "top_kernels_ms_per_step": [[name[:120], t / 1e3 / n] for name, t in top],
+    }
 
 
 def _sync(trainer) -> None:

@@ -1,0 +1,69 @@
+"""scripts/bench_e2e.py --profile on CPU: the profiled steps run, the trace is written, the
+summary row is printed (kernel figures are 0 without a GPU)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test of the profiling option")
+def test_bench_e2e_profile_writes_trace_and_summary(tmp_path):
+    prof_dir = tmp_path / "prof"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_e2e.py"),
+            "--device",
+            "cpu",
+            "--config",
+            "configs/synthetic_ranking.gin",
+            "--paths",
+            "reference",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--profile-steps",
+            "2",
+            "--mean-seq-len",
+            "20",
+            "--max-seq-len",
+            "40",
+            "--num-users",
+            "200",
+            "--profile",
+            str(prof_dir),
+        ],  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    prof = rows[-1]["profile"]
+    assert prof["steps"] == 2 and prof["step_ms_profiled"] > 0
+    assert prof["kernel_ms_per_step"] == 0.0 and prof["top_kernels_ms_per_step"] == []
+    trace = json.loads(gzip.open(prof["trace"]).read())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert any(str(n).startswith("aten::") for n in names)  # CPU ops were recorded
+
+
+def test_bench_e2e_rejects_bad_step_counts():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--profile-steps", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "--profile-steps must be >= 1" in proc.stderr

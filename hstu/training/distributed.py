@@ -83,9 +83,7 @@ def init_distributed(device_type: str) -> DistInfo:
 
 
 def cleanup(info: DistInfo) -> None:
-    global _HOST_GROUP
     if info.owns_group and dist.is_initialized():
-        _HOST_GROUP = None
         dist.destroy_process_group()
 
 
@@ -102,11 +100,13 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-_HOST_GROUP: object | None = None
+# (default group it was made for, gloo group over the same ranks)
+_HOST_GROUP: tuple[object, object] | None = None
 
 
 def _host_group():
-    """A gloo group over the same ranks for host-side sums (created once, collectively).
+    """A gloo group over the same ranks for host-side sums (created once per default group,
+    collectively).
 
     Sums of host numbers (loss-term counts, FLOPs) go through it, so they never enqueue work
     on the GPU stream nor wait for it: the training step stays free of host<->device syncs.
@@ -114,9 +114,10 @@ def _host_group():
     global _HOST_GROUP
     if dist.get_backend() == "gloo":
         return None  # the default group is already host-side
-    if _HOST_GROUP is None:
-        _HOST_GROUP = dist.new_group(backend="gloo")
-    return _HOST_GROUP
+    world = dist.group.WORLD
+    if _HOST_GROUP is None or _HOST_GROUP[0] is not world:
+        _HOST_GROUP = (world, dist.new_group(backend="gloo"))
+    return _HOST_GROUP[1]
 
 
 def all_reduce_sum_host(values: list[float]) -> list[float]:

@@ -144,3 +144,37 @@ def test_clip_grad_norm():
     assert clip_grad_norm([torch.nn.Parameter(torch.zeros(1))], 1.0) == 0.0  # no grads yet
     with pytest.raises(ValueError, match="grad_clip_norm"):
         clip_grad_norm([w], -1.0)
+
+
+def test_adam_is_foreach_on_cpu():
+    opt = build_dense_optimizer(_params(), OptimizerArgs())
+    assert not opt.param_groups[0]["fused"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_fused_adam_on_gpu_matches_foreach(name):
+    """CUDA parameters get the fused Adam/AdamW; its updates match the foreach implementation."""
+    torch.manual_seed(0)
+    ref = [torch.nn.Parameter(torch.randn(64, 32, device="cuda")) for _ in range(3)]
+    mine = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    args = OptimizerArgs(optimizer_str=name, weight_decay=0.01)
+    opt = build_dense_optimizer(mine, args)
+    assert opt.param_groups[0]["fused"]
+    base = (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(
+        ref,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
+        weight_decay=0.01,
+        foreach=True,
+    )
+    for _ in range(5):
+        for a, b in zip(ref, mine):
+            g = torch.randn_like(a)
+            a.grad, b.grad = g, g.clone()
+        base.step()
+        opt.step()
+    for a, b in zip(ref, mine):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)

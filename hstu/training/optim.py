@@ -51,7 +51,14 @@ def build_dense_optimizer(
         return torch.optim.SGD(params, lr=lr, momentum=float(args.momentum), weight_decay=wd)
     betas = (float(args.adam_beta1), float(args.adam_beta2))
     cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
-    return cls(params, lr=lr, betas=betas, eps=float(args.adam_eps), weight_decay=wd)
+    # On the GPU the fused implementation updates every parameter in a few kernels (the
+    # foreach one launches several per tensor group and costs ~3 ms of host time per step on
+    # the 8-layer benchmark model); same update rule, same state_dict format.
+    flat = [q for g in params for q in g["params"]] if isinstance(params[0], dict) else params
+    fused = all(q.is_cuda and q.is_floating_point() for q in flat)
+    return cls(
+        params, lr=lr, betas=betas, eps=float(args.adam_eps), weight_decay=wd, fused=fused or None
+    )
 
 
 def lr_factor(step: int, args: OptimizerArgs, max_iters: int) -> float:

@@ -83,8 +83,9 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile",
         default="",
         metavar="DIR",
-        help="after the timed steps, run --profile-steps more under torch.profiler (rank 0): "
-        "writes DIR/<path>_trace.json.gz (chrome://tracing, Perfetto) and prints a "
+        help="after the timed steps, run --profile-steps more under torch.profiler on every "
+        "rank: writes DIR/<path>_trace.json.gz (rank 0; DIR/<path>_rank<r>_trace.json.gz for "
+        "the others; chrome://tracing, Perfetto) and prints rank 0's "
         '"profile" row: GPU kernel time vs step time per step and the top kernels',
     )
     p.add_argument("--profile-steps", type=int, default=5)
@@ -244,8 +245,10 @@ def _run_path(path: str, args: argparse.Namespace, device_type: str, world: int)
             trainer = Trainer(cfg, device_type)
             row = _time_trainer(trainer, args)
             row.update(path=path, batch_per_gpu=per_gpu, fused_layer=cfg.network.fused_layer)
-            if args.profile and trainer.info.is_main:
-                row["profile"] = _profile(trainer, args, path)
+            if args.profile:  # every rank runs (and traces) the steps: they hold collectives
+                summary = _profile(trainer, args, path)
+                if trainer.info.is_main:
+                    row["profile"] = summary
             return row
         except torch.OutOfMemoryError:
             if per_gpu <= 1:
@@ -283,7 +286,8 @@ def _profile(trainer, args: argparse.Namespace, path: str) -> dict:
         trainer._resolve([trainer._train_step_async() for _ in range(n)])
         _sync(trainer)
         wall = time.perf_counter() - start
-    raw = out_dir / f"{path}_trace.json"
+    rank = trainer.info.rank
+    raw = out_dir / (f"{path}_trace.json" if rank == 0 else f"{path}_rank{rank}_trace.json")
     prof.export_chrome_trace(str(raw))
     with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
         shutil.copyfileobj(src, dst)

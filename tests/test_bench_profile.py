@@ -67,3 +67,47 @@ def test_bench_e2e_rejects_bad_step_counts():
         timeout=120,
     )
     assert proc.returncode == 2 and "--profile-steps must be >= 1" in proc.stderr
+
+
+def test_bench_e2e_profile_two_processes_trace_every_rank(tmp_path):
+    """--nproc 2 --profile: both ranks run the profiled steps (they hold collectives, so a rank-0
+    only profile would hang) and each writes its own trace."""
+    prof_dir = tmp_path / "prof"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_e2e.py"),
+            "--device",
+            "cpu",
+            "--config",
+            "configs/synthetic_ranking.gin",
+            "--paths",
+            "reference",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--profile-steps",
+            "1",
+            "--mean-seq-len",
+            "20",
+            "--max-seq-len",
+            "40",
+            "--num-users",
+            "200",
+            "--nproc",
+            "2",
+            "--profile",
+            str(prof_dir),
+        ],  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    run = [r for r in rows if r.get("world_size") == 2]
+    assert run and run[0]["profile"]["steps"] == 1
+    assert (prof_dir / "reference_trace.json.gz").exists()
+    assert (prof_dir / "reference_rank1_trace.json.gz").exists()

@@ -375,3 +375,120 @@ def test_fused_gate_cuda_dropout_matches_unfused_with_its_mask_cuda(monkeypatch)
             1e-6
         )
         assert err < 3e-2, (name, float(err))
+
+
+def test_fused_silu_kernel_path_matches_unfused_cpu(monkeypatch):
+    """The SiLU-kernel code path of the Function (chunk-major forward, one backward pass that
+    also returns the uvqk bias gradient), run on CPU with the kernels' PyTorch twins in place of
+    the CUDA ops: matches the unfused layer for every recompute option, alone and together with
+    the gate-kernel path, and the twins receive [T, H*d] gradient rows."""
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+
+    seen = []
+
+    def bwd_twin(du, dv, dq, dk, z, bias_grad):
+        seen.append([tuple(g.shape) for g in (du, dv, dq, dk)] + [bias_grad])
+        return lnmd.reference_silu_chunk_major_backward(du, dv, dq, dk, z, bias_grad)
+
+    monkeypatch.setattr(
+        fused_mod, "_silu_ops", lambda x, inner: (lnmd.reference_silu_chunk_major, bwd_twin)
+    )
+    attn = _layout([7, 1, 12], contexts=[1, 0, 2], targets=[2, 0, 3])
+    t = 20
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(t, HIDDEN, generator=gen)
+    g = torch.randn(t, HIDDEN, generator=gen)
+    for recompute in RECOMPUTE:
+        ref, fused = _pair(recompute=recompute, target_group_size=2)
+        _assert_match(_run(ref, x, attn, g), _run(fused, x, attn, g))
+    assert len(seen) == len(RECOMPUTE)
+    assert seen[0] == [(t, HEADS * DIM)] * 4 + [True]
+    monkeypatch.setattr(
+        fused_mod, "_gate_ops", lambda mode, x, inner: (lnmd.reference_fwd, lnmd.reference_bwd)
+    )
+    ref, fused = _pair(recompute=(False, True))
+    _assert_match(_run(ref, x, attn, g), _run(fused, x, attn, g))
+    # an empty batch through the kernel path: zero gradients of the right shapes
+    _, fused = _pair(recompute=(True, True))
+    out_f, g_f = _run(fused, x[:0], _layout([0, 0]), g[:0])
+    assert out_f.shape == (0, HIDDEN) and torch.count_nonzero(g_f["uvqk.bias"]) == 0
+
+
+def test_silu_kernel_selection_and_gradient_rows():
+    """_silu_ops: None on CPU, for fp32 activations and when switched off; _kernel_rows hands the
+    kernel views where the layout allows and aligned contiguous copies where it does not."""
+    x = torch.zeros(3, HIDDEN)
+    assert fused_mod._silu_ops(x, HEADS * DIM) is None
+    assert fused_mod.silu_kernel_enabled()
+    fused_mod.set_silu_kernel(False)
+    try:
+        assert not fused_mod.silu_kernel_enabled()
+        assert fused_mod._silu_ops(x, HEADS * DIM) is None
+    finally:
+        fused_mod.set_silu_kernel(True)
+    base = torch.randn(5, 2, 16)
+    rows = fused_mod._kernel_rows(base, 5, 32, torch.float32)
+    assert rows.shape == (5, 32) and rows.data_ptr() == base.data_ptr()  # a view
+    block = torch.randn(5, 64)[:, 16:48]  # row stride 64, 16 elements in: a view too
+    assert fused_mod._kernel_rows(block, 5, 32, torch.float32).data_ptr() == block.data_ptr()
+    odd = torch.randn(5, 37)[:, 1:33]  # row stride 37 (not a multiple of 8): copied
+    copied = fused_mod._kernel_rows(odd, 5, 32, torch.bfloat16)
+    assert copied.is_contiguous() and copied.dtype == torch.bfloat16
+    assert torch.equal(copied, odd.to(torch.bfloat16))
+    shifted = torch.randn(161)[1:].view(5, 32)  # 4 bytes past an aligned start: copied aligned
+    fixed = fused_mod._kernel_rows(shifted, 5, 32, torch.float32)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, shifted)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason="needs CUDA and the compiled HSTU attention kernel")
+@pytest.mark.parametrize("recompute", [(False, False), (True, True)])
+def test_fused_silu_kernel_vs_aten_path_cuda(recompute):
+    """bf16 autocast: the layer with the chunk-major SiLU kernels (selected: `_silu_ops` is not
+    None) vs the same layer on the aten SiLU path: output within 2e-2 abs + rel, every gradient
+    within 1% relative L2 (the kernels differ from aten by at most a rounding step per element),
+    and both within the unfused tolerances of the reference layer."""
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+
+    if not lnmd.load_extension() or not hasattr(torch.ops.hstu_lnmd, "silu_chunk_major"):
+        pytest.skip("the lnmd extension with the SiLU ops is not built")
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    hidden, heads, dim = 256, 4, 64
+    ref = HSTULayer(hidden, heads, dim, 0.0).to(dev)
+    fused = FusedHSTULayer(
+        hidden, heads, dim, 0.0, recompute_input_layernorm=recompute[0],
+        recompute_uvqk_silu=recompute[1],
+    ).to(dev)  # fmt: skip
+    fused.load_state_dict(ref.state_dict())
+    lengths = [300, 1, 77, 512, 0, 129]
+    attn = _layout(lengths, contexts=[3, 0, 2, 4, 0, 1], targets=[10, 0, 5, 20, 0, 7], device=dev)
+    t = sum(lengths)
+    x = torch.randn(t, hidden, device=dev)
+    g = torch.randn(t, hidden, device=dev)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert fused_mod._silu_ops(x, heads * dim) is not None
+        res_k = _run(fused, x, attn, g)
+        fused.zero_grad()
+        fused_mod.set_silu_kernel(False)
+        try:
+            assert fused_mod._silu_ops(x, heads * dim) is None
+            res_a = _run(fused, x, attn, g)
+        finally:
+            fused_mod.set_silu_kernel(True)
+        res_r = _run(ref, x, attn, g)
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6))
+
+    torch.testing.assert_close(res_k[0], res_a[0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(res_k[0], res_r[0], atol=2e-2, rtol=2e-2)
+    for name in res_a[1]:
+        assert rel(res_k[1][name], res_a[1][name]) < 1e-2, (
+            name,
+            rel(res_k[1][name], res_a[1][name]),
+        )
+        assert rel(res_k[1][name], res_r[1][name]) < 3e-2, (
+            name,
+            rel(res_k[1][name], res_r[1][name]),
+        )

@@ -227,3 +227,169 @@ def test_kernel_input_errors_cuda():
     assert y.shape == (0, 64) and mean.shape == (0,)
     dx, du, dw, db, _ = torch.ops.hstu_lnmd.bwd(e, e, e, w, b, mean, rstd, 0.1, 3, 0, False)
     assert dx.shape == (0, 64) and float(dw.abs().sum()) == 0.0 and float(db.abs().sum()) == 0.0
+
+
+# ---- chunk-major SiLU of the uvqk projection: twins (CPU), kernels vs twins (GPU) ------------
+
+
+def _silu_inputs(t, hd, dtype=torch.float32, device="cpu", seed=0, z_cols=None, strided=False):
+    """z [T, 4*hd] (a column block of a wider [T, z_cols] tensor when z_cols is given) with
+    values over SiLU's whole range, and du, dv, dq, dk as the fused layer has them: separate
+    buffers, du a column block of a wider tensor, dq/dk/dv [T, H, d]-shaped rows when strided."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = z_cols or 4 * hd
+    z = (torch.randn(t, wide, generator=gen) * 4).to(device, dtype)[:, : 4 * hd]
+    if strided:
+        du = torch.randn(t, 2 * hd, generator=gen).to(device, dtype)[:, hd:]
+    else:
+        du = torch.randn(t, hd, generator=gen).to(device, dtype)
+    dv, dq, dk = (torch.randn(t, hd, generator=gen).to(device, dtype) for _ in range(3))
+    return z, (du, dv, dq, dk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_twins_match_autograd_and_the_aten_path(dtype):
+    """Forward: the twin equals SiLU(z) per column block, laid out [4, T, hd], and the fused
+    layer's aten fallback bit for bit; backward: dz equals autograd's SiLU gradient (fp32) and
+    the aten fallback (rounded alike), dbias the column sums of dz."""
+    import hstu.modules.fused_hstu_layer as fused_mod
+
+    t, hd = 37, 24
+    z, grads = _silu_inputs(t, hd, dtype, strided=True)
+    act = lnmd.reference_silu_chunk_major(z)
+    assert act.shape == (4, t, hd) and act.dtype == dtype and act.is_contiguous()
+    # fp32: CPU aten's vectorised and strided SiLU loops may differ in the last bit
+    exact = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0, "rtol": 0}
+    for b in range(4):
+        want = torch.nn.functional.silu(z[:, b * hd : (b + 1) * hd].float()).to(dtype)
+        torch.testing.assert_close(act[b], want, **exact)
+    torch.testing.assert_close(act, fused_mod._silu_chunk_major(z, hd), **exact)
+
+    dz, dbias = lnmd.reference_silu_chunk_major_backward(*grads, z, True)
+    assert dz.shape == (t, 4 * hd) and dz.dtype == dtype and dbias.dtype == torch.float32
+    zl = z.detach().float().requires_grad_(True)
+    torch.nn.functional.silu(zl).backward(torch.cat([g.float() for g in grads], 1))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(dz.float(), zl.grad, **tol)
+    aten_dz = torch.empty_like(z)
+    fused_mod._silu_backward_into(aten_dz, grads, z, hd)
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0, "rtol": 0}
+    if dtype == torch.float16:  # aten's CPU half opmath may differ by one rounding step
+        tol = {"atol": 1e-3, "rtol": 1e-3}
+    torch.testing.assert_close(dz, aten_dz, **tol)
+    torch.testing.assert_close(dbias, dz.float().sum(0), atol=0, rtol=0)
+    _, none = lnmd.reference_silu_chunk_major_backward(*grads, z, False)
+    assert none.numel() == 0
+
+
+def test_silu_twins_empty_and_shape_errors():
+    z, grads = _silu_inputs(0, 16)
+    assert lnmd.reference_silu_chunk_major(z).shape == (4, 0, 16)
+    dz, dbias = lnmd.reference_silu_chunk_major_backward(*grads, z, True)
+    assert dz.shape == (0, 64) and torch.equal(dbias, torch.zeros(64))
+    with pytest.raises(ValueError, match=r"\[T, 4 \* hd\]"):
+        lnmd.reference_silu_chunk_major(torch.zeros(3, 10))
+    z, (du, dv, dq, dk) = _silu_inputs(5, 8)
+    with pytest.raises(ValueError, match=r"dq must be \[T, hd\] = \[5, 8\]"):
+        lnmd.reference_silu_chunk_major_backward(du, dv, dq[:4], dk, z, True)
+
+
+_SILU_SHAPES = [
+    # (T, hd, z_cols, strided grads)
+    (1, 8, None, False),
+    (37, 24, 128, True),
+    (1000, 64, None, True),
+    (777, 256, 1032, False),
+    (129, 1024, None, True),
+    (65, 1032, None, False),
+    (4099, 128, None, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,hd,z_cols,strided", _SILU_SHAPES)
+@pytest.mark.gpu
+@needs_kernel
+def test_silu_kernels_match_twins_cuda(dtype, t, hd, z_cols, strided):
+    """act and dz within one rounding step of the twins (fp32 math on both sides, the kernel's
+    exp is the fast one), dbias within 1e-3 relative L2 of the twin's and within 1e-5 of the
+    kernel's own dz summed by torch (same values, another order); odd T, strided z and grads."""
+    z, grads = _silu_inputs(t, hd, dtype, "cuda", seed=t + hd, z_cols=z_cols, strided=strided)
+    tol = (
+        {"atol": 1e-2, "rtol": 1.6e-2} if dtype == torch.bfloat16 else {"atol": 2e-3, "rtol": 2e-3}
+    )
+    act = torch.ops.hstu_lnmd.silu_chunk_major(z)
+    act_r = lnmd.reference_silu_chunk_major(z)
+    assert act.shape == (4, t, hd) and act.dtype == dtype and act.is_contiguous()
+    torch.testing.assert_close(act.float(), act_r.float(), **tol)
+    dz, dbias = torch.ops.hstu_lnmd.silu_chunk_major_backward(*grads, z, True)
+    dz_r, dbias_r = lnmd.reference_silu_chunk_major_backward(*grads, z, True)
+    assert dz.shape == (t, 4 * hd) and dz.dtype == dtype and dbias.dtype == torch.float32
+    torch.testing.assert_close(dz.float(), dz_r.float(), **tol)
+    assert _rel(dbias, dbias_r) < 1e-3, _rel(dbias, dbias_r)
+    assert _rel(dbias, dz.float().sum(0)) < 1e-5, _rel(dbias, dz.float().sum(0))
+    dz2, none = torch.ops.hstu_lnmd.silu_chunk_major_backward(*grads, z, False)
+    assert none.numel() == 0 and torch.equal(dz2, dz)
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_silu_kernels_extreme_values_and_aten_agreement_cuda():
+    """Large |z| (exp overflow/underflow) gives SiLU's limits, no NaN; on ordinary values the
+    kernels agree with the fused layer's aten fallback within one rounding step."""
+    import hstu.modules.fused_hstu_layer as fused_mod
+
+    vals = torch.tensor([0.0, -0.0, 1e-3, -1e-3, 5.0, -5.0, 30.0, -30.0, 88.0, -88.0, 100.0,
+                         -100.0, 1e4, -1e4, 3.0, -3.0], device="cuda")  # fmt: skip
+    z = vals.repeat(3, 4).to(torch.bfloat16)  # [3, 64]: hd = 16
+    act = torch.ops.hstu_lnmd.silu_chunk_major(z)
+    assert torch.isfinite(act.float()).all()
+    torch.testing.assert_close(act, lnmd.reference_silu_chunk_major(z), atol=1e-2, rtol=1.6e-2)
+    ones = torch.ones(3, 16, device="cuda", dtype=torch.bfloat16)
+    dz, _ = torch.ops.hstu_lnmd.silu_chunk_major_backward(ones, ones, ones, ones, z, True)
+    assert torch.isfinite(dz.float()).all()
+    dz_r, _ = lnmd.reference_silu_chunk_major_backward(ones, ones, ones, ones, z, True)
+    torch.testing.assert_close(dz, dz_r, atol=1e-2, rtol=1.6e-2)
+
+    z, grads = _silu_inputs(513, 256, torch.bfloat16, "cuda", seed=5)
+    tol = {"atol": 1e-2, "rtol": 1.6e-2}
+    act = torch.ops.hstu_lnmd.silu_chunk_major(z)
+    torch.testing.assert_close(act, fused_mod._silu_chunk_major(z, 256), **tol)
+    dz, _ = torch.ops.hstu_lnmd.silu_chunk_major_backward(*grads, z, True)
+    dz_a = torch.empty_like(z)
+    fused_mod._silu_backward_into(dz_a, grads, z, 256)
+    torch.testing.assert_close(dz, dz_a, **tol)
+    # one-ulp differences at most, and rare
+    assert float((act != fused_mod._silu_chunk_major(z, 256)).float().mean()) < 0.05
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_silu_kernels_empty_meta_and_input_errors_cuda():
+    ops = torch.ops.hstu_lnmd
+    z, grads = _silu_inputs(0, 16, torch.bfloat16, "cuda")
+    assert ops.silu_chunk_major(z).shape == (4, 0, 16)
+    dz, dbias = ops.silu_chunk_major_backward(*grads, z, True)
+    assert dz.shape == (0, 64) and dbias.shape == (64,) and float(dbias.abs().sum()) == 0.0
+    mz = torch.empty(10, 64, dtype=torch.bfloat16, device="meta")
+    mg = torch.empty(10, 16, dtype=torch.bfloat16, device="meta")
+    assert ops.silu_chunk_major(mz).shape == (4, 10, 16)
+    mdz, mdb = ops.silu_chunk_major_backward(mg, mg, mg, mg, mz, True)
+    assert mdz.shape == (10, 64) and mdb.shape == (64,) and mdb.dtype == torch.float32
+
+    z, (du, dv, dq, dk) = _silu_inputs(6, 16, torch.bfloat16, "cuda")
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        ops.silu_chunk_major(z.float())
+    with pytest.raises(ValueError, match="hd a multiple of 8"):
+        ops.silu_chunk_major(z[:, :48].contiguous())
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        ops.silu_chunk_major(z.t().contiguous().t())
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ops.silu_chunk_major(torch.zeros(6, 68, dtype=torch.bfloat16, device="cuda")[:, :64])
+    with pytest.raises(ValueError, match=r"dv must be \[T, hd\] = \[6, 16\]"):
+        ops.silu_chunk_major_backward(du, dv[:5], dq, dk, z, True)
+    with pytest.raises(TypeError, match="dk has dtype"):
+        ops.silu_chunk_major_backward(du, dv, dq, dk.half(), z, True)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        wide = torch.zeros(6 * 16 + 1, dtype=torch.bfloat16, device="cuda")
+        ops.silu_chunk_major_backward(wide[1:].view(6, 16), dv, dq, dk, z, True)

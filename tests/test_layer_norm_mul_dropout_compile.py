@@ -17,7 +17,7 @@ from hstu.modules import layer_norm_mul_dropout as lnmd
 
 ROOT = Path(__file__).resolve().parents[1]
 KDIR = ROOT / "kernels" / "layer_norm_mul_dropout"
-CUDA_SOURCES = ["instantiations/bf16.cu", "instantiations/fp16.cu", "launch.cu"]
+CUDA_SOURCES = ["instantiations/bf16.cu", "instantiations/fp16.cu", "launch.cu", "silu.cu"]
 
 
 def _nvcc() -> str | None:
@@ -38,6 +38,41 @@ def test_sources_present_and_torch_free():
     api = (KDIR / "api.cpp").read_text()
     for needed in ("TORCH_LIBRARY(hstu_lnmd", "TORCH_LIBRARY_IMPL(hstu_lnmd, CUDA", "Meta"):
         assert needed in api
+    # the chunk-major SiLU ops: schema, CUDA and Meta implementations
+    for op in ("silu_chunk_major", "silu_chunk_major_backward"):
+        assert f'm.def("{op}(' in api
+        assert api.count(f'm.impl("{op}", ') == 2, op
+
+
+def test_setup_builds_every_kernel_source():
+    """setup.py globs the family's top-level .cu/.cpp files and instantiations/: the SiLU
+    kernels (silu.cu) are part of the extension without a source list to keep in sync."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_hstu_setup_sources", ROOT / "setup.py")
+    text = (ROOT / "setup.py").read_text()
+    assert 'glob.glob(os.path.join(base, "*.cu"))' in text
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        env = os.environ.copy()
+        os.environ["HSTU_SKIP_KERNELS"] = "1"  # importing setup.py must not start a build
+        module = importlib.util.module_from_spec(spec)
+        import setuptools
+
+        real_setup = setuptools.setup
+        setuptools.setup = lambda **kw: None
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            setuptools.setup = real_setup
+        srcs = module._sources("layer_norm_mul_dropout")
+    finally:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+    names = sorted(os.path.relpath(s, "kernels/layer_norm_mul_dropout") for s in srcs)
+    assert names == sorted(["api.cpp", *CUDA_SOURCES]), names
 
 
 @pytest.mark.parametrize("name", CUDA_SOURCES)
@@ -54,6 +89,9 @@ def test_compiles_for_sm80(name: str, tmp_path: Path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"nvcc failed for {name}:\n{proc.stderr[-6000:]}"
     assert out.stat().st_size > 0
+    if name == "silu.cu":  # forward + backward per dtype, no spills
+        spills = [ln for ln in proc.stderr.splitlines() if "spill stores" in ln]
+        assert len(spills) == 4 and all(" 0 bytes spill stores" in ln for ln in spills), spills
     if name.startswith("instantiations/"):
         # 12 kernels per dtype: forward and backward for 6 row layouts; only the widest backward
         # (cols > 4096, 8 chunks per thread) may spill registers

@@ -12,7 +12,11 @@ without autocast everything runs in x's dtype.
 
 Layout: SiLU(z) is written chunk-major, [4, T, H*d] = (u, v, q, k), so q, k and v are contiguous
 [T, H, d] views for the attention op (no copies); the SiLU backward writes each of the four
-gradients straight into its column block of dz [T, 4*H*d] (`aten.silu_backward`, no concat).
+gradients straight into its column block of dz [T, 4*H*d] (no concat). On CUDA with bf16/fp16
+activations, H*d % 8 == 0 and the lnmd extension built, both run as vectorised kernels
+(`torch.ops.hstu_lnmd.silu_chunk_major[_backward]`; the backward also returns the uvqk bias
+gradient from the same pass); otherwise (CPU, fp32, HSTU_FUSED_SILU_KERNEL=0 or
+`set_silu_kernel(False)`) `aten.silu.out` / `aten.silu_backward` and `dz.sum(0)`.
 
 Gating step `dropout(LayerNorm(a) * u)` (``gate_kernel``): "cuda" runs the compiled kernel
 (`hstu.modules.layer_norm_mul_dropout`, kernels/layer_norm_mul_dropout/: one pass forward, one
@@ -59,7 +63,9 @@ __all__ = [
     "default_gate_kernel",
     "dropout_keep_mask",
     "fused_hstu_layer",
+    "set_silu_kernel",
     "set_stage_compile",
+    "silu_kernel_enabled",
     "stage_compile_enabled",
 ]
 
@@ -103,6 +109,8 @@ class _LayerSpec:
     use_compiled_ops: bool
     # (fwd, bwd) ops of the compiled LayerNorm*u*dropout kernel when it runs the gating step
     gate_ops: tuple[Callable, Callable] | None
+    # (silu_chunk_major, silu_chunk_major_backward) ops when the SiLU kernels run, else None
+    silu_ops: tuple[Callable, Callable] | None = None
 
 
 def _layer_norm_fwd(
@@ -206,6 +214,30 @@ def _silu_backward_into(dz: torch.Tensor, grads, z: torch.Tensor, hd: int) -> No
         )
 
 
+def _kernel_rows(g: torch.Tensor, t: int, hd: int, dtype: torch.dtype) -> torch.Tensor:
+    """``g`` as the [T, hd] rows the SiLU backward kernel reads (unit last stride, row stride a
+    multiple of 8, 16-byte aligned): a view when it already is one, else a contiguous copy."""
+    g = g.reshape(t, hd).to(dtype)
+    if t > 1 and (g.stride(1) != 1 or g.stride(0) % 8 or g.stride(0) < hd):
+        g = g.contiguous()
+    if t > 0 and g.data_ptr() % 16:
+        g = g.clone(memory_format=torch.contiguous_format)
+    return g
+
+
+def _silu_backward(spec: _LayerSpec, grads, z: torch.Tensor, hd: int, dt_bias: torch.dtype):
+    """(dz [T, 4*hd], the uvqk bias gradient in dt_bias) from du, dv, dq, dk and z: one kernel
+    pass when the SiLU kernels run, else aten.silu_backward per block and dz.sum(0)."""
+    t = z.shape[0]
+    if spec.silu_ops is not None:
+        rows = [_kernel_rows(g, t, hd, z.dtype) for g in grads]
+        dz, d_bias = spec.silu_ops[1](*rows, z, True)
+        return dz, d_bias.to(dt_bias)
+    dz = torch.empty_like(z)
+    _silu_backward_into(dz, grads, z, hd)
+    return dz, dz.sum(0, dtype=torch.float32).to(dt_bias)
+
+
 def _residual(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
     out = x + proj  # one kernel; promotes bf16 proj into an fp32 residual stream
     return out if out.dtype == x.dtype else out.to(x.dtype)
@@ -216,6 +248,37 @@ _STAGES: dict[str, Callable] = {
 }
 _compiled: dict[str, Callable] = {}
 _compile_state = {"enabled": os.environ.get("HSTU_FUSED_LAYER_COMPILE", "1") != "0"}
+_silu_state = {"enabled": os.environ.get("HSTU_FUSED_SILU_KERNEL", "1") != "0", "warned": False}
+
+
+def set_silu_kernel(enabled: bool) -> None:
+    """Use the chunk-major SiLU kernels where they apply (default) or always the aten path
+    (benchmarks, debugging; HSTU_FUSED_SILU_KERNEL=0 sets the default off)."""
+    _silu_state["enabled"] = bool(enabled)
+
+
+def silu_kernel_enabled() -> bool:
+    return _silu_state["enabled"]
+
+
+def _silu_ops(x: torch.Tensor, inner: int):
+    """(silu_chunk_major, silu_chunk_major_backward) ops when they run this call's uvqk SiLU
+    (enabled, CUDA, bf16/fp16 matmul dtype, H*d % 8 == 0, extension built), else None."""
+    if not _silu_state["enabled"] or x.device.type != "cuda" or inner % 8:
+        return None
+    if _compute_dtype(x) not in (torch.float16, torch.bfloat16) or not lnmd.load_extension():
+        return None
+    ops = torch.ops.hstu_lnmd
+    if not hasattr(ops, "silu_chunk_major"):  # an extension built before the SiLU ops existed
+        if not _silu_state["warned"]:
+            logger.warning(
+                "FusedHSTULayer: hstu._layer_norm_mul_dropout_C has no silu_chunk_major op (built "
+                "from older sources); using aten.silu. Rebuild it: %s",
+                lnmd.BUILD_HINT,
+            )
+            _silu_state["warned"] = True
+        return None
+    return ops.silu_chunk_major, ops.silu_chunk_major_backward
 
 
 def set_stage_compile(enabled: bool) -> None:
@@ -334,7 +397,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
             # cast once; backward reuses the casts (no-ops when the weights are already cdtype)
             w_uvqk_c, w_out_c = w_uvqk.to(cdtype), w_out.to(cdtype)
             z = F.linear(n_c, w_uvqk_c, b_uvqk.to(cdtype))
-            act = _silu_chunk_major(z, hd)
+            act = spec.silu_ops[0](z) if spec.silu_ops is not None else _silu_chunk_major(z, hd)
             u = act[0]
             if t > 0:
                 attn = _attention_forward(
@@ -386,7 +449,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
             hd = spec.num_heads * spec.head_dim
             shape = (t, spec.num_heads, spec.head_dim)
             if act is None:  # recompute_uvqk_silu
-                act = _silu_chunk_major(z, hd)
+                act = spec.silu_ops[0](z) if spec.silu_ops else _silu_chunk_major(z, hd)
             u = act[0]
 
             # output projection: proj = y @ W_o^T + b_o
@@ -420,14 +483,13 @@ class _FusedHSTUFunction(torch.autograd.Function):
                 dq = dk = dv = act.new_zeros(shape)
             del d_attn
 
-            # SiLU, straight into the column blocks of dz, then the uvqk projection
-            dz = torch.empty_like(z)
-            _silu_backward_into(dz, (du, dv, dq, dk), z, hd)
+            # SiLU, straight into the column blocks of dz (+ the uvqk bias gradient), then the
+            # uvqk projection
+            dz, d_b_uvqk = _silu_backward(spec, (du, dv, dq, dk), z, hd, dt_b_uvqk)
             del du, dv, dq, dk
             if n_c is None:  # recompute_input_layernorm
                 n_c = _stage("recompute_norm", dev, x, mean1, rstd1, w_in, b_in, cdtype)
             d_w_uvqk = (dz.t() @ n_c).to(dt_w_uvqk)
-            d_b_uvqk = dz.sum(0, dtype=torch.float32).to(dt_b_uvqk)
             dn = dz @ w_uvqk_c
             del dz
 
@@ -537,6 +599,7 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
         },
         use_compiled_ops=_use_compiled_ops(x.device, layer.attention_type, layer.head_dim),
         gate_ops=_gate_ops(layer.gate_kernel, x, layer.num_heads * layer.head_dim),
+        silu_ops=_silu_ops(x, layer.num_heads * layer.head_dim),
     )
     return _FusedHSTUFunction.apply(
         x,

@@ -20,6 +20,18 @@ consumes the generator: `torch.manual_seed` fixes the masks and every call gets 
 
 `reference_fwd` / `reference_bwd` are the PyTorch twins with the same signatures and the same
 mask (`keep_mask` computes it with NumPy): the test oracle.
+
+The same extension holds the fused layer's uvqk SiLU, written chunk-major (vectorised, fp32
+math; aten's SiLU runs its slow strided path on the transposed write):
+
+    torch.ops.hstu_lnmd.silu_chunk_major(z) -> act
+    torch.ops.hstu_lnmd.silu_chunk_major_backward(du, dv, dq, dk, z, bias_grad) -> (dz, dbias)
+
+z: [T, 4*hd] bf16/fp16 on CUDA, hd a multiple of 8; act: [4, T, hd] (u, v, q, k blocks). The
+backward takes the four [T, hd] gradients as separate tensors (any row stride that is a multiple
+of 8) and returns dz [T, 4*hd] plus, when bias_grad, the fp32 column sums of dz (the uvqk bias
+gradient, from the same pass). Twins: `reference_silu_chunk_major`,
+`reference_silu_chunk_major_backward`.
 """
 
 from __future__ import annotations
@@ -37,6 +49,8 @@ __all__ = [
     "load_extension",
     "reference_bwd",
     "reference_fwd",
+    "reference_silu_chunk_major",
+    "reference_silu_chunk_major_backward",
     "supports",
 ]
 
@@ -180,6 +194,48 @@ def reference_bwd(
     else:
         y = x.new_empty((0,))
     return dx.to(x.dtype), du.to(x.dtype), dweight, dbias, y
+
+
+def _check_chunk_major(z: torch.Tensor) -> int:
+    if z.dim() != 2 or z.shape[1] % 4:
+        raise ValueError(
+            f"z must be [T, 4 * hd] (u | v | q | k column blocks); got shape {tuple(z.shape)}"
+        )
+    return z.shape[1] // 4
+
+
+def reference_silu_chunk_major(z: torch.Tensor) -> torch.Tensor:
+    """PyTorch twin of torch.ops.hstu_lnmd.silu_chunk_major: SiLU(z) in fp32, rounded to z's
+    dtype, as [4, T, hd] (block b = columns b*hd:(b+1)*hd of z)."""
+    hd = _check_chunk_major(z)
+    act = torch.nn.functional.silu(z.float()).to(z.dtype)
+    return act.view(z.shape[0], 4, hd).transpose(0, 1).contiguous()
+
+
+def reference_silu_chunk_major_backward(
+    du: torch.Tensor,
+    dv: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    z: torch.Tensor,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch twin of torch.ops.hstu_lnmd.silu_chunk_major_backward: dz = [du | dv | dq | dk] *
+    SiLU'(z) in fp32, rounded to z's dtype, and (bias_grad) its fp32 column sums, else empty."""
+    hd = _check_chunk_major(z)
+    t = z.shape[0]
+    for name, g in (("du", du), ("dv", dv), ("dq", dq), ("dk", dk)):
+        if tuple(g.shape) != (t, hd):
+            raise ValueError(
+                f"{name} must be [T, hd] = [{t}, {hd}] for z of shape {tuple(z.shape)}; "
+                f"got {tuple(g.shape)}"
+            )
+    zf = z.float()
+    s = torch.sigmoid(zf)
+    g = torch.cat([du.float(), dv.float(), dq.float(), dk.float()], dim=1)
+    dz = (g * (s * (1.0 + zf * (1.0 - s)))).to(z.dtype)
+    dbias = dz.float().sum(0) if bias_grad else z.new_empty((0,), dtype=torch.float32)
+    return dz, dbias
 
 
 class _LayerNormMulDropout(torch.autograd.Function):

@@ -9,6 +9,15 @@
 // weight, bias: fp32 [D]; D a multiple of 8 in [8, 8192]; 0 <= p < 1 (dropout keep mask
 // regenerated from `seed` and `offset`, see philox.h). bwd's y is the recomputed forward output when
 // recompute_y, else an empty tensor.
+//
+//   silu_chunk_major(z) -> act
+//   silu_chunk_major_backward(du, dv, dq, dk, z, bias_grad) -> (dz, dbias)
+//
+// z: [T, 4*hd] bf16/fp16, hd a multiple of 8; act: [4, T, hd] = SiLU of the (u | v | q | k)
+// column blocks, each a contiguous [T, hd]. du, dv, dq, dk: [T, hd] in z's dtype (any row
+// stride that is a multiple of 8, separate buffers); dz: [T, 4*hd] contiguous; dbias: fp32
+// [4*hd] column sums of dz when bias_grad, else an empty tensor. All 16-bit tensors: last dim
+// contiguous, 16-byte aligned.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -204,6 +213,107 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
   return {dx, du, partials.select(1, 0).sum(0), partials.select(1, 1).sum(0), y};
 }
 
+// A 2-D 16-bit tensor the SiLU kernels read with 16-byte vectors (shape checked by the caller).
+void check_silu_rows(const Tensor& t, const char* name, const Tensor& z) {
+  const std::string n(name);
+  LNMD_VALUE(t.is_cuda(), n + " must be a CUDA tensor; got device " + t.device().str());
+  LNMD_VALUE(t.device() == z.device(), n + " is on " + t.device().str() + " but z is on " +
+                                           z.device().str());
+  LNMD_TYPE(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
+            n + " must be bfloat16 or float16; got " + dtype_of(t) +
+                " (the fused layer falls back to aten.silu for other dtypes)");
+  LNMD_TYPE(t.scalar_type() == z.scalar_type(),
+            n + " has dtype " + dtype_of(t) + " but z has " + dtype_of(z));
+  LNMD_VALUE(t.dim() == 2, n + " must be 2-D; got shape " + shape_of(t));
+  if (t.size(0) == 0) return;
+  LNMD_VALUE(t.stride(1) == 1, n + " must have a contiguous last dim (stride 1); got stride " +
+                                   std::to_string(t.stride(1)) + " (call .contiguous())");
+  LNMD_VALUE(t.size(0) == 1 || (t.stride(0) >= t.size(1) && t.stride(0) % 8 == 0),
+             n + " row stride must be >= its width and a multiple of 8 elements; got " +
+                 std::to_string(t.stride(0)) + " (call .contiguous())");
+  LNMD_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+             n + " must start 16-byte aligned (call .contiguous())");
+}
+
+// hd of z [T, 4*hd], checked: a multiple of 8 (one 16-byte chunk never straddles two blocks).
+int64_t silu_hd(const Tensor& z) {
+  check_silu_rows(z, "z", z);
+  const int64_t w = z.size(1);
+  LNMD_VALUE(w % 32 == 0 && w > 0 && w <= (int64_t(1) << 28),
+             "z must be [T, 4 * hd] with hd a multiple of 8; got shape " + shape_of(z) +
+                 " (hd = " + std::to_string(w / 4) + "; other widths: the aten.silu path)");
+  return w / 4;
+}
+
+Tensor silu_fwd_cuda(const Tensor& z) {
+  const int64_t hd = silu_hd(z);
+  const c10::cuda::CUDAGuard guard(z.device());
+  const int64_t t = z.size(0);
+  auto act = at::empty({4, t, hd}, z.options());
+  if (t == 0) return act;
+  lnmd::SiluFwdParams prm;
+  prm.z = z.data_ptr();
+  prm.z_stride = z.stride(0);
+  prm.act = act.data_ptr();
+  prm.rows = t;
+  prm.hd = static_cast<int>(hd);
+  lnmd::launch_silu_fwd(dtype_enum(z), prm, num_sms(z), at::cuda::getCurrentCUDAStream());
+  check_launch();
+  return act;
+}
+
+std::tuple<Tensor, Tensor> silu_bwd_cuda(const Tensor& du, const Tensor& dv, const Tensor& dq,
+                                         const Tensor& dk, const Tensor& z, bool bias_grad) {
+  const int64_t hd = silu_hd(z);
+  const int64_t t = z.size(0);
+  const Tensor* grads[4] = {&du, &dv, &dq, &dk};
+  const char* names[4] = {"du", "dv", "dq", "dk"};
+  for (int i = 0; i < 4; ++i) {
+    check_silu_rows(*grads[i], names[i], z);
+    LNMD_VALUE(grads[i]->size(0) == t && grads[i]->size(1) == hd,
+               std::string(names[i]) + " must be [T, hd] = [" + std::to_string(t) + ", " +
+                   std::to_string(hd) + "] for z of shape " + shape_of(z) + "; got " +
+                   shape_of(*grads[i]));
+  }
+  const c10::cuda::CUDAGuard guard(z.device());
+  auto dz = at::empty({t, 4 * hd}, z.options());
+  const auto fopts = z.options().dtype(at::kFloat);
+  if (t == 0) return {dz, bias_grad ? at::zeros({4 * hd}, fopts) : at::empty({0}, fopts)};
+  const lnmd::DType dt = dtype_enum(z);
+  const int grid_y = lnmd::silu_bwd_grid(dt, static_cast<int>(hd), t, num_sms(z));
+  Tensor partials = bias_grad ? at::empty({grid_y, 4 * hd}, fopts) : Tensor();
+  lnmd::SiluBwdParams prm;
+  prm.grad0 = du.data_ptr();
+  prm.grad1 = dv.data_ptr();
+  prm.grad2 = dq.data_ptr();
+  prm.grad3 = dk.data_ptr();
+  prm.grad_stride0 = du.stride(0);
+  prm.grad_stride1 = dv.stride(0);
+  prm.grad_stride2 = dq.stride(0);
+  prm.grad_stride3 = dk.stride(0);
+  prm.z = z.data_ptr();
+  prm.z_stride = z.stride(0);
+  prm.dz = dz.data_ptr();
+  prm.dz_stride = dz.stride(0);
+  prm.partials = bias_grad ? partials.data_ptr<float>() : nullptr;
+  prm.rows = t;
+  prm.hd = static_cast<int>(hd);
+  lnmd::launch_silu_bwd(dt, prm, grid_y, at::cuda::getCurrentCUDAStream());
+  check_launch();
+  return {dz, bias_grad ? partials.sum(0) : at::empty({0}, fopts)};
+}
+
+Tensor silu_fwd_meta(const Tensor& z) {
+  return at::empty_symint({4, z.sym_size(0), z.sym_size(1) / 4}, z.options());
+}
+
+std::tuple<Tensor, Tensor> silu_bwd_meta(const Tensor& du, const Tensor& dv, const Tensor& dq,
+                                         const Tensor& dk, const Tensor& z, bool bias_grad) {
+  const auto fopts = z.options().dtype(at::kFloat);
+  return {at::empty_symint(z.sym_sizes(), z.options()),
+          bias_grad ? at::empty_symint({z.sym_size(1)}, fopts) : at::empty({0}, fopts)};
+}
+
 std::tuple<Tensor, Tensor, Tensor> fwd_meta(const Tensor& x, const Tensor& u, const Tensor& weight,
                                             const Tensor& bias, double eps, double p,
                                             int64_t seed, int64_t offset) {
@@ -231,18 +341,25 @@ TORCH_LIBRARY(hstu_lnmd, m) {
   m.def("bwd(Tensor dy, Tensor x, Tensor u, Tensor weight, Tensor bias, Tensor mean, "
         "Tensor rstd, float p, int seed, int offset, bool recompute_y) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("silu_chunk_major(Tensor z) -> Tensor");
+  m.def("silu_chunk_major_backward(Tensor du, Tensor dv, Tensor dq, Tensor dk, Tensor z, "
+        "bool bias_grad) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hstu_lnmd, CUDA, m) {
   m.impl("fwd", &fwd_cuda);
   m.impl("bwd", &bwd_cuda);
+  m.impl("silu_chunk_major", &silu_fwd_cuda);
+  m.impl("silu_chunk_major_backward", &silu_bwd_cuda);
 }
 
 TORCH_LIBRARY_IMPL(hstu_lnmd, Meta, m) {
   m.impl("fwd", &fwd_meta);
   m.impl("bwd", &bwd_meta);
+  m.impl("silu_chunk_major", &silu_fwd_meta);
+  m.impl("silu_chunk_major_backward", &silu_bwd_meta);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "LayerNorm(x) * u * dropout kernels (ops under torch.ops.hstu_lnmd)";
+  m.doc() = "LayerNorm(x) * u * dropout and chunk-major SiLU kernels (ops under torch.ops.hstu_lnmd)";
 }

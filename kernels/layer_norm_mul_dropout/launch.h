@@ -32,6 +32,12 @@ int bwd_grid(DType dtype, int cols, int64_t rows, int num_sms);
 void launch_fwd(DType dtype, const FwdParams& p, int num_sms, cudaStream_t stream);
 void launch_bwd(DType dtype, const BwdParams& p, int grid, cudaStream_t stream);
 
+// Chunk-major SiLU of the uvqk projection and its backward (silu.cu). silu_bwd_grid: the
+// number of block rows the backward launches (api.cpp sizes the bias partials [grid, 4 * hd]).
+int silu_bwd_grid(DType dtype, int hd, int64_t rows, int num_sms);
+void launch_silu_fwd(DType dtype, const SiluFwdParams& p, int num_sms, cudaStream_t stream);
+void launch_silu_bwd(DType dtype, const SiluBwdParams& p, int grid_y, cudaStream_t stream);
+
 // Per-dtype entry points (instantiations/*.cu).
 template <typename T>
 void run_fwd(const FwdParams& p, int num_sms, cudaStream_t stream);

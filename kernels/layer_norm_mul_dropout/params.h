@@ -58,4 +58,34 @@ struct BwdParams {
   Dropout dropout;
 };
 
+// SiLU of the uvqk projection, chunk-major (silu_kernel.h). z: [rows, 4 * hd] 16-bit, last dim
+// contiguous, row stride a multiple of 8 elements, 16-byte aligned; hd a multiple of 8.
+struct SiluFwdParams {
+  const void* z = nullptr;
+  int64_t z_stride = 0;
+  void* act = nullptr;  // [4, rows, hd] contiguous: (u, v, q, k) blocks
+  int64_t rows = 0;
+  int hd = 0;
+};
+
+// dz[:, b*hd:(b+1)*hd] = grad[b] * SiLU'(z[:, b*hd:(b+1)*hd]) for b = 0..3 (du, dv, dq, dk), and
+// optionally the column sums of the rounded dz (the uvqk bias gradient) as per-block partials.
+struct SiluBwdParams {
+  const void* grad0 = nullptr;  // du [rows, hd]
+  const void* grad1 = nullptr;  // dv
+  const void* grad2 = nullptr;  // dq
+  const void* grad3 = nullptr;  // dk
+  int64_t grad_stride0 = 0;
+  int64_t grad_stride1 = 0;
+  int64_t grad_stride2 = 0;
+  int64_t grad_stride3 = 0;
+  const void* z = nullptr;
+  int64_t z_stride = 0;
+  void* dz = nullptr;          // [rows, 4 * hd], row stride dz_stride
+  int64_t dz_stride = 0;
+  float* partials = nullptr;   // [gridDim.y, 4 * hd] column sums of dz per block row, or nullptr
+  int64_t rows = 0;
+  int hd = 0;
+};
+
 }  // namespace lnmd

@@ -1,0 +1,139 @@
+// SiLU of the fused layer's uvqk projection, written chunk-major, and its backward.
+//
+//   forward:  act[b, r, :] = SiLU(z[r, b*hd:(b+1)*hd])           b = 0..3 (u, v, q, k)
+//   backward: dz[r, b*hd:(b+1)*hd] = grad_b[r, :] * SiLU'(z[r, b*hd:(b+1)*hd])
+//             (+ optionally the column sums of dz as rounded to T: the uvqk bias gradient)
+//
+// SiLU(x) = x * s, SiLU'(x) = s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x)); math in fp32.
+//
+// Layout: a thread owns one 8-element (16-byte) chunk column c of z / dz for the whole launch
+// (so its block index b, its source/destination pointers and, in backward, its 8 bias-gradient
+// accumulators stay in registers) and walks rows grid-stride, kSiluUnroll rows per step with all
+// loads issued before any math. Blocks are (BX chunk columns) x (BY rows), BX * BY =
+// kSiluThreads; consecutive threads read consecutive 16-byte chunks of one row (coalesced), and
+// write consecutive chunks of one row of one act block.
+#pragma once
+
+#include "kernel_traits.h"
+
+namespace lnmd {
+
+constexpr int kSiluThreads = 256;
+constexpr int kSiluUnroll = 4;
+
+__device__ __forceinline__ float silu_f32(float x) { return x / (1.0f + __expf(-x)); }
+
+__device__ __forceinline__ float silu_grad_f32(float x) {
+  const float s = 1.0f / (1.0f + __expf(-x));
+  return s * (1.0f + x * (1.0f - s));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kSiluThreads) silu_fwd_kernel(const SiluFwdParams p) {
+  const int hdc = p.hd / 8;  // chunks per (u | v | q | k) block
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= 4 * hdc) return;
+  const int b = c / hdc;
+  const int ci = c - b * hdc;
+  const char* zcol = static_cast<const char*>(p.z) + static_cast<int64_t>(c) * 16;
+  char* acol = static_cast<char*>(p.act) +
+               (static_cast<int64_t>(b) * p.rows * p.hd + static_cast<int64_t>(ci) * 8) *
+                   static_cast<int64_t>(sizeof(T));
+  const int64_t zs = p.z_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t as = static_cast<int64_t>(p.hd) * static_cast<int64_t>(sizeof(T));
+  const int64_t step = static_cast<int64_t>(gridDim.y) * blockDim.y;
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r0 < p.rows;
+       r0 += kSiluUnroll * step) {
+    uint4 raw[kSiluUnroll];
+#pragma unroll
+    for (int k = 0; k < kSiluUnroll; ++k) {
+      const int64_t r = r0 + k * step;
+      raw[k] = r < p.rows ? *reinterpret_cast<const uint4*>(zcol + r * zs) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int k = 0; k < kSiluUnroll; ++k) {
+      const int64_t r = r0 + k * step;
+      if (r >= p.rows) break;
+      float v[8];
+      Vec<T>::load(&raw[k], v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = silu_f32(v[j]);
+      Vec<T>::store(acol + r * as, v);
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kSiluThreads) silu_bwd_kernel(const SiluBwdParams p) {
+  __shared__ float red[kSiluThreads][8];  // bias-gradient partials of the block's row lanes
+  const int hdc = p.hd / 8;
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool col_ok = c < 4 * hdc;
+  const int b = col_ok ? c / hdc : 0;
+  const int ci = c - b * hdc;
+  // the gradient block this column reads (a select chain: no dynamic indexing into params)
+  const void* g = b == 0 ? p.grad0 : b == 1 ? p.grad1 : b == 2 ? p.grad2 : p.grad3;
+  const int64_t gstride =
+      b == 0 ? p.grad_stride0 : b == 1 ? p.grad_stride1 : b == 2 ? p.grad_stride2 : p.grad_stride3;
+  const int64_t tsize = static_cast<int64_t>(sizeof(T));
+  const char* gcol = static_cast<const char*>(g) + static_cast<int64_t>(ci) * 16;
+  const char* zcol = static_cast<const char*>(p.z) + static_cast<int64_t>(c) * 16;
+  char* dcol = static_cast<char*>(p.dz) + static_cast<int64_t>(c) * 16;
+  const int64_t gs = gstride * tsize, zs = p.z_stride * tsize, ds = p.dz_stride * tsize;
+  const bool bias = p.partials != nullptr;
+  const int64_t step = static_cast<int64_t>(gridDim.y) * blockDim.y;
+
+  float acc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+  if (col_ok) {
+    for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r0 < p.rows;
+         r0 += kSiluUnroll * step) {
+      uint4 zraw[kSiluUnroll], graw[kSiluUnroll];
+#pragma unroll
+      for (int k = 0; k < kSiluUnroll; ++k) {
+        const int64_t r = r0 + k * step;
+        const bool in = r < p.rows;
+        zraw[k] = in ? *reinterpret_cast<const uint4*>(zcol + r * zs) : make_uint4(0, 0, 0, 0);
+        graw[k] = in ? *reinterpret_cast<const uint4*>(gcol + r * gs) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int k = 0; k < kSiluUnroll; ++k) {
+        const int64_t r = r0 + k * step;
+        if (r >= p.rows) break;
+        float zv[8], gv[8];
+        Vec<T>::load(&zraw[k], zv);
+        Vec<T>::load(&graw[k], gv);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) gv[j] *= silu_grad_f32(zv[j]);
+        uint4 out;
+        Vec<T>::store(&out, gv);
+        *reinterpret_cast<uint4*>(dcol + r * ds) = out;
+        if (bias) {  // sum what was stored (the rounded dz), as dz.sum(0, dtype=float32) would
+          Vec<T>::load(&out, gv);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[j] += gv[j];
+        }
+      }
+    }
+  }
+  if (!bias) return;  // uniform over the grid
+  if (blockDim.y > 1) {  // add up the row lanes of each column (uniform over the block)
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) red[tid][j] = acc[j];
+    __syncthreads();
+    if (threadIdx.y != 0) return;
+    for (int y = 1; y < static_cast<int>(blockDim.y); ++y) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] += red[y * blockDim.x + threadIdx.x][j];
+    }
+  }
+  if (!col_ok) return;
+  float4* dst = reinterpret_cast<float4*>(p.partials + static_cast<int64_t>(blockIdx.y) * 4 * p.hd +
+                                          static_cast<int64_t>(c) * 8);
+  dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+}
+
+}  // namespace lnmd

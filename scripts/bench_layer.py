@@ -7,11 +7,18 @@ object per line:
 
 Layer variants: "fused" (the default gate_kernel, "auto"), "fused_gate_cuda" (the compiled
 LayerNorm*u*dropout kernel), "fused_gate_compiled" (its torch.compiled PyTorch stages),
-"fused_eager" (every elementwise stage eager), "fused_recompute_*" (memory options, default gate).
+"fused_eager" (every elementwise stage eager), "fused_recompute_*" (memory options, default gate),
+"fused_silu_aten" (the default layer with the uvqk SiLU on the aten path instead of the
+chunk-major SiLU kernels).
 Gating-step variants, [T, H*d] forward + backward of dropout(LayerNorm(a) * u) alone (u a column
 block of a [T, 4*H*d] tensor, as in the layer): "gate_op_cuda" (torch.ops.hstu_lnmd, including
 the recompute of y) and "gate_op_compiled" (the layer's torch.compiled stages gate_fwd,
 gate_recompute, gate_bwd, with a dropout mask).
+SiLU-step variants, z [T, 4*H*d] -> act [4, T, H*d] forward and (du, dv, dq, dk) -> dz [T, 4*H*d]
+plus the uvqk bias gradient backward, alone: "silu_op_cuda" (torch.ops.hstu_lnmd.silu_chunk_major
+and silu_chunk_major_backward) and "silu_op_aten" (the layer's fallback: aten.silu.out into the
+transposed view, four aten.silu_backward into column blocks, dz.sum(0)); rows add ms_fwd, ms_bwd
+and the effective GB/s of each (bytes read + written once).
 
 Lengths are randint(N // 2, N + 1) from seed 0 (DESIGN.md benchmarks). `ms_fwd_bwd` is the
 median of --iters forward+backward calls after --warmup (CUDA events on GPU, perf_counter on
@@ -36,7 +43,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hstu.modules.fused_hstu_layer as fused_mod  # noqa: E402
 from hstu.modules import layer_norm_mul_dropout as lnmd  # noqa: E402
-from hstu.modules.fused_hstu_layer import FusedHSTULayer, set_stage_compile  # noqa: E402
+from hstu.modules.fused_hstu_layer import (  # noqa: E402
+    FusedHSTULayer,
+    set_silu_kernel,
+    set_stage_compile,
+)
 from hstu.modules.hstu_layer import AttentionInputs, HSTULayer  # noqa: E402
 from hstu.training.flops import StackShape, step_flops  # noqa: E402
 
@@ -50,8 +61,11 @@ VARIANTS = {
     "fused_recompute_ln": (True, False, None, True),
     "fused_recompute_silu": (False, True, None, True),
     "fused_recompute_both": (True, True, None, True),
+    "fused_silu_aten": (False, False, None, True),  # + the SiLU kernels switched off
 }
 GATE_VARIANTS = ("gate_op_cuda", "gate_op_compiled")
+SILU_VARIANTS = ("silu_op_cuda", "silu_op_aten")
+STEP_VARIANTS = GATE_VARIANTS + SILU_VARIANTS
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -66,7 +80,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--variants", default=",".join(list(VARIANTS) + list(GATE_VARIANTS)))
+    p.add_argument("--variants", default=",".join(list(VARIANTS) + list(STEP_VARIANTS)))
     p.add_argument("--out", default="")
     return p.parse_args(argv)
 
@@ -114,6 +128,41 @@ def _gate_step(variant: str, t: int, inner: int, dropout: float, dev, dtype, gen
     return step
 
 
+def _silu_steps(variant: str, t: int, heads: int, head_dim: int, dev, dtype, gen):
+    """(forward, backward, bytes forward, bytes backward) of the uvqk SiLU step alone, with the
+    gradients laid out as the layer has them (du [T, H*d], dv/dq/dk [T, H, d])."""
+    inner = heads * head_dim
+    z = torch.randn(t, 4 * inner, generator=gen).to(dev, dtype)
+    du = torch.randn(t, inner, generator=gen).to(dev, dtype)
+    dv, dq, dk = (torch.randn(t, heads, head_dim, generator=gen).to(dev, dtype) for _ in range(3))
+    esize = z.element_size()
+    fwd_bytes = 2 * z.numel() * esize
+    bwd_bytes = 3 * z.numel() * esize + 4 * 4 * inner
+    if variant == "silu_op_cuda":
+        if not lnmd.load_extension() or not hasattr(torch.ops.hstu_lnmd, "silu_chunk_major"):
+            raise RuntimeError(lnmd.BUILD_HINT)
+        ops = torch.ops.hstu_lnmd
+        rows = [g.reshape(t, inner) for g in (du, dv, dq, dk)]
+
+        def fwd():
+            ops.silu_chunk_major(z)
+
+        def bwd():
+            ops.silu_chunk_major_backward(*rows, z, True)
+
+        return fwd, bwd, fwd_bytes, bwd_bytes
+
+    def fwd():
+        fused_mod._silu_chunk_major(z, inner)
+
+    def bwd():
+        dz = torch.empty_like(z)
+        fused_mod._silu_backward_into(dz, (du, dv, dq, dk), z, inner)
+        dz.sum(0, dtype=torch.float32)
+
+    return fwd, bwd, fwd_bytes, bwd_bytes
+
+
 def _time(fn, iters: int, warmup: int, cuda: bool) -> float:
     for _ in range(warmup):
         fn()
@@ -154,14 +203,27 @@ def main(argv=None) -> int:
     autocast = cuda and dtype != torch.float32
     name = torch.cuda.get_device_name(dev) if cuda else "cpu"
     for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
-        if variant not in VARIANTS and variant not in GATE_VARIANTS:
+        if variant not in VARIANTS and variant not in STEP_VARIANTS:
             raise SystemExit(
-                f"--variants: unknown {variant!r}; one of {list(VARIANTS) + list(GATE_VARIANTS)}"
+                f"--variants: unknown {variant!r}; one of {list(VARIANTS) + list(STEP_VARIANTS)}"
             )
         rec = VARIANTS.get(variant)
         set_stage_compile(rec[3] if rec is not None else True)
+        set_silu_kernel(variant != "fused_silu_aten")
+        sdt = dtype if autocast else torch.float32
         try:
-            if variant in GATE_VARIANTS:
+            if variant in SILU_VARIANTS:
+                fwd, bwd, fwd_bytes, bwd_bytes = _silu_steps(
+                    variant, t, args.heads, args.head_dim, dev, sdt, gen
+                )
+                fwd()
+                bwd()  # surfaces a missing kernel before timing
+
+                def step(fwd=fwd, bwd=bwd):
+                    fwd()
+                    bwd()
+
+            elif variant in GATE_VARIANTS:
                 gdt = dtype if autocast else torch.float32
                 step = _gate_step(
                     variant, t, args.heads * args.head_dim, args.dropout, dev, gdt, gen
@@ -204,7 +266,7 @@ def main(argv=None) -> int:
             peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**30
         ms = _time(step, args.iters, args.warmup, cuda)
         host = _host_ms(step, max(5, args.iters // 2), cuda)
-        gate_only = variant in GATE_VARIANTS
+        gate_only = variant in STEP_VARIANTS
         row = {
             "variant": variant,
             "device": name,
@@ -221,7 +283,17 @@ def main(argv=None) -> int:
             "tflops": None if gate_only else flops / (ms / 1000.0) / 1e12,
             "peak_mem_gb": peak,
         }
+        if variant in SILU_VARIANTS:
+            ms_f = _time(fwd, args.iters, args.warmup, cuda)
+            ms_b = _time(bwd, args.iters, args.warmup, cuda)
+            row.update(
+                ms_fwd=ms_f,
+                ms_bwd=ms_b,
+                gbps_fwd=fwd_bytes / (ms_f / 1000.0) / 1e9,
+                gbps_bwd=bwd_bytes / (ms_b / 1000.0) / 1e9,
+            )
         _emit(args.out, row)
+    set_silu_kernel(True)
     return 0
 
 

@@ -1,0 +1,38 @@
+"""scripts/bench_layer.py on CPU: the SiLU-step rows (aten path timed, kernel row reporting the
+missing build) and the layer row with the SiLU kernels switched off, as JSON lines."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import hstu.modules.fused_hstu_layer as fused_mod
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_layer", ROOT / "scripts" / "bench_layer.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_layer_silu_rows_cpu(tmp_path, capsys):
+    out = tmp_path / "rows.jsonl"
+    args = ["--device", "cpu", "--batch", "2", "--max-len", "16", "--hidden", "32", "--heads",
+            "2", "--head-dim", "16", "--iters", "2", "--warmup", "1", "--out", str(out),
+            "--variants", "silu_op_aten,silu_op_cuda,fused_silu_aten"]  # fmt: skip
+    assert _bench().main(args) == 0
+    rows = {r["variant"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert capsys.readouterr().out.count("\n") == 3
+    aten = rows["silu_op_aten"]
+    assert aten["ms_fwd"] > 0 and aten["ms_bwd"] > 0 and aten["gbps_fwd"] > 0
+    assert aten["ms_fwd_bwd"] > 0 and aten["tflops"] is None and aten["tokens"] >= 16
+    assert "not built" in rows["silu_op_cuda"]["error"]  # no CUDA extension on CPU
+    layer = rows["fused_silu_aten"]
+    assert layer["ms_fwd_bwd"] > 0 and layer["tflops"] > 0
+    assert fused_mod.silu_kernel_enabled()  # the benchmark restores the default

@@ -8,7 +8,7 @@ object per line:
 Layer variants: "fused" (the default gate_kernel, "auto"), "fused_gate_cuda" (the compiled
 LayerNorm*u*dropout kernel), "fused_gate_compiled" (its torch.compiled PyTorch stages),
 "fused_eager" (every elementwise stage eager), "fused_recompute_*" (memory options, default gate),
-"fused_silu_aten" (the default layer with the uvqk SiLU on the aten path instead of the
+"fused_aten_elementwise" (the default layer with the uvqk SiLU on the aten path instead of the
 chunk-major SiLU kernels).
 Gating-step variants, [T, H*d] forward + backward of dropout(LayerNorm(a) * u) alone (u a column
 block of a [T, 4*H*d] tensor, as in the layer): "gate_op_cuda" (torch.ops.hstu_lnmd, including
@@ -19,6 +19,9 @@ plus the uvqk bias gradient backward, alone: "silu_op_cuda" (torch.ops.hstu_lnmd
 and silu_chunk_major_backward) and "silu_op_aten" (the layer's fallback: aten.silu.out into the
 transposed view, four aten.silu_backward into column blocks, dz.sum(0)); rows add ms_fwd, ms_bwd
 and the effective GB/s of each (bytes read + written once).
+Cast-step variants, the backward's first step on an fp32 gradient [T, hidden] (cast to the
+matmul dtype + the output bias gradient): "cast_op_cuda" (torch.ops.hstu_lnmd.cast_colsum, one
+pass) and "cast_op_aten" (`.to()` then a sum of the cast); rows add gbps.
 
 Lengths are randint(N // 2, N + 1) from seed 0 (DESIGN.md benchmarks). `ms_fwd_bwd` is the
 median of --iters forward+backward calls after --warmup (CUDA events on GPU, perf_counter on
@@ -45,7 +48,7 @@ import hstu.modules.fused_hstu_layer as fused_mod  # noqa: E402
 from hstu.modules import layer_norm_mul_dropout as lnmd  # noqa: E402
 from hstu.modules.fused_hstu_layer import (  # noqa: E402
     FusedHSTULayer,
-    set_silu_kernel,
+    set_elementwise_kernels,
     set_stage_compile,
 )
 from hstu.modules.hstu_layer import AttentionInputs, HSTULayer  # noqa: E402
@@ -61,11 +64,12 @@ VARIANTS = {
     "fused_recompute_ln": (True, False, None, True),
     "fused_recompute_silu": (False, True, None, True),
     "fused_recompute_both": (True, True, None, True),
-    "fused_silu_aten": (False, False, None, True),  # + the SiLU kernels switched off
+    "fused_aten_elementwise": (False, False, None, True),  # + the SiLU kernels switched off
 }
 GATE_VARIANTS = ("gate_op_cuda", "gate_op_compiled")
 SILU_VARIANTS = ("silu_op_cuda", "silu_op_aten")
-STEP_VARIANTS = GATE_VARIANTS + SILU_VARIANTS
+CAST_VARIANTS = ("cast_op_cuda", "cast_op_aten")
+STEP_VARIANTS = GATE_VARIANTS + SILU_VARIANTS + CAST_VARIANTS
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -163,6 +167,22 @@ def _silu_steps(variant: str, t: int, heads: int, head_dim: int, dev, dtype, gen
     return fwd, bwd, fwd_bytes, bwd_bytes
 
 
+def _cast_step(variant: str, t: int, hidden: int, dev, dtype, gen):
+    """(step, bytes) of the cast + output-bias-gradient step on an fp32 [T, hidden] gradient."""
+    dout = torch.randn(t, hidden, generator=gen).to(dev)
+    nbytes = dout.numel() * (4 + torch.tensor([], dtype=dtype).element_size())
+    if variant == "cast_op_cuda":
+        if not lnmd.load_extension() or not hasattr(torch.ops.hstu_lnmd, "cast_colsum"):
+            raise RuntimeError(lnmd.BUILD_HINT)
+        return (lambda: torch.ops.hstu_lnmd.cast_colsum(dout, dtype)), nbytes
+
+    def step():
+        dproj = dout.to(dtype)
+        dproj.sum(0, dtype=torch.float32)
+
+    return step, nbytes
+
+
 def _time(fn, iters: int, warmup: int, cuda: bool) -> float:
     for _ in range(warmup):
         fn()
@@ -209,7 +229,7 @@ def main(argv=None) -> int:
             )
         rec = VARIANTS.get(variant)
         set_stage_compile(rec[3] if rec is not None else True)
-        set_silu_kernel(variant != "fused_silu_aten")
+        set_elementwise_kernels(variant != "fused_aten_elementwise")
         sdt = dtype if autocast else torch.float32
         try:
             if variant in SILU_VARIANTS:
@@ -223,6 +243,9 @@ def main(argv=None) -> int:
                     fwd()
                     bwd()
 
+            elif variant in CAST_VARIANTS:
+                step, cast_bytes = _cast_step(variant, t, args.hidden, dev, sdt, gen)
+                step()
             elif variant in GATE_VARIANTS:
                 gdt = dtype if autocast else torch.float32
                 step = _gate_step(
@@ -292,8 +315,10 @@ def main(argv=None) -> int:
                 gbps_fwd=fwd_bytes / (ms_f / 1000.0) / 1e9,
                 gbps_bwd=bwd_bytes / (ms_b / 1000.0) / 1e9,
             )
+        if variant in CAST_VARIANTS:
+            row["gbps"] = cast_bytes / (ms / 1000.0) / 1e9
         _emit(args.out, row)
-    set_silu_kernel(True)
+    set_elementwise_kernels(True)
     return 0
 
 

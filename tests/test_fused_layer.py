@@ -419,13 +419,14 @@ def test_silu_kernel_selection_and_gradient_rows():
     kernel views where the layout allows and aligned contiguous copies where it does not."""
     x = torch.zeros(3, HIDDEN)
     assert fused_mod._silu_ops(x, HEADS * DIM) is None
-    assert fused_mod.silu_kernel_enabled()
-    fused_mod.set_silu_kernel(False)
+    assert fused_mod._cast_op(x, HIDDEN) is None
+    assert fused_mod.elementwise_kernels_enabled()
+    fused_mod.set_elementwise_kernels(False)
     try:
-        assert not fused_mod.silu_kernel_enabled()
+        assert not fused_mod.elementwise_kernels_enabled()
         assert fused_mod._silu_ops(x, HEADS * DIM) is None
     finally:
-        fused_mod.set_silu_kernel(True)
+        fused_mod.set_elementwise_kernels(True)
     base = torch.randn(5, 2, 16)
     rows = fused_mod._kernel_rows(base, 5, 32, torch.float32)
     assert rows.shape == (5, 32) and rows.data_ptr() == base.data_ptr()  # a view
@@ -470,12 +471,12 @@ def test_fused_silu_kernel_vs_aten_path_cuda(recompute):
         assert fused_mod._silu_ops(x, heads * dim) is not None
         res_k = _run(fused, x, attn, g)
         fused.zero_grad()
-        fused_mod.set_silu_kernel(False)
+        fused_mod.set_elementwise_kernels(False)
         try:
             assert fused_mod._silu_ops(x, heads * dim) is None
             res_a = _run(fused, x, attn, g)
         finally:
-            fused_mod.set_silu_kernel(True)
+            fused_mod.set_elementwise_kernels(True)
         res_r = _run(ref, x, attn, g)
 
     def rel(a, b):
@@ -492,3 +493,44 @@ def test_fused_silu_kernel_vs_aten_path_cuda(recompute):
             name,
             rel(res_k[1][name], res_r[1][name]),
         )
+
+
+def test_fused_cast_kernel_path_cpu_autocast(monkeypatch):
+    """The cast_colsum code path of the backward (fp32 residual stream, bf16 matmuls), run on
+    CPU under bf16 autocast with the op's twin: the twin receives the fp32 gradient as aligned
+    [T, D] rows (a contiguous copy of a column-major one), every gradient equals the aten path's
+    (a cast, then a sum of the cast) except the output bias, which now sums the fp32 values."""
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+
+    seen = []
+
+    def cast_twin(dout, dtype):
+        seen.append((dout.dtype, dtype, dout.is_contiguous()))
+        return lnmd.reference_cast_colsum(dout, dtype)
+
+    attn = _layout([7, 1, 12], targets=[2, 0, 3])
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(20, HIDDEN, generator=gen)
+    g = torch.randn(HIDDEN, 20, generator=gen).t()  # column-major
+    results = []
+    for use_op in (False, True):
+        if use_op:
+            monkeypatch.setattr(fused_mod, "_cast_op", lambda x, hidden: cast_twin)
+        _, fused = _pair(recompute=(True, True))
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fused(xi, attn)
+        assert out.dtype == torch.float32
+        out.backward(g)
+        grads = {n: p.grad.clone() for n, p in fused.named_parameters()}
+        results.append((out.detach(), grads, xi.grad.clone()))
+    assert seen == [(torch.float32, torch.bfloat16, True)]
+    (out_a, g_a, dx_a), (out_k, g_k, dx_k) = results
+    torch.testing.assert_close(out_k, out_a, atol=0, rtol=0)
+    torch.testing.assert_close(dx_k, dx_a, atol=0, rtol=0)
+    for name in g_a:
+        if name == "out_proj.bias":
+            torch.testing.assert_close(g_k[name], g.sum(0), atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(g_k[name], g_a[name], atol=5e-2, rtol=1e-2)
+        else:
+            torch.testing.assert_close(g_k[name], g_a[name], atol=0, rtol=0, msg=name)

@@ -393,3 +393,55 @@ def test_silu_kernels_empty_meta_and_input_errors_cuda():
     with pytest.raises(ValueError, match="16-byte aligned"):
         wide = torch.zeros(6 * 16 + 1, dtype=torch.bfloat16, device="cuda")
         ops.silu_chunk_major_backward(wide[1:].view(6, 16), dv, dq, dk, z, True)
+
+
+# ---- cast + column sum of the incoming fp32 gradient ----------------------------------------
+
+
+def test_cast_colsum_twin_cpu():
+    x = torch.randn(33, 40, generator=torch.Generator().manual_seed(0))
+    y, colsum = lnmd.reference_cast_colsum(x, torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, x.to(torch.bfloat16))
+    assert colsum.dtype == torch.float32
+    torch.testing.assert_close(colsum, x.sum(0), atol=0, rtol=0)  # the fp32 values, not y's
+    with pytest.raises(ValueError, match=r"2-D \[T, D\]"):
+        lnmd.reference_cast_colsum(x[0], torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,d,stride", [(1, 8, 8), (37, 24, 32), (1000, 1024, 1024),
+                                        (4099, 1032, 1040), (0, 64, 64)])  # fmt: skip
+@pytest.mark.gpu
+@needs_kernel
+def test_cast_colsum_matches_twin_cuda(dtype, t, d, stride):
+    """y bit-equal to x.to(dtype) (both round to nearest even); column sums within 1e-5 of the
+    fp64 sums relative to sum |x| (fp32 additions in another order); strided x; T = 0."""
+    x = (torch.randn(t, stride, generator=torch.Generator().manual_seed(t + d)) * 3).cuda()[:, :d]
+    assert t < 2 or x.stride(0) == stride
+    y, colsum = torch.ops.hstu_lnmd.cast_colsum(x, dtype)
+    y_r, _ = lnmd.reference_cast_colsum(x, dtype)
+    assert y.shape == (t, d) and y.dtype == dtype and y.is_contiguous()
+    assert torch.equal(y, y_r)
+    assert colsum.shape == (d,) and colsum.dtype == torch.float32
+    exact = x.double().sum(0)
+    bound = 1e-5 * x.double().abs().sum(0) + 1e-6
+    assert bool(((colsum.double() - exact).abs() <= bound).all())
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_cast_colsum_meta_and_input_errors_cuda():
+    op = torch.ops.hstu_lnmd.cast_colsum
+    m, ms = op(torch.empty(7, 64, device="meta"), torch.bfloat16)
+    assert m.shape == (7, 64) and m.dtype == torch.bfloat16 and ms.shape == (64,)
+    x = torch.randn(6, 64, device="cuda")
+    with pytest.raises(TypeError, match="must be float32"):
+        op(x.half(), torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        op(x, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        op(x[:, :60].contiguous(), torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        op(torch.randn(64, 6, device="cuda").t(), torch.bfloat16)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        op(torch.randn(6 * 64 + 1, device="cuda")[1:].view(6, 64), torch.bfloat16)

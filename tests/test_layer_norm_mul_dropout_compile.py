@@ -17,7 +17,13 @@ from hstu.modules import layer_norm_mul_dropout as lnmd
 
 ROOT = Path(__file__).resolve().parents[1]
 KDIR = ROOT / "kernels" / "layer_norm_mul_dropout"
-CUDA_SOURCES = ["instantiations/bf16.cu", "instantiations/fp16.cu", "launch.cu", "silu.cu"]
+CUDA_SOURCES = [
+    "instantiations/bf16.cu",
+    "instantiations/fp16.cu",
+    "launch.cu",
+    "silu.cu",
+    "cast.cu",
+]
 
 
 def _nvcc() -> str | None:
@@ -38,15 +44,15 @@ def test_sources_present_and_torch_free():
     api = (KDIR / "api.cpp").read_text()
     for needed in ("TORCH_LIBRARY(hstu_lnmd", "TORCH_LIBRARY_IMPL(hstu_lnmd, CUDA", "Meta"):
         assert needed in api
-    # the chunk-major SiLU ops: schema, CUDA and Meta implementations
-    for op in ("silu_chunk_major", "silu_chunk_major_backward"):
+    # the chunk-major SiLU and cast ops: schema, CUDA and Meta implementations
+    for op in ("silu_chunk_major", "silu_chunk_major_backward", "cast_colsum"):
         assert f'm.def("{op}(' in api
         assert api.count(f'm.impl("{op}", ') == 2, op
 
 
 def test_setup_builds_every_kernel_source():
-    """setup.py globs the family's top-level .cu/.cpp files and instantiations/: the SiLU
-    kernels (silu.cu) are part of the extension without a source list to keep in sync."""
+    """setup.py globs the family's top-level .cu/.cpp files and instantiations/: the SiLU and
+    cast kernels (silu.cu, cast.cu) are part of the extension with no source list to update."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_hstu_setup_sources", ROOT / "setup.py")
@@ -89,9 +95,10 @@ def test_compiles_for_sm80(name: str, tmp_path: Path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"nvcc failed for {name}:\n{proc.stderr[-6000:]}"
     assert out.stat().st_size > 0
-    if name == "silu.cu":  # forward + backward per dtype, no spills
+    if name in ("silu.cu", "cast.cu"):  # no spills (silu: fwd + bwd per dtype; cast: per dtype)
         spills = [ln for ln in proc.stderr.splitlines() if "spill stores" in ln]
-        assert len(spills) == 4 and all(" 0 bytes spill stores" in ln for ln in spills), spills
+        assert len(spills) == (4 if name == "silu.cu" else 2), spills
+        assert all(" 0 bytes spill stores" in ln for ln in spills), spills
     if name.startswith("instantiations/"):
         # 12 kernels per dtype: forward and backward for 6 row layouts; only the widest backward
         # (cols > 4096, 8 chunks per thread) may spill registers

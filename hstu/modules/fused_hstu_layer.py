@@ -15,8 +15,11 @@ Layout: SiLU(z) is written chunk-major, [4, T, H*d] = (u, v, q, k), so q, k and 
 gradients straight into its column block of dz [T, 4*H*d] (no concat). On CUDA with bf16/fp16
 activations, H*d % 8 == 0 and the lnmd extension built, both run as vectorised kernels
 (`torch.ops.hstu_lnmd.silu_chunk_major[_backward]`; the backward also returns the uvqk bias
-gradient from the same pass); otherwise (CPU, fp32, HSTU_FUSED_SILU_KERNEL=0 or
-`set_silu_kernel(False)`) `aten.silu.out` / `aten.silu_backward` and `dz.sum(0)`.
+gradient from the same pass); otherwise (CPU, fp32, HSTU_FUSED_ELEMENTWISE_KERNELS=0 or
+`set_elementwise_kernels(False)`) `aten.silu.out` / `aten.silu_backward` and `dz.sum(0)`. The
+same switch covers the backward's first step: with an fp32 residual stream the incoming gradient
+is cast to the matmul dtype and summed for the output bias in one pass
+(`torch.ops.hstu_lnmd.cast_colsum`) instead of a copy and a reduction over the copy.
 
 Gating step `dropout(LayerNorm(a) * u)` (``gate_kernel``): "cuda" runs the compiled kernel
 (`hstu.modules.layer_norm_mul_dropout`, kernels/layer_norm_mul_dropout/: one pass forward, one
@@ -63,9 +66,9 @@ __all__ = [
     "default_gate_kernel",
     "dropout_keep_mask",
     "fused_hstu_layer",
-    "set_silu_kernel",
+    "set_elementwise_kernels",
     "set_stage_compile",
-    "silu_kernel_enabled",
+    "elementwise_kernels_enabled",
     "stage_compile_enabled",
 ]
 
@@ -111,6 +114,8 @@ class _LayerSpec:
     gate_ops: tuple[Callable, Callable] | None
     # (silu_chunk_major, silu_chunk_major_backward) ops when the SiLU kernels run, else None
     silu_ops: tuple[Callable, Callable] | None = None
+    # cast_colsum op for the incoming fp32 gradient (cast + output bias gradient), else None
+    cast_op: Callable | None = None
 
 
 def _layer_norm_fwd(
@@ -238,6 +243,21 @@ def _silu_backward(spec: _LayerSpec, grads, z: torch.Tensor, hd: int, dt_bias: t
     return dz, dz.sum(0, dtype=torch.float32).to(dt_bias)
 
 
+def _output_grad(spec: _LayerSpec, dout: torch.Tensor, cdtype: torch.dtype, dt_bias: torch.dtype):
+    """(dout in the matmul dtype, the output projection's bias gradient in dt_bias): one pass
+    over an fp32 dout when the cast kernel runs, else a cast and a sum of the cast."""
+    if spec.cast_op is not None and dout.dtype == torch.float32 and cdtype != torch.float32:
+        t, d = dout.shape
+        if t > 1 and (dout.stride(1) != 1 or dout.stride(0) % 8 or dout.stride(0) < d):
+            dout = dout.contiguous()  # e.g. an expanded gradient (stride 0)
+        if t > 0 and dout.data_ptr() % 16:
+            dout = dout.clone(memory_format=torch.contiguous_format)
+        dproj, d_bias = spec.cast_op(dout, cdtype)
+        return dproj, d_bias.to(dt_bias)
+    dproj = dout.to(cdtype)
+    return dproj, dproj.sum(0, dtype=torch.float32).to(dt_bias)
+
+
 def _residual(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
     out = x + proj  # one kernel; promotes bf16 proj into an fp32 residual stream
     return out if out.dtype == x.dtype else out.to(x.dtype)
@@ -248,37 +268,58 @@ _STAGES: dict[str, Callable] = {
 }
 _compiled: dict[str, Callable] = {}
 _compile_state = {"enabled": os.environ.get("HSTU_FUSED_LAYER_COMPILE", "1") != "0"}
-_silu_state = {"enabled": os.environ.get("HSTU_FUSED_SILU_KERNEL", "1") != "0", "warned": False}
+_elementwise_state = {
+    "enabled": os.environ.get("HSTU_FUSED_ELEMENTWISE_KERNELS", "1") != "0",
+    "warned": False,
+}
 
 
-def set_silu_kernel(enabled: bool) -> None:
-    """Use the chunk-major SiLU kernels where they apply (default) or always the aten path
-    (benchmarks, debugging; HSTU_FUSED_SILU_KERNEL=0 sets the default off)."""
-    _silu_state["enabled"] = bool(enabled)
+def set_elementwise_kernels(enabled: bool) -> None:
+    """Use the lnmd extension's chunk-major SiLU and cast kernels where they apply (default) or
+    always the aten path (benchmarks, debugging; HSTU_FUSED_ELEMENTWISE_KERNELS=0 sets the
+    default off)."""
+    _elementwise_state["enabled"] = bool(enabled)
 
 
-def silu_kernel_enabled() -> bool:
-    return _silu_state["enabled"]
+def elementwise_kernels_enabled() -> bool:
+    return _elementwise_state["enabled"]
 
 
-def _silu_ops(x: torch.Tensor, inner: int):
-    """(silu_chunk_major, silu_chunk_major_backward) ops when they run this call's uvqk SiLU
-    (enabled, CUDA, bf16/fp16 matmul dtype, H*d % 8 == 0, extension built), else None."""
-    if not _silu_state["enabled"] or x.device.type != "cuda" or inner % 8:
+def _elementwise_ops(x: torch.Tensor, name: str):
+    """torch.ops.hstu_lnmd.<name> when the extension's elementwise kernels may run for this call
+    (enabled, CUDA, bf16/fp16 matmul dtype, extension built with the op), else None."""
+    if not _elementwise_state["enabled"] or x.device.type != "cuda":
         return None
     if _compute_dtype(x) not in (torch.float16, torch.bfloat16) or not lnmd.load_extension():
         return None
     ops = torch.ops.hstu_lnmd
-    if not hasattr(ops, "silu_chunk_major"):  # an extension built before the SiLU ops existed
-        if not _silu_state["warned"]:
+    if not hasattr(ops, name):  # an extension built before the op existed
+        if not _elementwise_state["warned"]:
             logger.warning(
-                "FusedHSTULayer: hstu._layer_norm_mul_dropout_C has no silu_chunk_major op (built "
-                "from older sources); using aten.silu. Rebuild it: %s",
+                "FusedHSTULayer: hstu._layer_norm_mul_dropout_C has no %s op (built from older "
+                "sources); using the aten path. Rebuild it: %s",
+                name,
                 lnmd.BUILD_HINT,
             )
-            _silu_state["warned"] = True
+            _elementwise_state["warned"] = True
         return None
-    return ops.silu_chunk_major, ops.silu_chunk_major_backward
+    return getattr(ops, name)
+
+
+def _silu_ops(x: torch.Tensor, inner: int):
+    """(silu_chunk_major, silu_chunk_major_backward) ops when they run this call's uvqk SiLU
+    (`_elementwise_ops` conditions and H*d % 8 == 0), else None."""
+    fwd = None if inner % 8 else _elementwise_ops(x, "silu_chunk_major")
+    bwd = None if fwd is None else _elementwise_ops(x, "silu_chunk_major_backward")
+    return None if bwd is None else (fwd, bwd)
+
+
+def _cast_op(x: torch.Tensor, hidden: int):
+    """cast_colsum when it runs the backward's first step (`_elementwise_ops` conditions, an fp32
+    residual stream and hidden % 8 == 0), else None."""
+    if x.dtype != torch.float32 or hidden % 8:
+        return None
+    return _elementwise_ops(x, "cast_colsum")
 
 
 def set_stage_compile(enabled: bool) -> None:
@@ -453,9 +494,8 @@ class _FusedHSTUFunction(torch.autograd.Function):
             u = act[0]
 
             # output projection: proj = y @ W_o^T + b_o
-            dproj = dout.to(cdtype)
+            dproj, d_b_out = _output_grad(spec, dout, cdtype, dt_b_out)
             dy = dproj @ w_out_c
-            d_b_out = dproj.sum(0, dtype=torch.float32).to(dt_b_out)
 
             # dropout (the forward's mask), gating, LayerNorm(attn); y recomputed for dW_o
             if spec.gate_ops is not None:
@@ -600,6 +640,7 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
         use_compiled_ops=_use_compiled_ops(x.device, layer.attention_type, layer.head_dim),
         gate_ops=_gate_ops(layer.gate_kernel, x, layer.num_heads * layer.head_dim),
         silu_ops=_silu_ops(x, layer.num_heads * layer.head_dim),
+        cast_op=_cast_op(x, layer.hidden_size),
     )
     return _FusedHSTUFunction.apply(
         x,

@@ -32,6 +32,12 @@ backward takes the four [T, hd] gradients as separate tensors (any row stride th
 of 8) and returns dz [T, 4*hd] plus, when bias_grad, the fp32 column sums of dz (the uvqk bias
 gradient, from the same pass). Twins: `reference_silu_chunk_major`,
 `reference_silu_chunk_major_backward`.
+
+    torch.ops.hstu_lnmd.cast_colsum(x, dtype) -> (y, colsum)
+
+x: fp32 [T, D] on CUDA, D a multiple of 8; y = x.to(dtype) (bf16/fp16), colsum = x.sum(0) in
+fp32, one pass (the fused layer's incoming gradient and its output bias gradient). Twin:
+`reference_cast_colsum`.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ __all__ = [
     "layer_norm_mul_dropout",
     "load_extension",
     "reference_bwd",
+    "reference_cast_colsum",
     "reference_fwd",
     "reference_silu_chunk_major",
     "reference_silu_chunk_major_backward",
@@ -236,6 +243,13 @@ def reference_silu_chunk_major_backward(
     dz = (g * (s * (1.0 + zf * (1.0 - s)))).to(z.dtype)
     dbias = dz.float().sum(0) if bias_grad else z.new_empty((0,), dtype=torch.float32)
     return dz, dbias
+
+
+def reference_cast_colsum(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch twin of torch.ops.hstu_lnmd.cast_colsum: (x.to(dtype), x's fp32 column sums)."""
+    if x.dim() != 2:
+        raise ValueError(f"cast_colsum: x must be 2-D [T, D]; got shape {tuple(x.shape)}")
+    return x.to(dtype), x.float().sum(0)
 
 
 class _LayerNormMulDropout(torch.autograd.Function):

@@ -18,6 +18,11 @@
 // stride that is a multiple of 8, separate buffers); dz: [T, 4*hd] contiguous; dbias: fp32
 // [4*hd] column sums of dz when bias_grad, else an empty tensor. All 16-bit tensors: last dim
 // contiguous, 16-byte aligned.
+//
+//   cast_colsum(x, dtype) -> (y, colsum)
+//
+// x: fp32 [T, D], D a multiple of 8 (last dim contiguous, row stride a multiple of 8, 16-byte
+// aligned); y = x.to(dtype) (bf16/fp16, contiguous); colsum = x.sum(0) in fp32, same pass.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -303,6 +308,49 @@ std::tuple<Tensor, Tensor> silu_bwd_cuda(const Tensor& du, const Tensor& dv, con
   return {dz, bias_grad ? partials.sum(0) : at::empty({0}, fopts)};
 }
 
+std::tuple<Tensor, Tensor> cast_colsum_cuda(const Tensor& x, c10::ScalarType dtype) {
+  LNMD_VALUE(x.is_cuda(), "x must be a CUDA tensor; got device " + x.device().str());
+  LNMD_TYPE(x.scalar_type() == at::kFloat,
+            "cast_colsum: x must be float32; got " + dtype_of(x) + " (a 16-bit x needs no cast)");
+  LNMD_TYPE(dtype == at::kBFloat16 || dtype == at::kHalf,
+            std::string("cast_colsum: dtype must be bfloat16 or float16; got ") +
+                c10::toString(dtype));
+  LNMD_VALUE(x.dim() == 2, "cast_colsum: x must be 2-D [T, D]; got shape " + shape_of(x));
+  const int64_t t = x.size(0), d = x.size(1);
+  LNMD_VALUE(d % 8 == 0 && d > 0 && d <= (int64_t(1) << 28),
+             "cast_colsum: D must be a positive multiple of 8; got shape " + shape_of(x));
+  if (t > 0) {
+    LNMD_VALUE(x.stride(1) == 1, "cast_colsum: x must have a contiguous last dim; got stride " +
+                                     std::to_string(x.stride(1)) + " (call .contiguous())");
+    LNMD_VALUE(t == 1 || (x.stride(0) >= d && x.stride(0) % 8 == 0),
+               "cast_colsum: x row stride must be >= D and a multiple of 8; got " +
+                   std::to_string(x.stride(0)) + " (call .contiguous())");
+    LNMD_VALUE(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+               "cast_colsum: x must start 16-byte aligned (call .contiguous())");
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({t, d}, x.options().dtype(dtype));
+  if (t == 0) return {y, at::zeros({d}, x.options())};
+  const lnmd::DType dt = dtype == at::kBFloat16 ? lnmd::DType::kBF16 : lnmd::DType::kFP16;
+  const int grid_y = lnmd::cast_colsum_grid(dt, static_cast<int>(d), t, num_sms(x));
+  auto partials = at::empty({grid_y, d}, x.options());
+  lnmd::CastColsumParams prm;
+  prm.x = x.data_ptr<float>();
+  prm.x_stride = x.stride(0);
+  prm.y = y.data_ptr();
+  prm.partials = partials.data_ptr<float>();
+  prm.rows = t;
+  prm.cols = static_cast<int>(d);
+  lnmd::launch_cast_colsum(dt, prm, grid_y, at::cuda::getCurrentCUDAStream());
+  check_launch();
+  return {y, partials.sum(0)};
+}
+
+std::tuple<Tensor, Tensor> cast_colsum_meta(const Tensor& x, c10::ScalarType dtype) {
+  return {at::empty_symint(x.sym_sizes(), x.options().dtype(dtype)),
+          at::empty_symint({x.sym_size(1)}, x.options().dtype(at::kFloat))};
+}
+
 Tensor silu_fwd_meta(const Tensor& z) {
   return at::empty_symint({4, z.sym_size(0), z.sym_size(1) / 4}, z.options());
 }
@@ -344,6 +392,7 @@ TORCH_LIBRARY(hstu_lnmd, m) {
   m.def("silu_chunk_major(Tensor z) -> Tensor");
   m.def("silu_chunk_major_backward(Tensor du, Tensor dv, Tensor dq, Tensor dk, Tensor z, "
         "bool bias_grad) -> (Tensor, Tensor)");
+  m.def("cast_colsum(Tensor x, ScalarType dtype) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hstu_lnmd, CUDA, m) {
@@ -351,6 +400,7 @@ TORCH_LIBRARY_IMPL(hstu_lnmd, CUDA, m) {
   m.impl("bwd", &bwd_cuda);
   m.impl("silu_chunk_major", &silu_fwd_cuda);
   m.impl("silu_chunk_major_backward", &silu_bwd_cuda);
+  m.impl("cast_colsum", &cast_colsum_cuda);
 }
 
 TORCH_LIBRARY_IMPL(hstu_lnmd, Meta, m) {
@@ -358,6 +408,7 @@ TORCH_LIBRARY_IMPL(hstu_lnmd, Meta, m) {
   m.impl("bwd", &bwd_meta);
   m.impl("silu_chunk_major", &silu_fwd_meta);
   m.impl("silu_chunk_major_backward", &silu_bwd_meta);
+  m.impl("cast_colsum", &cast_colsum_meta);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -38,6 +38,11 @@ int silu_bwd_grid(DType dtype, int hd, int64_t rows, int num_sms);
 void launch_silu_fwd(DType dtype, const SiluFwdParams& p, int num_sms, cudaStream_t stream);
 void launch_silu_bwd(DType dtype, const SiluBwdParams& p, int grid_y, cudaStream_t stream);
 
+// Cast of an fp32 [rows, cols] tensor to 16 bits plus its fp32 column sums (cast.cu);
+// cast_colsum_grid: the block rows launched (api.cpp sizes the partials [grid, cols]).
+int cast_colsum_grid(DType dtype, int cols, int64_t rows, int num_sms);
+void launch_cast_colsum(DType dtype, const CastColsumParams& p, int grid_y, cudaStream_t stream);
+
 // Per-dtype entry points (instantiations/*.cu).
 template <typename T>
 void run_fwd(const FwdParams& p, int num_sms, cudaStream_t stream);

@@ -88,4 +88,15 @@ struct SiluBwdParams {
   int hd = 0;
 };
 
+// y = x.to(T) and the fp32 column sums of x (cast_kernel.h). x: fp32 [rows, cols], last dim
+// contiguous, row stride a multiple of 8 elements, 16-byte aligned; cols a multiple of 8.
+struct CastColsumParams {
+  const float* x = nullptr;
+  int64_t x_stride = 0;
+  void* y = nullptr;          // [rows, cols] contiguous, 16-bit
+  float* partials = nullptr;  // [gridDim.y, cols] column sums of x per block row
+  int64_t rows = 0;
+  int cols = 0;
+};
+
 }  // namespace lnmd

@@ -11,15 +11,16 @@
 // accumulators stay in registers) and walks rows grid-stride, kSiluUnroll rows per step with all
 // loads issued before any math. Blocks are (BX chunk columns) x (BY rows), BX * BY =
 // kSiluThreads; consecutive threads read consecutive 16-byte chunks of one row (coalesced), and
-// write consecutive chunks of one row of one act block.
+// write consecutive chunks of one row of one act block (column_layout.h: shapes).
 #pragma once
 
+#include "column_layout.h"
 #include "kernel_traits.h"
 
 namespace lnmd {
 
-constexpr int kSiluThreads = 256;
-constexpr int kSiluUnroll = 4;
+constexpr int kSiluThreads = kColumnThreads;
+constexpr int kSiluUnroll = kColumnUnroll;
 
 __device__ __forceinline__ float silu_f32(float x) { return x / (1.0f + __expf(-x)); }
 
@@ -118,22 +119,7 @@ __global__ void __launch_bounds__(kSiluThreads) silu_bwd_kernel(const SiluBwdPar
     }
   }
   if (!bias) return;  // uniform over the grid
-  if (blockDim.y > 1) {  // add up the row lanes of each column (uniform over the block)
-    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) red[tid][j] = acc[j];
-    __syncthreads();
-    if (threadIdx.y != 0) return;
-    for (int y = 1; y < static_cast<int>(blockDim.y); ++y) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] += red[y * blockDim.x + threadIdx.x][j];
-    }
-  }
-  if (!col_ok) return;
-  float4* dst = reinterpret_cast<float4*>(p.partials + static_cast<int64_t>(blockIdx.y) * 4 * p.hd +
-                                          static_cast<int64_t>(c) * 8);
-  dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-  dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+  store_column_partials(acc, red, p.partials, c, 4 * hdc);
 }
 
 }  // namespace lnmd

@@ -150,11 +150,13 @@ def test_all_sequences_empty_or_no_tokens() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("smem", ["device", "166912"], ids=["device_smem", "a100_smem"])
-def test_d256_backward_both_tile_configs(smem: str, dtype: torch.dtype, monkeypatch) -> None:
-    """d256 picks double-buffered Q/dO tiles when the device allows 208 KB of shared memory per
-    block (H100) and single-buffered ones otherwise (A100: 163 KB); HSTU_ATTN_MAX_SMEM caps the
-    budget, so both run here."""
+@pytest.mark.parametrize(
+    "smem", ["device", "229375", "166912"], ids=["device_smem", "208k_smem", "a100_smem"]
+)
+def test_d256_backward_every_tile_config(smem: str, dtype: torch.dtype, monkeypatch) -> None:
+    """d256 picks 128x64 tiles with the dP-first schedule when the device lets a block use 224 KB
+    of shared memory (H100/H200), 64x64 with double-buffered Q/dO at 208 KB, single-buffered ones
+    otherwise (A100: 163 KB); HSTU_ATTN_MAX_SMEM caps the budget, so all three run here."""
     if smem == "device":
         monkeypatch.delenv("HSTU_ATTN_MAX_SMEM", raising=False)
     else:
@@ -162,8 +164,16 @@ def test_d256_backward_both_tile_configs(smem: str, dtype: torch.dtype, monkeypa
     _check(LENGTHS, 256, dtype, **_mask_kwargs(MASKS["all"], LENGTHS))
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_deterministic_backward_is_bitwise_reproducible(d: int) -> None:
+@pytest.mark.parametrize(
+    "d, smem", [(64, None), (128, None), (256, None), (256, "229375"), (256, "166912")]
+)
+def test_deterministic_backward_is_bitwise_reproducible(
+    d: int, smem: str | None, monkeypatch
+) -> None:
+    if smem is None:
+        monkeypatch.delenv("HSTU_ATTN_MAX_SMEM", raising=False)
+    else:
+        monkeypatch.setenv("HSTU_ATTN_MAX_SMEM", smem)
     lengths = [700, 0, 1, 513, 129]
     kw = _mask_kwargs(dict(ctx=[3, 0, 0, 6, 1], tgt=[50, 0, 1, 40, 10]), lengths)
     q, k, v, do, offsets = _batch(lengths, 2, d, torch.bfloat16, seed=3)

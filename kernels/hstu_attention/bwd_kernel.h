@@ -193,113 +193,29 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   clear(acc_dk);
   clear(acc_dv);
 
-  int m_block = m_lo;
-  if (m_block < m_hi && mk.tile_empty(m_block * kBlockM, (m_block + 1) * kBlockM, n0, n1)) {
-    m_block = next_active(m_block);
-  }
-  {
-    Tensor gk = gmem_thr_copy.partition_S(row_tile(k_ptr, n0, Int<kBlockN>{}));
-    Tensor gv = gmem_thr_copy.partition_S(row_tile(v_ptr, n0, Int<kBlockN>{}));
-    copy_rows_zfill(gmem_tiled_copy, gk, tKsK, tKVcKV, L - n0);
-    copy_rows_zfill(gmem_tiled_copy, gv, tVsV, tKVcKV, L - n0);
-  }
-  if (m_block < m_hi) {
-    load_rows(q_ptr, tQsQ, m_block, 0);
-    load_rows(do_ptr, tdOsdO, m_block, 0);
-  }
-  cute::cp_async_fence();
-  pass_through(0, min(m_block, num_m_blocks));
-
-  // With h = alpha s / 2, t = tanh(h) (so sig = sigmoid(alpha s) = (1 + t) / 2) and
-  // S_len = scaling_seqlen:
-  //   P  = SiLU(alpha s) / S_len                          = h' (1 + t),  h' = h / S_len
-  //   dS = dP alpha / S_len sig (1 + alpha s (1 - sig))   = dP (1 + t) u c,
-  //        u = 1 + h (1 - t),  c = alpha / (2 S_len)
-  const float half_alpha = 0.5f * p.alpha;
-  const float inv_scale = p.inv_scale;
-  const float c_ds = 0.5f * p.alpha * p.inv_scale;
-  int stage = 0;  // the Q/dO buffer of the current query block
-  while (m_block < m_hi) {
-    const int off = stage * kQdOElems;
-    const int m0 = m_block * kBlockM;
-    const int next = next_active(m_block);
-    // Q/dO of this block have landed, and every warp is done with the previous block's sP/sdS
-    // and with the stage the prefetch below overwrites.
-    cute::cp_async_wait<0>();
-    __syncthreads();
-    if (Kt::kDoubleBuffer && next < m_hi) {
-      load_rows(q_ptr, tQsQ, next, stage ^ 1);
-      load_rows(do_ptr, tdOsdO, next, stage ^ 1);
-      cute::cp_async_fence();
-    }
-
-    // S = Q K^T -> P (stored) and the dS factor (kept in registers, masked entries zeroed).
-    Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    clear(acc_s);
-    gemm_smem<Kt::kLeanGemms>(acc_s, tSrQ, tSrK, make_tensor(tSsQ.data() + off, tSsQ.layout()),
+  // The GEMMs of one query block; `off` selects the Q/dO stage.
+  auto gemm_S = [&](auto& acc, int off) {
+    gemm_smem<Kt::kLeanGemms>(acc, tSrQ, tSrK, make_tensor(tSsQ.data() + off, tSsQ.layout()),
                               tSsK, tiled_mma_sdp, copy_QdO, copy_KV, thr_copy_QdO, thr_copy_KV);
-    // Masked elements: s = 0 gives P = 0, and their factor is zeroed, so dS = 0 too. The mask is
-    // first taken as bits so that only one fp32 fragment is live while the rules are evaluated.
-    const bool tile_full = mk.tile_full(m0, m0 + kBlockM, n0, n1);
-    constexpr int kMaskWords = (int(decltype(size(acc_s))::value) + 31) / 32;
-    uint32_t valid[kMaskWords];
-    if (!tile_full) {
-      mask_bits(mk, tScS, m0, n0, acc_s, valid);
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) {
-        if (!((valid[i / 32] >> (i % 32)) & 1u)) acc_s(i) = 0.f;
-      }
-    }
-    Tensor rP = make_tensor<Element>(acc_s.layout());
-    {
-      cutlass::NumericArrayConverter<Element, float, 2> cvt2;
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); i += 2) {
-        cutlass::Array<float, 2> pr;
-        CUTE_UNROLL
-        for (int e = 0; e < 2; ++e) {
-          const float h = acc_s(i + e) * half_alpha;
-          const float t = tanh_approx(h);
-          const float hs = h * inv_scale;
-          pr[e] = fmaf(hs, t, hs);
-          const float uc = fmaf(fmaf(-h, t, h), c_ds, c_ds);
-          acc_s(i + e) = fmaf(t, uc, uc);
-        }
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(&rP(i)) = cvt2(pr);
-      }
-    }
-    if (!tile_full) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) {
-        if (!((valid[i / 32] >> (i % 32)) & 1u)) acc_s(i) = 0.f;
-      }
-    }
-    copy(copy_PdS, thr_copy_PdS.retile_S(rP), tPsP);
-
-    // dP = dO V^T -> dS = dP * factor (stored).
-    Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    clear(acc_dp);
-    gemm_ss_lean(acc_dp, tdPrdO, tdPrV, make_tensor(tdPsdO.data() + off, tdPsdO.layout()),
-                 tdPsV, tiled_mma_sdp, copy_QdO, copy_KV, thr_copy_QdO, thr_copy_KV);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dp); ++i) acc_dp(i) *= acc_s(i);
-    {
-      Tensor rdS = convert_fragment<Element>(acc_dp);
-      copy(copy_PdS, thr_copy_PdS.retile_S(rdS), tdSsdS);
-    }
-    __syncthreads();
-
+  };
+  auto gemm_dP = [&](auto& acc, int off) {
+    gemm_ss_lean(acc, tdPrdO, tdPrV, make_tensor(tdPsdO.data() + off, tdPsdO.layout()), tdPsV,
+                 tiled_mma_sdp, copy_QdO, copy_KV, thr_copy_QdO, thr_copy_KV);
+  };
+  auto gemm_dV = [&](int off) {
     gemm_smem<Kt::kLeanGemms>(acc_dv, tdVrPt, tdVrdO, tdVsPt,
                               make_tensor(tdVsdOt.data() + off, tdVsdOt.layout()), tiled_mma_dkv,
                               copy_PdSt, copy_QdOt, thr_copy_PdSt, thr_copy_QdOt);
-    if (!Kt::kDoubleBuffer && next < m_hi) {
-      __syncthreads();  // the rest of this block does not read dO: the next one streams in now
-      load_rows(do_ptr, tdOsdO, next, 0);
-      cute::cp_async_fence();
-    }
-
-    // dQ = dS K, one column chunk at a time, reduced into dq_accum (fire-and-forget atomics that
-    // overlap the dK GEMM below). Deterministic mode: wait for key block n_block - 1 first.
+  };
+  auto gemm_dK = [&](int off) {
+    gemm_smem<Kt::kLeanGemms>(acc_dk, tdKrdSt, tdKrQt, tdKsdSt,
+                              make_tensor(tdKsQt.data() + off, tdKsQt.layout()), tiled_mma_dkv,
+                              copy_PdSt, copy_QdOt, thr_copy_PdSt, thr_copy_QdOt);
+  };
+  // dQ = dS K, one column chunk at a time, reduced into dq_accum (fire-and-forget atomics that
+  // overlap the GEMMs that follow). Deterministic mode: wait for key block n_block - 1 first.
+  auto dq_reduce = [&](int m_block) {
+    const int m0 = m_block * kBlockM;
     if (sem_row != nullptr) {
       if (tidx == 0) semaphore_wait(sem_row + m_block, n_block);
       __syncthreads();
@@ -337,18 +253,177 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       __syncthreads();
       if (tidx == 0) atomicExch(sem_row + m_block, n_block + 1);
     }
-    pass_through(m_block + 1, min(next, num_m_blocks));
+  };
 
-    gemm_smem<Kt::kLeanGemms>(acc_dk, tdKrdSt, tdKrQt, tdKsdSt,
-                              make_tensor(tdKsQt.data() + off, tdKsQt.layout()), tiled_mma_dkv,
-                              copy_PdSt, copy_QdOt, thr_copy_PdSt, thr_copy_QdOt);
-    if (!Kt::kDoubleBuffer && next < m_hi) {
+  // With h = alpha s / 2, t = tanh(h) (so sig = sigmoid(alpha s) = (1 + t) / 2) and
+  // S_len = scaling_seqlen:
+  //   P  = SiLU(alpha s) / S_len                          = h' (1 + t),  h' = h / S_len
+  //   dS = dP alpha / S_len sig (1 + alpha s (1 - sig))   = dP (1 + t) u c,
+  //        u = 1 + h (1 - t),  c = alpha / (2 S_len)
+  const float half_alpha = 0.5f * p.alpha;
+  const float inv_scale = p.inv_scale;
+  const float c_ds = 0.5f * p.alpha * p.inv_scale;
+
+  int m_block = m_lo;
+  if (m_block < m_hi && mk.tile_empty(m_block * kBlockM, (m_block + 1) * kBlockM, n0, n1)) {
+    m_block = next_active(m_block);
+  }
+  {
+    Tensor gk = gmem_thr_copy.partition_S(row_tile(k_ptr, n0, Int<kBlockN>{}));
+    Tensor gv = gmem_thr_copy.partition_S(row_tile(v_ptr, n0, Int<kBlockN>{}));
+    copy_rows_zfill(gmem_tiled_copy, gk, tKsK, tKVcKV, L - n0);
+    copy_rows_zfill(gmem_tiled_copy, gv, tVsV, tKVcKV, L - n0);
+  }
+  if constexpr (Kt::kDPFirst) {
+    // Two cp.async groups in flight across iterations: dO (needed first), then Q.
+    if (m_block < m_hi) load_rows(do_ptr, tdOsdO, m_block, 0);
+    cute::cp_async_fence();
+    if (m_block < m_hi) load_rows(q_ptr, tQsQ, m_block, 0);
+    cute::cp_async_fence();
+    pass_through(0, min(m_block, num_m_blocks));
+    while (m_block < m_hi) {
+      const int m0 = m_block * kBlockM;
+      const int next = next_active(m_block);
+      // dO (and K, V) have landed; every warp is done with the previous block's sdS.
+      cute::cp_async_wait<1>();
       __syncthreads();
-      load_rows(q_ptr, tQsQ, next, 0);
+      Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_dp);
+      gemm_dP(acc_dp, 0);
+      cute::cp_async_wait<0>();
+      __syncthreads();  // Q has landed
+      Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      gemm_S(acc_s, 0);
+      // Masked elements: s = 0 gives P = 0, and dP = 0 gives dS = 0.
+      if (!mk.tile_full(m0, m0 + kBlockM, n0, n1)) apply_mask(mk, tScS, m0, n0, acc_s, acc_dp);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        const float h = acc_s(i) * half_alpha;
+        const float t = tanh_approx(h);
+        const float hs = h * inv_scale;
+        acc_s(i) = fmaf(hs, t, hs);
+        const float uc = fmaf(fmaf(-h, t, h), c_ds, c_ds);
+        acc_dp(i) *= fmaf(t, uc, uc);
+      }
+      {
+        Tensor rP = convert_fragment<Element>(acc_s);
+        copy(copy_PdS, thr_copy_PdS.retile_S(rP), tPsP);
+        Tensor rdS = convert_fragment<Element>(acc_dp);
+        copy(copy_PdS, thr_copy_PdS.retile_S(rdS), tdSsdS);
+      }
+      __syncthreads();
+      gemm_dV(0);
+      if (next < m_hi) {
+        __syncthreads();  // dO is read by dP and dV only: the next one streams in now
+        load_rows(do_ptr, tdOsdO, next, 0);
+      }
       cute::cp_async_fence();
+      gemm_dK(0);
+      if (next < m_hi) {
+        __syncthreads();  // Q is read by S and dK only
+        load_rows(q_ptr, tQsQ, next, 0);
+      }
+      cute::cp_async_fence();
+      dq_reduce(m_block);
+      pass_through(m_block + 1, min(next, num_m_blocks));
+      m_block = next;
     }
-    if (Kt::kDoubleBuffer) stage ^= 1;
-    m_block = next;
+  } else {
+    if (m_block < m_hi) {
+      load_rows(q_ptr, tQsQ, m_block, 0);
+      load_rows(do_ptr, tdOsdO, m_block, 0);
+    }
+    cute::cp_async_fence();
+    pass_through(0, min(m_block, num_m_blocks));
+    int stage = 0;  // the Q/dO buffer of the current query block
+    while (m_block < m_hi) {
+      const int off = stage * kQdOElems;
+      const int m0 = m_block * kBlockM;
+      const int next = next_active(m_block);
+      // Q/dO of this block have landed, and every warp is done with the previous block's sP/sdS
+      // and with the stage the prefetch below overwrites.
+      cute::cp_async_wait<0>();
+      __syncthreads();
+      if (Kt::kDoubleBuffer && next < m_hi) {
+        load_rows(q_ptr, tQsQ, next, stage ^ 1);
+        load_rows(do_ptr, tdOsdO, next, stage ^ 1);
+        cute::cp_async_fence();
+      }
+
+      // S = Q K^T -> P (stored) and the dS factor (kept in registers, masked entries zeroed).
+      Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      gemm_S(acc_s, off);
+      // Masked elements: s = 0 gives P = 0, and their factor is zeroed, so dS = 0 too. The mask
+      // is first taken as bits so that only one fp32 fragment is live while the rules are
+      // evaluated.
+      const bool tile_full = mk.tile_full(m0, m0 + kBlockM, n0, n1);
+      constexpr int kMaskWords = (int(decltype(size(acc_s))::value) + 31) / 32;
+      uint32_t valid[kMaskWords];
+      if (!tile_full) {
+        mask_bits(mk, tScS, m0, n0, acc_s, valid);
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) {
+          if (!((valid[i / 32] >> (i % 32)) & 1u)) acc_s(i) = 0.f;
+        }
+      }
+      Tensor rP = make_tensor<Element>(acc_s.layout());
+      {
+        cutlass::NumericArrayConverter<Element, float, 2> cvt2;
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); i += 2) {
+          cutlass::Array<float, 2> pr;
+          CUTE_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const float h = acc_s(i + e) * half_alpha;
+            const float t = tanh_approx(h);
+            const float hs = h * inv_scale;
+            pr[e] = fmaf(hs, t, hs);
+            const float uc = fmaf(fmaf(-h, t, h), c_ds, c_ds);
+            acc_s(i + e) = fmaf(t, uc, uc);
+          }
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(&rP(i)) = cvt2(pr);
+        }
+      }
+      if (!tile_full) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) {
+          if (!((valid[i / 32] >> (i % 32)) & 1u)) acc_s(i) = 0.f;
+        }
+      }
+      copy(copy_PdS, thr_copy_PdS.retile_S(rP), tPsP);
+
+      // dP = dO V^T -> dS = dP * factor (stored).
+      Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_dp);
+      gemm_dP(acc_dp, off);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dp); ++i) acc_dp(i) *= acc_s(i);
+      {
+        Tensor rdS = convert_fragment<Element>(acc_dp);
+        copy(copy_PdS, thr_copy_PdS.retile_S(rdS), tdSsdS);
+      }
+      __syncthreads();
+
+      gemm_dV(off);
+      if (!Kt::kDoubleBuffer && next < m_hi) {
+        __syncthreads();  // the rest of this block does not read dO: the next one streams in now
+        load_rows(do_ptr, tdOsdO, next, 0);
+        cute::cp_async_fence();
+      }
+      // dQ before dK, so that its reductions overlap the dK GEMM (FlashAttention-2's order).
+      dq_reduce(m_block);
+      pass_through(m_block + 1, min(next, num_m_blocks));
+      gemm_dK(off);
+      if (!Kt::kDoubleBuffer && next < m_hi) {
+        __syncthreads();
+        load_rows(q_ptr, tQsQ, next, 0);
+        cute::cp_async_fence();
+      }
+      if (Kt::kDoubleBuffer) stage ^= 1;
+      m_block = next;
+    }
   }
   pass_through(max(m_block, 0), num_m_blocks);
 

@@ -94,9 +94,13 @@ struct FwdTraits : BaseTraits<Element_, kHeadDim_, kNWarps_ * 32> {
 // accumulator is flushed with atomics before the next), which caps its registers at d256.
 // kLeanGemms: every GEMM loads each k-slice right before its MMAs (fewer operand registers)
 // instead of prefetching the next slice; chosen per configuration by ptxas spills.
+// kDPFirst (single-buffered Q/dO only): per query block dP = dO V^T runs before S = Q K^T and
+// the GEMMs go dV, dK, dQ, so that the next dO streams in during dK + dQ and the next Q during
+// dQ + the next dP: one Q/dO buffer each, with the loads still hidden behind MMAs. This frees
+// the shared memory for a 128-row query tile at d256 on the H100.
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_,
           int AtomLayoutMSdP_, int AtomLayoutNdKV_, int AtomLayoutMdQ_, bool kDoubleBuffer_,
-          int kDQChunks_ = 1, bool kLeanGemms_ = false>
+          int kDQChunks_ = 1, bool kLeanGemms_ = false, bool kDPFirst_ = false>
 struct BwdTraits : BaseTraits<Element_, kHeadDim_, kNWarps_ * 32> {
   using Base = BaseTraits<Element_, kHeadDim_, kNWarps_ * 32>;
   using Element = typename Base::Element;
@@ -111,6 +115,8 @@ struct BwdTraits : BaseTraits<Element_, kHeadDim_, kNWarps_ * 32> {
   static constexpr int AtomLayoutMdQ = AtomLayoutMdQ_;
   static constexpr int kDQChunks = kDQChunks_;
   static constexpr bool kLeanGemms = kLeanGemms_;
+  static constexpr bool kDPFirst = kDPFirst_;
+  static_assert(!(kDPFirst && kDoubleBuffer), "kDPFirst is a single-buffered schedule");
   static constexpr int kDQCols = kHeadDim / kDQChunks;
   // A chunk must start on a swizzle-atom column boundary so that it is itself a swizzled K tile.
   static_assert(kDQCols % Base::kBlockKSmem == 0);

@@ -36,30 +36,38 @@ struct FwdConfig<T, 256> {
 };
 
 // Backward tiles (kBlockM, kBlockN, warps, warp layouts of S/dP, dK/dV, dQ, double-buffered
-// Q/dO, dQ column chunks, lean GEMMs); `type` fits the A100's 163 KB of shared memory per block.
-// `big_smem` is used instead when the device allows a block more shared memory (H100: 227 KB).
+// Q/dO, dQ column chunks, lean GEMMs, dP-first schedule); `type` fits the A100's 163 KB of shared
+// memory per block. `big_smem`, then `huge_smem`, are used instead when the device lets a block
+// opt into that much (H100/H200: 227 KB); see run_hstu_bwd.
 template <typename T, int D>
 struct BwdConfig;
 template <typename T>
 struct BwdConfig<T, 32> {
   using type = BwdTraits<T, 32, 128, 128, 8, 2, 4, 4, true>;
   using big_smem = type;
+  using huge_smem = type;
 };
 template <typename T>
 struct BwdConfig<T, 64> {
   using type = BwdTraits<T, 64, 128, 128, 8, 2, 4, 4, true, 1, true>;
   using big_smem = type;
+  using huge_smem = type;
 };
 template <typename T>
 struct BwdConfig<T, 128> {
   using type = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, true, 1, true>;
   using big_smem = type;
+  using huge_smem = type;
 };
 template <typename T>
 struct BwdConfig<T, 256> {
   // 144 KB single-buffered; 208 KB with Q/dO double-buffered. dQ in two 128-column chunks.
   using type = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, false, 2>;
   using big_smem = BwdTraits<T, 256, 64, 64, 8, 4, 2, 2, true, 2>;
+  // 224 KB: 128 query rows x 64 keys, single-buffered with the dP-first schedule. Warp tiles of
+  // S/dP grow from 16x32 to 32x32 (8 instead of 5.3 MACs per shared-memory byte) and every
+  // barrier covers twice the MMAs; dQ in four 64-column chunks (32 accumulator registers).
+  using huge_smem = BwdTraits<T, 256, 128, 64, 8, 4, 2, 4, false, 4, true, true>;
 };
 
 // Checks that the extension has code for the current GPU (else cudaErrorNoKernelImageForDevice /
@@ -115,7 +123,8 @@ inline int max_smem_optin() {
 }
 
 // Shared memory the backward may plan with: the device's opt-in limit, capped by the environment
-// variable HSTU_ATTN_MAX_SMEM (bytes) when set, e.g. 166912 to run the A100 tiles on an H100.
+// variable HSTU_ATTN_MAX_SMEM (bytes) when set, e.g. 166912 to run the A100 tiles on an H100
+// (d256: 229375 selects the 64x64 double-buffered tiles, 166912 the single-buffered ones).
 inline int bwd_smem_budget() {
   int v = max_smem_optin();
   if (const char* e = std::getenv("HSTU_ATTN_MAX_SMEM")) {
@@ -140,17 +149,30 @@ cudaError_t launch_hstu_bwd_kernel(HstuParams& p, cudaStream_t stream) {
   return err;
 }
 
+// The largest of the (dtype, head dim)'s backward configurations that the smem budget allows.
 template <typename T, int D>
-cudaError_t run_hstu_bwd(HstuParams& p, cudaStream_t stream) {
+cudaError_t launch_hstu_bwd_config(HstuParams& p, cudaStream_t stream) {
   using Small = typename BwdConfig<T, D>::type;
   using Big = typename BwdConfig<T, D>::big_smem;
-  cudaError_t err;
-  if constexpr (!std::is_same_v<Small, Big>) {
-    err = bwd_smem_budget() >= Big::kSmemSize ? launch_hstu_bwd_kernel<Big>(p, stream)
-                                              : launch_hstu_bwd_kernel<Small>(p, stream);
+  using Huge = typename BwdConfig<T, D>::huge_smem;
+  static_assert(Small::kSmemSize <= Big::kSmemSize && Big::kSmemSize <= Huge::kSmemSize);
+  if constexpr (std::is_same_v<Small, Huge>) {
+    return launch_hstu_bwd_kernel<Small>(p, stream);
   } else {
-    err = launch_hstu_bwd_kernel<Small>(p, stream);
+    const int budget = bwd_smem_budget();
+    if constexpr (!std::is_same_v<Big, Huge>) {
+      if (budget >= Huge::kSmemSize) return launch_hstu_bwd_kernel<Huge>(p, stream);
+    }
+    if constexpr (!std::is_same_v<Small, Big>) {
+      if (budget >= Big::kSmemSize) return launch_hstu_bwd_kernel<Big>(p, stream);
+    }
+    return launch_hstu_bwd_kernel<Small>(p, stream);
   }
+}
+
+template <typename T, int D>
+cudaError_t run_hstu_bwd(HstuParams& p, cudaStream_t stream) {
+  cudaError_t err = launch_hstu_bwd_config<T, D>(p, stream);
   if (err != cudaSuccess) return err;
   const int64_t per_head = int64_t(p.total) * D;
   if (per_head > 0 && p.heads > 0) {

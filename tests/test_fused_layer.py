@@ -436,6 +436,8 @@ def test_silu_kernel_selection_and_gradient_rows():
     copied = fused_mod._kernel_rows(odd, 5, 32, torch.bfloat16)
     assert copied.is_contiguous() and copied.dtype == torch.bfloat16
     assert torch.equal(copied, odd.to(torch.bfloat16))
+    one_row = torch.randn(32, 2)[:, :1].t()  # T = 1 with a column stride of 2: copied
+    assert fused_mod._kernel_rows(one_row, 1, 32, torch.float32).stride(1) == 1
     shifted = torch.randn(161)[1:].view(5, 32)  # 4 bytes past an aligned start: copied aligned
     fixed = fused_mod._kernel_rows(shifted, 5, 32, torch.float32)
     assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, shifted)

@@ -223,7 +223,7 @@ def _kernel_rows(g: torch.Tensor, t: int, hd: int, dtype: torch.dtype) -> torch.
     """``g`` as the [T, hd] rows the SiLU backward kernel reads (unit last stride, row stride a
     multiple of 8, 16-byte aligned): a view when it already is one, else a contiguous copy."""
     g = g.reshape(t, hd).to(dtype)
-    if t > 1 and (g.stride(1) != 1 or g.stride(0) % 8 or g.stride(0) < hd):
+    if t > 0 and (g.stride(1) != 1 or (t > 1 and (g.stride(0) % 8 or g.stride(0) < hd))):
         g = g.contiguous()
     if t > 0 and g.data_ptr() % 16:
         g = g.clone(memory_format=torch.contiguous_format)
@@ -248,7 +248,9 @@ def _output_grad(spec: _LayerSpec, dout: torch.Tensor, cdtype: torch.dtype, dt_b
     over an fp32 dout when the cast kernel runs, else a cast and a sum of the cast."""
     if spec.cast_op is not None and dout.dtype == torch.float32 and cdtype != torch.float32:
         t, d = dout.shape
-        if t > 1 and (dout.stride(1) != 1 or dout.stride(0) % 8 or dout.stride(0) < d):
+        if t > 0 and (
+            dout.stride(1) != 1 or (t > 1 and (dout.stride(0) % 8 or dout.stride(0) < d))
+        ):
             dout = dout.contiguous()  # e.g. an expanded gradient (stride 0)
         if t > 0 and dout.data_ptr() % 16:
             dout = dout.clone(memory_format=torch.contiguous_format)
@@ -271,6 +273,7 @@ _compile_state = {"enabled": os.environ.get("HSTU_FUSED_LAYER_COMPILE", "1") != 
 _elementwise_state = {
     "enabled": os.environ.get("HSTU_FUSED_ELEMENTWISE_KERNELS", "1") != "0",
     "warned": False,
+    "ops": {},  # op name -> torch.ops.hstu_lnmd.<name> or None (built without it)
 }
 
 
@@ -292,8 +295,12 @@ def _elementwise_ops(x: torch.Tensor, name: str):
         return None
     if _compute_dtype(x) not in (torch.float16, torch.bfloat16) or not lnmd.load_extension():
         return None
+    cached = _elementwise_state["ops"]
+    if name in cached:
+        return cached[name]
     ops = torch.ops.hstu_lnmd
-    if not hasattr(ops, name):  # an extension built before the op existed
+    cached[name] = getattr(ops, name) if hasattr(ops, name) else None
+    if cached[name] is None:  # an extension built before the op existed
         if not _elementwise_state["warned"]:
             logger.warning(
                 "FusedHSTULayer: hstu._layer_norm_mul_dropout_C has no %s op (built from older "
@@ -302,8 +309,7 @@ def _elementwise_ops(x: torch.Tensor, name: str):
                 lnmd.BUILD_HINT,
             )
             _elementwise_state["warned"] = True
-        return None
-    return getattr(ops, name)
+    return cached[name]
 
 
 def _silu_ops(x: torch.Tensor, inner: int):

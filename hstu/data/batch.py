@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -26,6 +26,10 @@ class Batch:
     labels: ranking only, [sum(num_candidates)] int64 action bitmask of each candidate, in order.
     target_item_ids: retrieval evaluation only, [B] int64 held-out next item of each sample.
     user_ids: [B] int64 raw user ids (for bookkeeping, history exclusion, debugging).
+    host: for a batch moved off the CPU by `to()`, the CPU batch it was copied from. The models
+      read lengths, offsets and counts from it instead of from the device tensors, so the forward
+      needs no device->host copies (each one a host<->GPU sync). Never modify either side after
+      the copy: both must keep describing the same batch.
     """
 
     features: KeyedJaggedTensor
@@ -34,6 +38,7 @@ class Batch:
     user_ids: torch.Tensor
     labels: torch.Tensor | None = None
     target_item_ids: torch.Tensor | None = None
+    host: Batch | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -45,18 +50,37 @@ class Batch:
     def history_lengths(self) -> torch.Tensor:
         return self.features[ACTION_FEATURE].lengths()
 
+    @property
+    def is_on_cpu(self) -> bool:
+        return self.user_ids.device.type == "cpu"
+
+    def host_batch(self) -> Batch | None:
+        """The CPU twin of this batch: itself when on the CPU, else the batch `to()` copied it
+        from (None for a batch built directly on a device)."""
+        if self.host is not None:
+            return self.host
+        return self if self.is_on_cpu else None
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """A copy on ``device`` that keeps this batch's CPU twin reachable as ``host``.
+
+        ``non_blocking=True`` from pinned memory (`pin_memory()`) does not wait for the GPU."""
         out = {}
         for f in fields(self):
+            if f.name == "host":
+                continue
             val = getattr(self, f.name)
             if isinstance(val, (torch.Tensor, KeyedJaggedTensor)):
                 val = val.to(device, non_blocking=non_blocking)
             out[f.name] = val
-        return Batch(**out)
+        return Batch(**out, host=self.host_batch())
 
     def pin_memory(self) -> Batch:
+        """A copy in page-locked CPU memory (so `to(cuda, non_blocking=True)` is asynchronous)."""
         out = {}
         for f in fields(self):
+            if f.name == "host":
+                continue
             val = getattr(self, f.name)
             if isinstance(val, (torch.Tensor, KeyedJaggedTensor)):
                 val = val.pin_memory()

@@ -25,16 +25,20 @@ from __future__ import annotations
 
 import heapq
 import logging
+import queue
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import torch
 
 from hstu.data.batch import Batch
 from hstu.data.datasets import Samples
 
 __all__ = [
     "BatchIterator",
+    "PrefetchIterator",
     "BALANCE_POLICIES",
     "balanced_split",
     "linear_cost_coefficient",
@@ -292,3 +296,118 @@ class BatchIterator:
                 )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+
+
+class PrefetchIterator:
+    """Collates (and optionally pins) the next ``depth`` training batches of a `BatchIterator`
+    in one background thread, so that building and page-locking a batch overlaps the GPU work
+    of the current step.
+
+    Same batches in the same order as the wrapped iterator. `state_dict()` is the position after
+    the last batch *returned* (not the last one prefetched), so a checkpoint resumes exactly
+    where training stopped. An exception in the thread is raised by the `next()` that would have
+    returned that batch. ``pin_memory=True`` needs CUDA; ``device`` is the GPU the pinned batches
+    are for (the thread makes it current before pinning).
+    """
+
+    _STOP_POLL_S = 0.1
+
+    def __init__(
+        self,
+        source: BatchIterator,
+        depth: int = 2,
+        *,
+        pin_memory: bool = False,
+        device: torch.device | None = None,
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"PrefetchIterator: depth={depth} must be >= 1")
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("PrefetchIterator: pin_memory=True needs CUDA (page-locked memory)")
+        self.source = source
+        self.depth = int(depth)
+        self.pin_memory = bool(pin_memory)
+        self.device = device
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._consumed_state = source.state_dict()
+
+    # the wrapped iterator's read-only facts
+    def __len__(self) -> int:
+        return len(self.source)
+
+    @property
+    def batch_size(self) -> int:
+        return self.source.batch_size
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.source.local_batch_size
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._thread is None:
+            self._start()
+        kind, payload, state = self._queue.get()
+        if kind == "error":
+            self._join()
+            raise payload
+        self._consumed_state = state
+        return payload
+
+    def _start(self) -> None:
+        self._stop.clear()
+        self._queue = queue.Queue(maxsize=self.depth)
+        self._thread = threading.Thread(
+            target=self._work, args=(self._queue,), name="hstu-batch-prefetch", daemon=True
+        )
+        self._thread.start()
+
+    def _work(self, q: queue.Queue) -> None:
+        try:
+            if self.pin_memory and self.device is not None and self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            while not self._stop.is_set():
+                batch = next(self.source)
+                if self.pin_memory:
+                    batch = batch.pin_memory()
+                item = ("batch", batch, self.source.state_dict())
+                if not self._put(q, item):
+                    return
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._put(q, ("error", exc, None))
+
+    def _put(self, q: queue.Queue, item: tuple) -> bool:
+        while not self._stop.is_set():
+            try:
+                q.put(item, timeout=self._STOP_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _join(self) -> None:
+        """Stops the thread, drops what it prefetched and rewinds the source to the consumed
+        position (a later `next()` continues with the first batch not returned yet)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self._queue = None
+        self.source.load_state_dict(self._consumed_state)
+
+    def close(self) -> None:
+        self._join()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped iterator's state after the last batch returned by `next()`."""
+        return dict(self._consumed_state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._join()
+        self.source.load_state_dict(state)
+        self._consumed_state = self.source.state_dict()

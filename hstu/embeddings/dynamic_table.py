@@ -43,22 +43,47 @@ def _backend(device: torch.device, backend: str) -> ModuleType:
 
 class UniqueIds:
     """Deduplicated ids of one lookup: uniq (sorted), counts, inverse (ids == uniq[inverse]),
-    perm (argsort of ids) and offsets (segments of perm per unique id)."""
+    perm (argsort of ids) and offsets (segments of perm per unique id).
 
-    def __init__(self, ids: torch.Tensor) -> None:
+    ``num_unique`` (the number of distinct ids, known on the host, e.g. from the batch's CPU ids)
+    lets the device build every tensor without reading a size back (`unique_consecutive` must
+    sync to size its output); the results are identical either way."""
+
+    def __init__(self, ids: torch.Tensor, num_unique: int | None = None) -> None:
         sorted_ids, self.perm = torch.sort(ids)
-        self.uniq, self.counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-        n, u = ids.numel(), self.uniq.numel()
-        self.offsets = torch.zeros(u + 1, dtype=torch.int64, device=ids.device)
+        n = ids.numel()
+        dev = ids.device
+        if num_unique is None:
+            self.uniq, self.counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+            u = self.uniq.numel()
+            seg = torch.repeat_interleave(torch.arange(u, device=dev), self.counts, output_size=n)
+        else:
+            u = int(num_unique)
+            # segment id of each sorted position: +1 wherever the id changes
+            starts = torch.ones(n, dtype=torch.int64, device=dev)
+            if n > 1:
+                starts[1:] = (sorted_ids[1:] != sorted_ids[:-1]).long()
+            seg = torch.cumsum(starts, 0) - 1
+            # every position of a segment writes the same id, so the scatter is deterministic
+            self.uniq = sorted_ids.new_empty(u).scatter_(0, seg, sorted_ids)
+            self.counts = torch.zeros(u, dtype=torch.int64, device=dev).scatter_add_(
+                0, seg, torch.ones_like(seg)
+            )
+        self.offsets = torch.zeros(u + 1, dtype=torch.int64, device=dev)
         torch.cumsum(self.counts, 0, out=self.offsets[1:])
-        self.inverse = torch.empty(n, dtype=torch.int64, device=ids.device)
-        self.inverse[self.perm] = torch.repeat_interleave(
-            torch.arange(u, device=ids.device), self.counts, output_size=n
-        )
+        self.inverse = torch.empty(n, dtype=torch.int64, device=dev)
+        self.inverse[self.perm] = seg
 
 
-def unique_ids(ids: torch.Tensor) -> UniqueIds:
-    return UniqueIds(ids)
+def unique_ids(ids: torch.Tensor, num_unique: int | None = None) -> UniqueIds:
+    return UniqueIds(ids, num_unique)
+
+
+def _host_unique_count(host_ids: torch.Tensor) -> tuple[int, bool]:
+    """(number of distinct ids, whether the reserved EMPTY_KEY is among them), on the CPU."""
+    if host_ids.numel() == 0:
+        return 0, False
+    return int(torch.unique(host_ids).numel()), bool(host_ids.min() == EMPTY_KEY)
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -117,46 +142,53 @@ class DynamicEmbeddingTable(nn.Module):
         self._counters = torch.zeros(5, dtype=torch.int64, device=self.device)
 
     # -- lookup ---------------------------------------------------------------------------------
-    def forward(self, ids: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        scores: torch.Tensor | None = None,
+        *,
+        host_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Embeddings [len(ids), dim] of int ids. Training inserts unseen ids (and trains them when
         grad is enabled); eval never inserts and returns zeros for unknown ids. `scores` (same
-        length as ids) sets the eviction score of each id under the 'custom' policy."""
+        length as ids) sets the eviction score of each id under the 'custom' policy.
+
+        ``host_ids``: the same ids on the CPU (e.g. from the batch's CPU twin). With them the
+        distinct-id count and the reserved-id check run on the host, and a training lookup reads
+        the GPU once (how many ids are new, to size the insert); without them three more reads."""
         if ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"table {self.config.name!r}: ids must be int32/int64, got {ids.dtype}")
         if ids.dim() != 1:
             raise ValueError(f"table {self.config.name!r}: ids must be 1-D, got {tuple(ids.shape)}")
+        num_unique = None
+        if host_ids is not None:
+            if host_ids.device.type != "cpu" or host_ids.shape != ids.shape:
+                raise ValueError(
+                    f"table {self.config.name!r}: host_ids must be the ids on the CPU; got shape "
+                    f"{tuple(host_ids.shape)} on {host_ids.device} for ids {tuple(ids.shape)}"
+                )
+            num_unique, reserved = _host_unique_count(host_ids.to(torch.int64))
+            if reserved:
+                self._raise_reserved()
         ids = ids.to(device=self.device, dtype=torch.int64)
         dtype = _DTYPES[self.config.output_dtype]
-        u = UniqueIds(ids)
+        u = UniqueIds(ids, num_unique)
         n_unique = u.uniq.numel()
+        if num_unique is None:
+            self._check_reserved(u)
         if not self.training:
             slots = self.ops.find(self.state, u.uniq)
             hits = (slots >= 0).sum()
             self._counters[0] += n_unique
             self._counters[1] += hits
-            self._check_reserved(u)
             out = self.ops.gather(self.state, self.dim, slots, u.inverse)
             return out.to(dtype)
         self.step += 1
         score_vals, accumulate = self._score_values(u, scores)
         slots = self.ops.find(self.state, u.uniq, True, self.step, score_vals, accumulate)
-        missing = torch.nonzero(slots < 0).flatten()
-        self._check_reserved(u)
-        n_new = missing.numel()
+        n_new = self._insert_missing(u, slots, score_vals)
         self._counters[0] += n_unique
         self._counters[1] += n_unique - n_new
-        if n_new:
-            new_keys = u.uniq[missing]
-            if score_vals is None:
-                new_scores = torch.full_like(new_keys, self.step)
-            else:
-                new_scores = score_vals[missing]
-            new_slots, n_evicted = self._insert_grouped(new_keys, new_scores, self.step)
-            slots[missing] = new_slots
-            inserted = (new_slots >= 0).sum()
-            self._counters[2] += inserted
-            self._counters[3] += n_evicted
-            self._counters[4] += n_new - inserted
         if torch.is_grad_enabled():
             dummy = torch.empty(0, device=self.device, requires_grad=True)
             out = _FusedLookup.apply(dummy, self, u, slots)
@@ -164,11 +196,63 @@ class DynamicEmbeddingTable(nn.Module):
             out = self.ops.gather(self.state, self.dim, slots, u.inverse)
         return out.to(dtype)
 
+    def _insert_missing(
+        self, u: UniqueIds, slots: torch.Tensor, score_vals: torch.Tensor | None
+    ) -> int:
+        """Inserts the unique ids that `find` did not locate (``slots < 0``) and writes their new
+        slots into ``slots``; returns how many there were.
+
+        The one device->host read of a training lookup: the number of missing ids and of the
+        buckets they fall in, together. The missing ids are ordered by bucket, ties in id order,
+        exactly as `_insert_grouped` orders them."""
+        nb = self.state.num_buckets
+        miss = slots < 0
+        bucket = torch.where(miss, self.ops.bucket_of(u.uniq, nb), nb)  # present ids sort last
+        order = torch.argsort(bucket, stable=True)
+        sorted_bucket = bucket[order]
+        first = sorted_bucket < nb
+        if first.numel() > 1:
+            first[1:] &= sorted_bucket[1:] != sorted_bucket[:-1]
+        n_new, n_seg = torch.stack([miss.sum(), first.sum()]).tolist()
+        if n_new == 0:
+            return 0
+        idx = order[:n_new]
+        seg = torch.cumsum(first[:n_new].long(), 0) - 1
+        seg_buckets = sorted_bucket.new_empty(n_seg).scatter_(0, seg, sorted_bucket[:n_new])
+        seg_offsets = torch.zeros(n_seg + 1, dtype=torch.int64, device=slots.device)
+        seg_counts = torch.zeros(n_seg, dtype=torch.int64, device=slots.device)
+        torch.cumsum(seg_counts.scatter_add_(0, seg, torch.ones_like(seg)), 0, out=seg_offsets[1:])
+        keys = u.uniq[idx]
+        if score_vals is None:
+            new_scores = torch.full_like(keys, self.step)
+        else:
+            new_scores = score_vals[idx]
+        new_slots, n_evicted = self.ops.insert(
+            self.state,
+            keys,
+            seg_offsets,
+            seg_buckets,
+            new_scores,
+            self.step,
+            self.dim,
+            self.config.seed,
+            self.config.init_args(),
+        )
+        slots[idx] = new_slots
+        inserted = (new_slots >= 0).sum()
+        self._counters[2] += inserted
+        self._counters[3] += n_evicted
+        self._counters[4] += n_new - inserted
+        return n_new
+
+    def _raise_reserved(self) -> None:
+        raise ValueError(
+            f"table {self.config.name!r}: id {EMPTY_KEY} (int64 min) is reserved for empty slots"
+        )
+
     def _check_reserved(self, u: UniqueIds) -> None:
         if u.uniq.numel() and int(u.uniq[0]) == EMPTY_KEY:
-            raise ValueError(
-                f"table {self.config.name!r}: id {EMPTY_KEY} (int64 min) is reserved for empty slots"
-            )
+            self._raise_reserved()
 
     def _score_values(
         self, u: UniqueIds, scores: torch.Tensor | None
@@ -331,6 +415,16 @@ class DynamicEmbeddingTable(nn.Module):
         )
 
 
+def table_host_ids(
+    host_ids: dict[str, torch.Tensor] | None, feats: list[str]
+) -> torch.Tensor | None:
+    """The CPU ids of a table's features concatenated like its device ids, or None unless every
+    feature has them."""
+    if not host_ids or not feats or any(f not in host_ids for f in feats):
+        return None
+    return torch.cat([host_ids[f].to(torch.int64) for f in feats])
+
+
 def concat_dumps(dumps: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Merge the per-rank dumps of one table into one (any rank count can load the result)."""
     out = {
@@ -391,7 +485,11 @@ class DynamicEmbeddingCollection(nn.Module):
     def feature_names(self) -> list[str]:
         return list(self._feature_to_table)
 
-    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+    def forward(
+        self, features: KeyedJaggedTensor, host_ids: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, JaggedTensor]:
+        """``host_ids``: feature -> the same ids on the CPU, where known (see
+        `DynamicEmbeddingTable.forward`); a table uses them when all its features have them."""
         jts = features.to_dict()
         unknown = [f for f in jts if f not in self._feature_to_table]
         if unknown:
@@ -414,7 +512,7 @@ class DynamicEmbeddingCollection(nn.Module):
                 ws = [jts[f].weights_or_none() for f in feats]
                 if all(w is not None for w in ws):
                     scores = torch.cat(ws)
-            emb = table(ids, scores)
+            emb = table(ids, scores, host_ids=table_host_ids(host_ids, feats))
             sizes = [jts[f].values().numel() for f in feats]
             for f, e in zip(feats, torch.split(emb, sizes)):
                 out[f] = JaggedTensor(values=e, lengths=jts[f].lengths(), offsets=jts[f].offsets())

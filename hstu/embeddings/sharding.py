@@ -35,8 +35,10 @@ from hstu.embeddings.dynamic_table import (
     DynamicEmbeddingCollection,
     DynamicEmbeddingTable,
     concat_dumps,
+    table_host_ids,
 )
 from hstu.embeddings.reference_table import owner_of
+from hstu.training.distributed import host_group
 
 __all__ = [
     "DynamicEmbeddingSharder",
@@ -123,32 +125,71 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
     def output_dist(self, ctx, output):
         raise NotImplementedError("ShardedDynamicEmbeddingCollection runs through forward()")
 
-    def _route(self, table: DynamicEmbeddingTable, ids: torch.Tensor, scores):
+    def _route(
+        self,
+        table: DynamicEmbeddingTable,
+        ids: torch.Tensor,
+        scores,
+        host_ids: torch.Tensor | None = None,
+    ):
         w = self.world_size
         ids = ids.to(self.device)
         if w == 1:  # every id is local: no collective to line up
-            return table(ids, scores)
+            return table(ids, scores, host_ids=host_ids)
         owner = owner_of(ids, w)
         order = torch.argsort(owner, stable=True)
-        send_counts = torch.bincount(owner, minlength=w)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self._group)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
-        recv_ids = ids.new_empty(sum(recv))
-        dist.all_to_all_single(recv_ids, ids[order], recv, send, group=self._group)
+        routed = self._route_ids_on_host(host_ids) if host_ids is not None else None
+        if routed is not None:
+            # ids and counts went over gloo from the CPU ids: no device->host read
+            send, recv, recv_host = routed
+            recv_ids = recv_host.pin_memory().to(self.device, non_blocking=True)
+        else:
+            send_counts = torch.bincount(owner, minlength=w)
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=self._group)
+            send, recv = send_counts.tolist(), recv_counts.tolist()
+            recv_ids = ids.new_empty(sum(recv))
+            dist.all_to_all_single(recv_ids, ids[order], recv, send, group=self._group)
+            recv_host = None
         recv_scores = None
         if scores is not None:
             s = scores.to(self.device, torch.float64)[order]
             recv_scores = s.new_empty(sum(recv))
             dist.all_to_all_single(recv_scores, s, recv, send, group=self._group)
-        local = table(recv_ids, recv_scores)
+        local = table(recv_ids, recv_scores, host_ids=recv_host)
         grad_scale = 1.0 / w if self.gradient_division else 1.0
         rows = _AllToAllRows.apply(local, send, recv, self._group, grad_scale)
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
         return rows[inv]
 
-    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+    def _route_ids_on_host(
+        self, host_ids: torch.Tensor
+    ) -> tuple[list[int], list[int], torch.Tensor] | None:
+        """Sends the CPU ids to their owners over a gloo group (the same order as the device
+        route: by owner, stable): (send counts, recv counts, received CPU ids), or None when no
+        gloo group spans this collection's ranks."""
+        ok, group = host_group(self._group)
+        if not ok:
+            return None
+        w = self.world_size
+        host_ids = host_ids.to(torch.int64)
+        owner = owner_of(host_ids, w)
+        send_counts = torch.bincount(owner, minlength=w)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        recv_ids = host_ids.new_empty(sum(recv))
+        order = torch.argsort(owner, stable=True)
+        dist.all_to_all_single(recv_ids, host_ids[order], recv, send, group=group)
+        return send, recv, recv_ids
+
+    def forward(
+        self, features: KeyedJaggedTensor, host_ids: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, JaggedTensor]:
+        """``host_ids``: feature -> the same ids on the CPU. Every rank must pass them for the
+        same tables (or none): they decide whether the ids route over gloo or the device group.
+        """
         jts = features.to_dict()
         unknown = [f for f in jts if f not in self._feature_to_table]
         if unknown:
@@ -172,7 +213,11 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
                 ws = [jts[f].weights_or_none() for f in feats]
                 if all(w is not None for w in ws):
                     scores = torch.cat(ws)
-            emb = self._route(table, ids, scores)
+            if feats:
+                hid = table_host_ids(host_ids, feats)
+            else:  # no ids here, but the route (gloo or device) must match the other ranks'
+                hid = None if host_ids is None else torch.empty(0, dtype=torch.int64)
+            emb = self._route(table, ids, scores, hid)
             for f, e in zip(feats, torch.split(emb, [v.numel() for v in vals])):
                 out[f] = JaggedTensor(values=e, lengths=jts[f].lengths(), offsets=jts[f].offsets())
         return out

@@ -254,62 +254,93 @@ class GenerativeRecommender(nn.Module):
         return out
 
     # ---- embeddings --------------------------------------------------------------------------
+    def _lookup_features(
+        self, batch: Batch | None, extra_ids: torch.Tensor | None, device
+    ) -> tuple[int, dict[str, _FeatureIds]]:
+        """The ids of every feature in ``self.embedding_features`` (batch features + extra ids)
+        with their per-key counts taken from the host (no device->host read)."""
+        n_ctx = len(self.contextual_names)
+        parts: dict[str, _FeatureIds] = {}
+        if batch is not None:
+            kjt = batch.features
+            b = batch.batch_size
+            host = batch.host_batch()
+            src = host.features if host is not None else kjt
+            # the batch's keys: [*data contextual features, item, action]; the model keeps all
+            # contextual features or none (NetworkArgs.use_contextual_features). The per-key
+            # counts come from the CPU twin (or from the device KJT's cached per-key lists)
+            first = len(self.info.contextual_feature_names) - n_ctx
+            offset_per_key = src.offset_per_key()
+            length_per_key = src.length_per_key()
+            values, lengths = kjt.values(), kjt.lengths()
+            host_values = host.features.values() if host is not None else None
+            for i, name in enumerate(self.embedding_features[: n_ctx + 1]):
+                k = first + i
+                lo, n = offset_per_key[k], length_per_key[k]
+                parts[name] = _FeatureIds(
+                    values=values[lo : lo + n],
+                    lengths=lengths[k * b : (k + 1) * b],
+                    count=n,
+                    host_values=None if host_values is None else host_values[lo : lo + n],
+                )
+        else:
+            b = 1
+            for name in self.embedding_features[: n_ctx + 1]:
+                parts[name] = _FeatureIds(
+                    values=torch.zeros(0, dtype=torch.long, device=device),
+                    lengths=torch.zeros(b, dtype=torch.long, device=device),
+                    count=0,
+                    host_values=torch.zeros(0, dtype=torch.long),
+                )
+        if self.uses_extra_items:
+            dtype = parts[ITEM_FEATURE].lengths.dtype
+            dev = parts[ITEM_FEATURE].values.device
+            extra = (
+                extra_ids.long()
+                if extra_ids is not None
+                else torch.zeros(0, dtype=torch.long, device=dev)
+            )
+            extra_lengths = torch.zeros(b, dtype=dtype, device=dev)
+            extra_lengths[0] = extra.numel()
+            parts[EXTRA_ITEM_FEATURE] = _FeatureIds(
+                values=extra.to(dev),
+                lengths=extra_lengths,
+                count=extra.numel(),
+                host_values=extra if extra.device.type == "cpu" else None,
+            )
+        return b, parts
+
     def _lookup_kjt(
         self, batch: Batch | None, extra_ids: torch.Tensor | None, device
     ) -> KeyedJaggedTensor:
         """One KJT with exactly ``self.embedding_features`` as keys (batch features + extra ids)."""
-        names = self.embedding_features
-        n_ctx = len(self.contextual_names)
-        if batch is not None:
-            kjt = batch.features
-            b = batch.batch_size
-            # the batch's keys: [*data contextual features, item, action]; the model keeps all
-            # contextual features or none (NetworkArgs.use_contextual_features)
-            skip = (len(self.info.contextual_feature_names) - n_ctx) * b
-            all_lengths = kjt.lengths()
-            start = int(all_lengths[:skip].sum()) if skip else 0
-            lengths = all_lengths[skip : skip + (n_ctx + 1) * b]
-            values = kjt.values()[start : start + int(lengths.sum())]
-        else:
-            b = 1
-            lengths = torch.zeros((n_ctx + 1) * b, dtype=torch.long, device=device)
-            values = torch.zeros(0, dtype=torch.long, device=device)
-        if self.uses_extra_items:
-            extra = (
-                extra_ids.long()
-                if extra_ids is not None
-                else torch.zeros(0, dtype=torch.long, device=device)
-            )
-            extra_lengths = torch.zeros(b, dtype=lengths.dtype, device=lengths.device)
-            extra_lengths[0] = extra.numel()
-            lengths = torch.cat([lengths, extra_lengths])
-            values = torch.cat([values.long(), extra.to(values.device)])
-        return KeyedJaggedTensor.from_lengths_sync(
-            keys=names, values=values.long(), lengths=lengths
-        )
+        b, parts = self._lookup_features(batch, extra_ids, device)
+        return _make_kjt(self.embedding_features, parts, b)
 
     def lookup(
         self, batch: Batch | None, extra_ids: torch.Tensor | None = None
     ) -> dict[str, JaggedTensor]:
-        """feature -> JaggedTensor of [n, hidden_size] rows (table padding columns dropped)."""
+        """feature -> JaggedTensor of [n, hidden_size] rows (table padding columns dropped).
+
+        The KJTs handed to the collections carry their per-key lengths and offsets (from the
+        host), and the dynamic tables get the CPU ids, so no lookup step reads sizes back from
+        the GPU (torchrec's own sharded input dist still may, see docs/architecture.md)."""
         device = batch.user_ids.device if batch is not None else extra_ids.device
-        kjt = self._lookup_kjt(batch, extra_ids, device)
+        b, parts = self._lookup_features(batch, extra_ids, device)
         static_collection = (
             self.dense_tables if self.dense_tables is not None else self.embedding_collection
         )
         if self.dynamic_collection is None:
-            out = static_collection(kjt)
+            out = static_collection(_make_kjt(self.embedding_features, parts, b))
         else:
-            keys = kjt.keys()
-            dyn = [i for i, k in enumerate(keys) if k in self.dynamic_features]
-            static = [i for i, k in enumerate(keys) if k not in self.dynamic_features]
+            keys = self.embedding_features
+            dyn = [k for k in keys if k in self.dynamic_features]
+            static = [k for k in keys if k not in self.dynamic_features]
             out = {}
             if static:
-                kjt_static, kjt_dyn = kjt.permute(static + dyn).split([len(static), len(dyn)])
-                out.update(static_collection(kjt_static))
-            else:
-                kjt_dyn = kjt
-            out.update(self.dynamic_collection(kjt_dyn))
+                out.update(static_collection(_make_kjt(static, parts, b)))
+            host_ids = {k: parts[k].host_values for k in dyn if parts[k].host_values is not None}
+            out.update(self.dynamic_collection(_make_kjt(dyn, parts, b), host_ids=host_ids))
         if self.table_dim == self.hidden_size:
             return out
         return {
@@ -330,6 +361,43 @@ class GenerativeRecommender(nn.Module):
         return y, layout, items.values(), extra
 
 
-def gather_outputs(y: torch.Tensor, layout: SequenceLayout, mask: torch.Tensor) -> torch.Tensor:
-    """Encoder outputs at the item tokens selected by ``mask`` (in batch order)."""
-    return y.index_select(0, layout.item_dest[mask])
+def gather_outputs(y: torch.Tensor, layout: SequenceLayout, index: torch.Tensor) -> torch.Tensor:
+    """Encoder outputs at the item tokens ``index`` (positions in the batch's item list, e.g.
+    `SequenceLayout.candidate_index`). Indices, not a boolean mask: selecting by mask needs the
+    number of selected rows on the host, a host<->GPU sync."""
+    if index.dtype == torch.bool:
+        raise TypeError(
+            "gather_outputs takes item indices (e.g. layout.candidate_index), not a boolean mask"
+        )
+    return y.index_select(0, layout.item_dest.index_select(0, index))
+
+
+@dataclass
+class _FeatureIds:
+    """One feature's ids for a lookup: device values and [B] lengths, the value count (a host
+    int) and, when known, the same values on the CPU."""
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+    count: int
+    host_values: torch.Tensor | None
+
+
+def _make_kjt(keys: list[str], parts: dict[str, _FeatureIds], stride: int) -> KeyedJaggedTensor:
+    """KJT of ``keys`` (in that order) built with its per-key lengths and offsets given, so that
+    torchrec never computes them from the device lengths (a ``.tolist()`` sync)."""
+    sel = [parts[k] for k in keys]
+    counts = [p.count for p in sel]
+    offset_per_key = [0]
+    for c in counts:
+        offset_per_key.append(offset_per_key[-1] + c)
+    values = sel[0].values.long() if len(sel) == 1 else torch.cat([p.values.long() for p in sel])
+    lengths = sel[0].lengths if len(sel) == 1 else torch.cat([p.lengths for p in sel])
+    return KeyedJaggedTensor(
+        keys=list(keys),
+        values=values,
+        lengths=lengths,
+        stride=stride,
+        length_per_key=counts,
+        offset_per_key=offset_per_key,
+    )

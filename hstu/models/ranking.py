@@ -49,7 +49,7 @@ class RankingGR(GenerativeRecommender):
         candidates here; the trainer passes global count / world size so that data-parallel
         gradient averaging gives exactly the global mean)."""
         y, layout, _, _ = self.encode(batch)
-        cand = gather_outputs(y, layout, ~layout.is_history)
+        cand = gather_outputs(y, layout, layout.candidate_index)
         logits = self.head(cand).float()
         out = {"logits": logits, "num_tokens": torch.tensor(layout.num_tokens)}
         if batch.labels is not None:

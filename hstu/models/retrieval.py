@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from hstu.data.batch import Batch
 from hstu.models.base import EXTRA_ITEM_FEATURE, FeatureInfo, GenerativeRecommender, gather_outputs
-from hstu.modules.preprocessor import item_values
+from hstu.modules.preprocessor import host_lengths, item_values, segment_ranges
 
 __all__ = ["RetrievalGR", "NEGATIVE_SAMPLING", "NegativeSample"]
 
@@ -101,21 +101,21 @@ class RetrievalGR(GenerativeRecommender):
         With ``batch.target_item_ids`` set (evaluation), also returns the query embedding of each
         sample's last history position as ``query``.
         """
+        host_history = host_lengths(batch).history
+        # supervised rows: history positions with a next history item (counted on the host)
+        rows = int(torch.clamp(host_history - 1, min=0).sum())
         sampled = None
         if self.training:
-            rows = int(torch.clamp(batch.history_lengths() - 1, min=0).sum())
             sampled = self._sample_negatives(rows)
         y, layout, item_emb, neg_emb = self.encode(
             batch, sampled.lookup_ids if sampled is not None else None
         )
         ids = item_values(batch).to(y.device)
         out: dict[str, torch.Tensor] = {"num_tokens": torch.tensor(layout.num_tokens)}
-        # position p predicts item p + 1 of the same sample
-        has_next = layout.is_history & (
-            layout.item_pos + 1 < layout.history_lengths[layout.item_sample]
-        )
-        src = has_next.nonzero().squeeze(1)
-        q = self.normalize(gather_outputs(y, layout, has_next))
+        # position p predicts item p + 1 of the same sample: items [0, h - 1) of each sample
+        starts = layout.item_offsets[:-1]
+        src = segment_ranges(starts, torch.clamp(layout.history_lengths - 1, min=0), rows)
+        q = self.normalize(gather_outputs(y, layout, src))
         pos_ids = ids[src + 1]
         pos = self.normalize(item_emb[src + 1])
         pos_logit = (q * pos).sum(-1, keepdim=True) / self.temperature
@@ -147,10 +147,12 @@ class RetrievalGR(GenerativeRecommender):
         out["loss_sum"] = total.detach()
         out["count"] = torch.tensor(float(n))
         if batch.target_item_ids is not None:
-            last = layout.is_history & (
-                layout.item_pos + 1 == layout.history_lengths[layout.item_sample]
+            # the last history item of each sample with one (every eval sample has >= 1 history
+            # item, so this is exactly one row per sample)
+            hist = layout.history_lengths
+            last = segment_ranges(
+                starts + hist - 1, (hist > 0).long(), int((host_history > 0).sum())
             )
-            # every eval sample has >= 1 history item, so `last` selects exactly one row per sample
             out["query"] = self.normalize(gather_outputs(y, layout, last))
         return out
 

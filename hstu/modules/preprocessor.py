@@ -18,12 +18,21 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
 from hstu.modules.hstu_layer import AttentionInputs
 
-__all__ = ["SequenceLayout", "SequencePreprocessor"]
+__all__ = [
+    "HostLengths",
+    "SequenceLayout",
+    "SequencePreprocessor",
+    "host_lengths",
+    "segment_ranges",
+]
 
 
 @dataclass
 class SequenceLayout:
-    """Where each item token of the batch landed in the jagged [T, D] sequence."""
+    """Where each item token of the batch landed in the jagged [T, D] sequence.
+
+    Device tensors, except the ``host_*`` ones (CPU copies for index sizes and counts, so that
+    the models never read a size back from the GPU)."""
 
     attn: AttentionInputs
     item_dest: torch.Tensor  # [N_items] row in x of each item token (history then candidates)
@@ -32,6 +41,52 @@ class SequenceLayout:
     is_history: torch.Tensor  # [N_items] bool
     history_lengths: torch.Tensor  # [B]
     num_tokens: int
+    item_offsets: torch.Tensor | None = None  # [B+1] start of each sample's items in N_items
+    candidate_index: torch.Tensor | None = None  # [N_cand] item index of each candidate, in order
+    host_history_lengths: torch.Tensor | None = None  # [B] CPU int64
+    host_num_candidates: torch.Tensor | None = None  # [B] CPU int64
+
+
+@dataclass
+class HostLengths:
+    """Per-sample lengths of a batch as CPU int64 tensors (see `host_lengths`)."""
+
+    items: torch.Tensor  # [B] history + candidates
+    history: torch.Tensor  # [B]
+    candidates: torch.Tensor  # [B]
+
+
+def host_lengths(batch: Batch) -> HostLengths:
+    """Item, history and candidate counts of ``batch`` on the CPU.
+
+    Read from the batch's CPU twin (`Batch.host_batch`) when there is one: no device->host copy.
+    A batch built directly on a GPU is copied back (one sync), with the same results."""
+    src = batch.host_batch()
+    if src is None:
+        src = batch
+    items = src.features[ITEM_FEATURE].lengths().to("cpu", torch.int64)
+    history = src.features[ACTION_FEATURE].lengths().to("cpu", torch.int64)
+    candidates = src.num_candidates.to("cpu", torch.int64)
+    if not torch.equal(items, history + candidates):
+        raise ValueError(
+            "batch: each sample's item_id list must be its history items (one per action) "
+            f"followed by its candidates; item counts {items.tolist()[:8]} != history "
+            f"{history.tolist()[:8]} + candidates {candidates.tolist()[:8]} (first 8 samples)"
+        )
+    return HostLengths(items=items, history=history, candidates=candidates)
+
+
+def segment_ranges(starts: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+    """Concatenation of ``arange(starts[s], starts[s] + counts[s])`` over s, in order.
+
+    ``total`` must equal ``counts.sum()``; it is passed in (known on the host) so that nothing is
+    read back from the device (a boolean-mask `nonzero` would sync)."""
+    dev = counts.device
+    seg = torch.repeat_interleave(
+        torch.arange(counts.numel(), device=dev), counts, output_size=total
+    )
+    first = torch.cumsum(counts, 0) - counts
+    return starts[seg] + (torch.arange(total, device=dev) - first[seg])
 
 
 class SequencePreprocessor(nn.Module):
@@ -66,33 +121,50 @@ class SequencePreprocessor(nn.Module):
         contextual: list[torch.Tensor],
         items: JaggedTensor,
     ) -> tuple[torch.Tensor, SequenceLayout]:
-        """contextual: F tensors [B, D]; items: jagged item embeddings (history + candidates)."""
+        """contextual: F tensors [B, D]; items: jagged item embeddings (history + candidates).
+
+        Sizes, maxima and the jagged offsets handed to the attention kernel come from the batch's
+        CPU twin; the device tensors are derived from the device lengths with those sizes given,
+        so the forward reads nothing back from the GPU (see docs/architecture.md)."""
         device = items.values().device
         b = batch.batch_size
         f = self.num_contextual
-        item_lengths = items.lengths().long()
-        hist_lengths = batch.features[ACTION_FEATURE].lengths().long().to(device)
-        num_cand = batch.num_candidates.long().to(device)
-        seq_lengths = item_lengths + f
-        offsets = torch.zeros(b + 1, dtype=torch.long, device=device)
-        offsets[1:] = torch.cumsum(seq_lengths, 0)
-        num_tokens = int(offsets[-1])
-        max_seqlen = int(seq_lengths.max()) if b > 0 else 0
-        needed = int((hist_lengths + (num_cand > 0).long()).max()) if b > 0 else 0
+        host = host_lengths(batch)
+        seq_host = host.items + f
+        offsets_host = torch.zeros(b + 1, dtype=torch.long)
+        offsets_host[1:] = torch.cumsum(seq_host, 0)
+        num_tokens = int(offsets_host[-1])
+        max_seqlen = int(seq_host.max()) if b > 0 else 0
+        needed = int((host.history + (host.candidates > 0).long()).max()) if b > 0 else 0
         if needed > self.max_positions:
             raise ValueError(
                 f"a sample needs {needed} positions (history + 1 for its candidates) but the model "
                 f"has {self.max_positions} (NetworkArgs.num_position_embeddings, default "
                 f"DatasetArgs.max_history_seqlen + 1)"
             )
+        n_items = int(host.items.sum())
+        n_hist = int(host.history.sum())
+        n_cand = n_items - n_hist
+        has_targets = bool((host.candidates > 0).any())
 
+        item_lengths = items.lengths().long()
+        hist_lengths = batch.features[ACTION_FEATURE].lengths().long().to(device)
+        num_cand = batch.num_candidates.long().to(device)
+        seq_lengths = item_lengths + f
+        offsets = torch.zeros(b + 1, dtype=torch.long, device=device)
+        offsets[1:] = torch.cumsum(seq_lengths, 0)
         item_offsets = torch.zeros(b + 1, dtype=torch.long, device=device)
         item_offsets[1:] = torch.cumsum(item_lengths, 0)
-        n_items = int(item_offsets[-1])
-        sample = torch.repeat_interleave(torch.arange(b, device=device), item_lengths)
+        sample = torch.repeat_interleave(
+            torch.arange(b, device=device), item_lengths, output_size=n_items
+        )
         pos = torch.arange(n_items, device=device) - item_offsets[:-1][sample]
         is_hist = pos < hist_lengths[sample]
         dest = offsets[:-1][sample] + f + pos
+        # item indices of the history tokens (the first hist_lengths[s] items of sample s) and of
+        # the candidates (the rest), with their counts known on the host
+        hist_index = segment_ranges(item_offsets[:-1], hist_lengths, n_hist)
+        cand_index = segment_ranges(item_offsets[:-1] + hist_lengths, num_cand, n_cand)
 
         values = items.values()
         pos_ids = torch.minimum(pos, hist_lengths[sample]).clamp(max=self.max_positions - 1)
@@ -101,7 +173,7 @@ class SequencePreprocessor(nn.Module):
         actions = batch.features[ACTION_FEATURE].values().to(device)
         bits = (actions.view(-1, 1) >> torch.arange(self.num_action_bits, device=device)) & 1
         action_tok = bits.to(values.dtype) @ self.action_embedding + self.history_embedding
-        tok = tok.index_put((is_hist.nonzero().squeeze(1),), action_tok, accumulate=True)
+        tok = tok.index_put((hist_index,), action_tok, accumulate=True)
 
         x = values.new_zeros((num_tokens, self.hidden_size))
         x = x.index_copy(0, dest, tok)
@@ -112,7 +184,10 @@ class SequencePreprocessor(nn.Module):
             seq_offsets=offsets,
             max_seqlen=max_seqlen,
             num_contexts=torch.full((b,), f, dtype=torch.long, device=device) if f > 0 else None,
-            num_targets=num_cand if bool((num_cand > 0).any()) else None,
+            num_targets=num_cand if has_targets else None,
+            host_seq_offsets=offsets_host,
+            host_num_contexts=torch.full((b,), f, dtype=torch.long) if f > 0 else None,
+            host_num_targets=host.candidates if has_targets else None,
         )
         layout = SequenceLayout(
             attn=attn,
@@ -122,6 +197,10 @@ class SequencePreprocessor(nn.Module):
             is_history=is_hist,
             history_lengths=hist_lengths,
             num_tokens=num_tokens,
+            item_offsets=item_offsets,
+            candidate_index=cand_index,
+            host_history_lengths=host.history,
+            host_num_candidates=host.candidates,
         )
         return x, layout
 

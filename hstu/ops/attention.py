@@ -62,7 +62,16 @@ def hstu_attention(
     scaling_seqlen: int | None = None,
     causal: bool = True,
 ) -> torch.Tensor:
-    """Jagged HSTU attention; same signature and semantics as `hstu.ops.reference.hstu_attention`."""
+    """Jagged HSTU attention; same signature and semantics as `hstu.ops.reference.hstu_attention`.
+
+    With CUDA q, ``seq_offsets`` / ``num_contexts`` / ``num_targets`` may be CPU tensors (e.g.
+    `AttentionInputs.kernel_metadata`): the compiled op then validates them on the host and copies
+    them to the GPU without a host<->GPU sync; the reference path moves them to q's device."""
+    if not q.is_cuda or reference_attention_forced():
+        seq_offsets, num_contexts, num_targets = (
+            None if t is None else t.to(q.device, non_blocking=True)
+            for t in (seq_offsets, num_contexts, num_targets)
+        )
     kwargs = dict(
         num_contexts=num_contexts,
         num_targets=num_targets,

@@ -121,6 +121,10 @@ def hstu_attention_cuda(
 ) -> torch.Tensor:
     """Jagged HSTU attention on the compiled kernel; q, k, v: [T, H, D] -> [T, H, D].
 
+    ``seq_offsets``, ``num_contexts`` and ``num_targets`` may live on q's GPU or on the CPU. CPU
+    tensors are validated on the host and copied to the GPU asynchronously (pinned staging); GPU
+    tensors must be read back for validation (a host<->GPU sync). Either way the check runs once
+    per tensor object and is cached for the other layers and the backward.
     `deterministic=True` makes dQ bitwise reproducible (key blocks add their dQ contributions in
     a fixed order) at some backward speed. Bad inputs raise ValueError/TypeError before launch.
     """

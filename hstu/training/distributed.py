@@ -23,6 +23,7 @@ __all__ = [
     "all_reduce_sum",
     "all_reduce_sum_host",
     "barrier",
+    "host_group",
     "cleanup",
 ]
 
@@ -118,6 +119,17 @@ def _host_group():
     if _HOST_GROUP is None or _HOST_GROUP[0] is not world:
         _HOST_GROUP = (world, dist.new_group(backend="gloo"))
     return _HOST_GROUP[1]
+
+
+def host_group(group: dist.ProcessGroup | None = None) -> tuple[bool, dist.ProcessGroup | None]:
+    """(available, gloo group) for host-side collectives over the ranks of ``group`` (None: the
+    default group). Returns ``(True, None)`` when ``group`` is the default group and already
+    gloo, ``(False, None)`` for a device subgroup (no gloo twin is kept for subgroups)."""
+    if dist.get_backend(group) == "gloo":
+        return True, group
+    if group is None or group is dist.group.WORLD:
+        return True, _host_group()
+    return False, None
 
 
 def all_reduce_sum_host(values: list[float]) -> list[float]:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from hstu.config.gin_utils import RunConfig
 from hstu.data.batch import Batch
-from hstu.data.loader import BatchIterator, linear_cost_coefficient
+from hstu.data.loader import BatchIterator, PrefetchIterator, linear_cost_coefficient
 from hstu.data.registry import build_samples, load_sequence_data
 from hstu.embeddings import apply_sparse_optimizer
 from hstu.embeddings.sharding import merge_collection_dumps
@@ -88,7 +88,7 @@ class _PendingStep:
     global_count: float
     samples: float
     local_tokens: float
-    lengths: torch.Tensor | None  # attention sequence lengths of this rank (device)
+    lengths: torch.Tensor | None  # attention sequence lengths of this rank (CPU when known)
     grad_norm: torch.Tensor | None
     task_losses: torch.Tensor | None
 
@@ -122,15 +122,22 @@ class Trainer:
                 net.hidden_size, net.num_attention_heads, net.kv_channels
             ),
         }
-        self.train_iter = BatchIterator(
-            self.train_samples,
-            t.train_batch_size,
-            shuffle=cfg.dataset.shuffle,
-            seed=t.seed,
-            rank=self.info.rank,
-            world_size=self.info.world_size,
-            drop_last=True,
-            **balance,
+        # the next batches are collated (and pinned, on GPU) in a background thread; the
+        # checkpointed data position is that of the batches consumed
+        self.train_iter = PrefetchIterator(
+            BatchIterator(
+                self.train_samples,
+                t.train_batch_size,
+                shuffle=cfg.dataset.shuffle,
+                seed=t.seed,
+                rank=self.info.rank,
+                world_size=self.info.world_size,
+                drop_last=True,
+                **balance,
+            ),
+            depth=2,
+            pin_memory=self.device.type == "cuda",
+            device=self.device,
         )
         self.eval_iter = BatchIterator(
             self.eval_samples,
@@ -337,11 +344,12 @@ class Trainer:
         from the host-side batch (summed over ranks through a gloo group), the loss, gradient
         norm and attention lengths stay on the device until `_resolve`."""
         self.model.train()
-        host_batch = next(self.train_iter)
+        host_batch = next(self.train_iter)  # pinned already on GPU (PrefetchIterator)
         local_count = _loss_count(host_batch, self.cfg.task)
         global_count, samples = all_reduce_sum_host([local_count, host_batch.batch_size])
         if self.device.type == "cuda":
-            batch = host_batch.pin_memory().to(self.device, non_blocking=True)
+            # the device batch keeps host_batch as its CPU twin: the model reads sizes from it
+            batch = host_batch.to(self.device, non_blocking=True)
         else:
             batch = host_batch.to(self.device)
         normalizer = max(global_count, 1.0) / self.info.world_size
@@ -349,7 +357,10 @@ class Trainer:
             out = self.model(batch, loss_normalizer=normalizer)
         out["loss"].backward()
         attn = self.core.last_attention_inputs
-        lengths = None if attn is None else attn.seq_offsets[1:] - attn.seq_offsets[:-1]
+        lengths = None
+        if attn is not None:
+            offs = attn.host_seq_offsets if attn.host_seq_offsets is not None else attn.seq_offsets
+            lengths = offs[1:] - offs[:-1]
         grad_norm = clip_grad_norm(
             self.dense_params, self.cfg.optimizer.grad_clip_norm, as_tensor=True
         )
@@ -598,6 +609,7 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        self.train_iter.close()
         self.tb.close()
         cleanup(self.info)
 

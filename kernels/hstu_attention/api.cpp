@@ -133,7 +133,21 @@ void check_tensors_and_scalars(const Tensor& q, const Tensor& k, const Tensor& v
 
 }
 
-// Validates shapes, dtypes and the jagged metadata (on the host: one small device->host copy).
+// int32 copy on q's device of validated metadata (`host` holds its n values, int64). CPU
+// metadata is staged in pinned memory and copied with non_blocking=true: a copy from pageable
+// memory would make the host wait for the GPU. The caching host allocator keeps the staging block
+// alive until the copy has run. GPU metadata is converted on the device.
+Tensor to_device_int32(const Tensor& t, const int64_t* host, int64_t n, const Tensor& q) {
+  if (!t.is_cpu()) return t.to(q.device(), at::kInt).contiguous();
+  Tensor staged = at::empty({n}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  int32_t* dst = staged.data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<int32_t>(host[i]);
+  return staged.to(q.device(), at::kInt, /*non_blocking=*/true, /*copy=*/false);
+}
+
+// Validates shapes, dtypes and the jagged metadata on the host. GPU metadata is copied to the
+// host first (a device->host copy: the host waits for the GPU); CPU metadata (the models pass the
+// batch's host copies, see AttentionInputs.kernel_metadata) costs no sync.
 Checked check_inputs_uncached(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
                      int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
                      const std::optional<Tensor>& num_targets, int64_t target_group_size,
@@ -186,7 +200,7 @@ Checked check_inputs_uncached(const Tensor& q, const Tensor& k, const Tensor& v,
                   " must be in [0, length=", len, "]");
       out[b] = p[b];
     }
-    return x.to(q.device(), at::kInt).contiguous();
+    return to_device_int32(x, p, batch, q);
   };
   Checked c;
   c.ctx32 = check_counts(num_contexts, "num_contexts", ctx);
@@ -198,13 +212,13 @@ Checked check_inputs_uncached(const Tensor& q, const Tensor& k, const Tensor& v,
   }
   c.batch = int(batch);
   c.max_len = max_len;
-  c.cu32 = seq_offsets.to(q.device(), at::kInt).contiguous();
+  c.cu32 = to_device_int32(seq_offsets, o, batch + 1, q);
   return c;
 }
 
-// The jagged metadata check needs the offsets on the host, i.e. a device sync. The same offsets
-// tensor is passed to every layer's forward and backward of a step, so the result is cached per
-// tensor object: an entry holds weak references to the offsets / num_contexts / num_targets
+// The jagged metadata check needs the offsets on the host (a device sync for GPU metadata, a
+// pinned host->device copy for CPU metadata). The same offsets tensor is passed to every layer's
+// forward and backward of a step, so the result is cached per tensor object (CPU or GPU alike): an entry holds weak references to the offsets / num_contexts / num_targets
 // TensorImpls and their version counters, and is reused only while all of them are alive and
 // unmodified (an in-place write bumps the version and forces a new check).
 struct CacheKey {

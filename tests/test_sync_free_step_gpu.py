@@ -1,0 +1,110 @@
+"""GPU: the training forward reads nothing back from the GPU (issue 5/7 host<->device syncs).
+
+One step of a shrunken synthetic_benchmark_ranking model (fused layers, compiled attention,
+dynamic item/user tables, bf16) runs its forward, from the model call to the loss, under
+``torch.cuda.set_sync_debug_mode("error")``: any blocking device->host read or pageable copy
+raises. Allowed, and scoped out explicitly:
+- `DynamicEmbeddingTable._insert_missing`: one read per dynamic table per training lookup (how
+  many ids are new, to size the insert kernel's input);
+- the torchrec-sharded EmbeddingCollection of the small contextual tables (torchrec's input
+  dist builds index tensors on the device from Python lists).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.gpu
+
+BINDINGS = [
+    "TrainerArgs.train_batch_size=8",
+    "TrainerArgs.max_train_iters=10",
+    "TrainerArgs.ckpt_save_interval=-1",
+    "TrainerArgs.progress_bar=False",
+    "DatasetArgs.synthetic_num_users=2000",
+    "DatasetArgs.synthetic_num_items=5000",
+    "DatasetArgs.max_history_seqlen=256",
+    "NetworkArgs.num_layers=2",
+    "NetworkArgs.hidden_size=256",
+    "NetworkArgs.kv_channels=64",
+    "EmbeddingArgs.item_capacity=100000",
+    "EmbeddingArgs.user_capacity=100000",
+]
+
+
+@contextlib.contextmanager
+def _sync_debug(mode):
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
+def _allow_syncs(fn):
+    def wrapped(*args, **kwargs):
+        with _sync_debug("default"):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@pytest.fixture(autouse=True)
+def _need_gpu_and_kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from hstu.embeddings import cuda_table
+    from hstu.ops import compiled_attention_available
+
+    if not compiled_attention_available() or not cuda_table.available():
+        pytest.skip("compiled attention / dynamic embedding kernels not built")
+
+
+def test_training_forward_has_no_host_device_sync(tmp_path, monkeypatch):
+    from hstu.config.gin_utils import load_config
+    from hstu.embeddings.dynamic_table import DynamicEmbeddingTable
+    from hstu.training.trainer import Trainer
+
+    monkeypatch.setenv("HSTU_ALLOW_NON_A100", "1")
+    cfg = load_config(
+        "ranking",
+        [ROOT / "configs" / "synthetic_benchmark_ranking.gin"],
+        BINDINGS + [f"TrainerArgs.log_dir='{tmp_path}'"],
+    )
+    trainer = Trainer(cfg, "cuda")
+    try:
+        # warm-up: lazy initialisation (cuBLAS handles, torch.compile of the fused stages, ...)
+        for _ in range(2):
+            trainer.train_step()
+        torch.cuda.synchronize()
+        monkeypatch.setattr(
+            DynamicEmbeddingTable,
+            "_insert_missing",
+            _allow_syncs(DynamicEmbeddingTable._insert_missing),
+        )
+        static = trainer.core.embedding_collection
+        if static is not None:
+            monkeypatch.setattr(static, "forward", _allow_syncs(static.forward))
+        trainer.model.train()
+        host_batch = next(trainer.train_iter)
+        assert host_batch.features.values().is_pinned()
+        batch = host_batch.to(trainer.device, non_blocking=True)
+        assert batch.host is host_batch
+        with trainer._autocast(), _sync_debug("error"):
+            out = trainer.model(batch, loss_normalizer=1.0)
+            loss = out["loss"]
+        loss.backward()
+        torch.cuda.synchronize()
+        assert torch.isfinite(loss).item()
+        attn = trainer.core.last_attention_inputs
+        assert attn.host_seq_offsets is not None
+        assert torch.equal(attn.host_seq_offsets, attn.seq_offsets.cpu())
+    finally:
+        trainer.close()

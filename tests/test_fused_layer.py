@@ -297,6 +297,20 @@ def test_fused_head_dim_without_kernel_instance_cuda():
         assert err < 3e-2, (name, float(err))
 
 
+def _match_every_recompute_option(seed: int):
+    """Fused vs unfused on a batch with contextual and target tokens, for every recompute
+    option (CPU, fp32); returns the batch (T, layout, x, output gradient) for further checks."""
+    attn = _layout([7, 1, 12], contexts=[1, 0, 2], targets=[2, 0, 3])
+    t = 20
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, HIDDEN, generator=gen)
+    g = torch.randn(t, HIDDEN, generator=gen)
+    for recompute in RECOMPUTE:
+        ref, fused = _pair(recompute=recompute, target_group_size=2)
+        _assert_match(_run(ref, x, attn, g), _run(fused, x, attn, g))
+    return t, attn, x, g
+
+
 def test_fused_gate_kernel_path_matches_unfused_cpu(monkeypatch):
     """The gate_kernel='cuda' code path of the Function, run on CPU with the kernel's PyTorch twin
     in place of the CUDA ops: matches the unfused layer without dropout, and with dropout when
@@ -311,14 +325,7 @@ def test_fused_gate_kernel_path_matches_unfused_cpu(monkeypatch):
         return lnmd.reference_fwd, lnmd.reference_bwd
 
     monkeypatch.setattr(fused_mod, "_gate_ops", fake_gate_ops)
-    attn = _layout([7, 1, 12], contexts=[1, 0, 2], targets=[2, 0, 3])
-    t = 20
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(t, HIDDEN, generator=gen)
-    g = torch.randn(t, HIDDEN, generator=gen)
-    for recompute in RECOMPUTE:
-        ref, fused = _pair(recompute=recompute, target_group_size=2)
-        _assert_match(_run(ref, x, attn, g), _run(fused, x, attn, g))
+    t, attn, x, g = _match_every_recompute_option(seed=4)
     p = 0.25
     ref, fused = _pair(dropout=p, recompute=(True, True))
     seeds = []
@@ -393,14 +400,7 @@ def test_fused_silu_kernel_path_matches_unfused_cpu(monkeypatch):
     monkeypatch.setattr(
         fused_mod, "_silu_ops", lambda x, inner: (lnmd.reference_silu_chunk_major, bwd_twin)
     )
-    attn = _layout([7, 1, 12], contexts=[1, 0, 2], targets=[2, 0, 3])
-    t = 20
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(t, HIDDEN, generator=gen)
-    g = torch.randn(t, HIDDEN, generator=gen)
-    for recompute in RECOMPUTE:
-        ref, fused = _pair(recompute=recompute, target_group_size=2)
-        _assert_match(_run(ref, x, attn, g), _run(fused, x, attn, g))
+    t, attn, x, g = _match_every_recompute_option(seed=5)
     assert len(seen) == len(RECOMPUTE)
     assert seen[0] == [(t, HEADS * DIM)] * 4 + [True]
     monkeypatch.setattr(

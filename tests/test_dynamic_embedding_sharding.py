@@ -63,8 +63,8 @@ class Model(torch.nn.Module):
         self.dyn = DynamicEmbeddingCollection(configs())
         self.lin = torch.nn.Linear(4, 1)
 
-    def forward(self, static_kjt, dyn_kjt, coef):
-        out = self.dyn(dyn_kjt)
+    def forward(self, static_kjt, dyn_kjt, coef, host_ids=None):
+        out = self.dyn(dyn_kjt, host_ids=host_ids)
         loss = sum((out[f].values() * coef[f]).sum() for f in coef)
         s = self.static(static_kjt)["s"].values()
         return loss + self.lin(s).sum()
@@ -94,7 +94,7 @@ def _worker(rank: int, port: int, tmp: str, backend: str, mode: str) -> None:
     model = Model()
     model.dyn = DynamicEmbeddingCollection(configs(), dev)
     _prefill(model.dyn, dev)  # rows held before sharding move to their owners
-    if mode == "sharder":  # DMP's planner places the dynamic tables, the sharder shards them
+    if mode.startswith("sharder"):  # DMP's planner places the dynamic tables, the sharder shards
         sharders = [EmbeddingCollectionSharder(), DynamicEmbeddingSharder()]
         dmp = DistributedModelParallel(model, device=dev, sharders=sharders)
         plan = dmp.plan.get_plan_for_module("dyn")
@@ -104,14 +104,22 @@ def _worker(rank: int, port: int, tmp: str, backend: str, mode: str) -> None:
     static_kjt = KeyedJaggedTensor(
         keys=["s"], values=torch.tensor([rank, 7]), lengths=torch.tensor([1, 1])
     ).to(dev)
+
+    def host_ids(kjt):  # "*_host_ids": the CPU ids ride along (routed over gloo, no device read)
+        if not mode.endswith("host_ids"):
+            return None
+        return {f: jt.values() for f, jt in kjt.to_dict().items()}
+
     for step in range(STEPS):
         kjt, coef = batch(step, rank)
-        dmp(static_kjt, kjt.to(dev), {k: v.to(dev) for k, v in coef.items()}).backward()
+        coef = {k: v.to(dev) for k, v in coef.items()}
+        dmp(static_kjt, kjt.to(dev), coef, host_ids(kjt)).backward()
     dyn = dmp.module.dyn
     stats = dyn.global_stats()
     dyn.eval()
     with torch.no_grad():
-        probe = dyn(batch(0, rank)[0].to(dev))
+        probe_kjt = batch(0, rank)[0]
+        probe = dyn(probe_kjt.to(dev), host_ids=host_ids(probe_kjt))
     torch.save(
         {
             "dump": dyn.dump(),
@@ -133,15 +141,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("mode", ["sharder", "pre_sharded"])
+@pytest.mark.parametrize("mode", ["sharder", "pre_sharded", "sharder_host_ids"])
 def test_two_rank_sharded_matches_one_rank_and_reloads(tmp_path, mode):
     _run_and_check(tmp_path, "gloo", mode, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_two_gpu_nccl_sharded_kernels_match_one_cpu_rank(tmp_path):
-    _run_and_check(tmp_path, "nccl", "sharder", rtol=1e-4, atol=2e-5)
+@pytest.mark.parametrize("mode", ["sharder", "sharder_host_ids"])
+def test_two_gpu_nccl_sharded_kernels_match_one_cpu_rank(tmp_path, mode):
+    _run_and_check(tmp_path, "nccl", mode, rtol=1e-4, atol=2e-5)
 
 
 def _spawn(tmp_path, backend: str, mode: str) -> None:
@@ -164,7 +173,7 @@ def _run_and_check(tmp_path, backend: str, mode: str, rtol: float, atol: float) 
     _spawn(tmp_path, backend, mode)
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     assert res[0]["type"] == "ShardedDynamicEmbeddingCollection"
-    if mode == "sharder":
+    if mode.startswith("sharder"):
         assert res[0]["plan"] == {"items": ("row_wise", [0, 1]), "users": ("row_wise", [0, 1])}
     want_backend = "cuda_table" if backend == "nccl" else "reference_table"
     assert res[0]["backend"].endswith(want_backend)

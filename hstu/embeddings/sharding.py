@@ -142,7 +142,10 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         if routed is not None:
             # ids and counts went over gloo from the CPU ids: no device->host read
             send, recv, recv_host = routed
-            recv_ids = recv_host.pin_memory().to(self.device, non_blocking=True)
+            if self.device.type == "cuda":  # pinned: the copy does not wait for the GPU
+                recv_ids = recv_host.pin_memory().to(self.device, non_blocking=True)
+            else:
+                recv_ids = recv_host.to(self.device)
         else:
             send_counts = torch.bincount(owner, minlength=w)
             recv_counts = torch.empty_like(send_counts)

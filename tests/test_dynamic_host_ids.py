@@ -1,0 +1,116 @@
+"""Dynamic tables given the ids' CPU copy (host_ids): the same results as without, exactly, while
+the sizes come from the host. Also the insert grouping against a straightforward reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from hstu.embeddings import reference_table as R
+from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
+from hstu.embeddings.dynamic_table import (
+    DynamicEmbeddingCollection,
+    DynamicEmbeddingTable,
+    UniqueIds,
+)
+
+
+def _cfg(**kw) -> DynamicEmbeddingConfig:
+    base = dict(name="t", embedding_dim=8, capacity=48, feature_names=["f"], optimizer="adam")
+    base.update(kw)
+    return DynamicEmbeddingConfig(**base)
+
+
+@pytest.mark.parametrize("n,hi", [(0, 5), (1, 5), (7, 3), (200, 50), (200, 10**12)])
+def test_unique_ids_with_host_count_equal(n, hi):
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(-hi, hi, (n,), generator=g)
+    a = UniqueIds(ids)
+    b = UniqueIds(ids, num_unique=int(torch.unique(ids).numel()))
+    for name in ("uniq", "counts", "perm", "offsets", "inverse"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    assert torch.equal(b.uniq[b.inverse], ids)
+
+
+def _old_insert_order(uniq, slots, num_buckets):
+    """The grouping the table used before: missing ids in id order, stable-sorted by bucket."""
+    missing = torch.nonzero(slots < 0).flatten()
+    keys = uniq[missing]
+    b = R.bucket_of(keys, num_buckets)
+    order = torch.argsort(b, stable=True)
+    seg_buckets, seg_counts = torch.unique_consecutive(b[order], return_counts=True)
+    return missing[order], seg_buckets, seg_counts
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "custom"])
+def test_training_with_host_ids_matches_without(policy, monkeypatch):
+    """Several training steps with inserts, evictions and overflows: outputs, fused updates,
+    table contents and counters equal with and without host ids, and the insert kernel gets the
+    grouping the table used before (missing ids in id order, stable-sorted by bucket)."""
+    kw = dict(eviction_policy=policy, capacity=40)
+    tables = [DynamicEmbeddingTable(_cfg(**kw)), DynamicEmbeddingTable(_cfg(**kw))]
+    calls = []
+    orig = R.insert
+
+    def spy(state, keys, seg_offsets, seg_buckets, *args):
+        calls.append((keys.clone(), seg_offsets.clone(), seg_buckets.clone()))
+        return orig(state, keys, seg_offsets, seg_buckets, *args)
+
+    monkeypatch.setattr(R, "insert", spy)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        ids = torch.randint(0, 90, (70,), generator=g)
+        scores = torch.randint(0, 1000, (70,), generator=g) if policy == "custom" else None
+        u = UniqueIds(ids)
+        slots = R.find(tables[1].state, u.uniq)
+        ref_idx, ref_b, ref_counts = _old_insert_order(u.uniq, slots, tables[1].state.num_buckets)
+        outs = []
+        for i, t in enumerate(tables):
+            calls.clear()
+            out = t(ids, scores, host_ids=ids.clone() if i == 1 else None)
+            if ref_idx.numel():
+                keys, seg_offsets, seg_buckets = calls[0]
+                assert torch.equal(keys, u.uniq[ref_idx])
+                assert torch.equal(seg_buckets, ref_b)
+                assert torch.equal(seg_offsets.diff(), ref_counts)
+            else:
+                assert not calls
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            outs.append(out.detach())
+        assert torch.equal(outs[0], outs[1])
+    a, b = tables[0].dump(), tables[1].dump()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert tables[0].stats() == tables[1].stats()
+    assert tables[0].stats()["evictions"] + tables[0].stats()["overflows"] > 0
+
+
+def test_eval_and_collection_with_host_ids():
+    coll = [DynamicEmbeddingCollection([_cfg(feature_names=["f", "g"])]) for _ in range(2)]
+    kjt = KeyedJaggedTensor(
+        keys=["f", "g"],
+        values=torch.tensor([5, 7, 5, 9, 1, 7]),
+        lengths=torch.tensor([2, 1, 2, 1]),
+    )
+    host = {"f": torch.tensor([5, 7, 5]), "g": torch.tensor([9, 1, 7])}
+    for mode in ("train", "eval"):
+        for c in coll:
+            getattr(c, mode)()
+        a = coll[0](kjt)
+        b = coll[1](kjt, host_ids=host)
+        for k in a:
+            assert torch.equal(a[k].values(), b[k].values())
+    # a table missing one feature's host ids falls back to the device path (same results)
+    c = coll[1](kjt, host_ids={"f": host["f"]})
+    assert torch.equal(c["g"].values(), a["g"].values())
+
+
+def test_host_ids_errors():
+    t = DynamicEmbeddingTable(_cfg())
+    with pytest.raises(ValueError, match="host_ids must be the ids on the CPU"):
+        t(torch.tensor([1, 2, 3]), host_ids=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="reserved"):
+        t(torch.tensor([R.EMPTY_KEY, 2]), host_ids=torch.tensor([R.EMPTY_KEY, 2]))
+    assert t.size() == 0  # rejected before anything was inserted

@@ -1,0 +1,128 @@
+"""PrefetchIterator: background collation gives the wrapped iterator's batches, in order, and a
+checkpointed position that is the position of the batches consumed, not prefetched."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hstu.data.loader import BatchIterator, PrefetchIterator
+
+
+class _Samples:
+    """Minimal sample set: collate returns the indices (as a tensor) it was asked for."""
+
+    def __init__(self, n: int, fail_at: int | None = None, delay: float = 0.0) -> None:
+        self.n = n
+        self.fail_at = fail_at
+        self.delay = delay
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def collate(self, idx: np.ndarray) -> torch.Tensor:
+        self.calls += 1
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail_at is not None and self.calls == self.fail_at:
+            raise RuntimeError(f"collate failed on call {self.calls}")
+        return torch.as_tensor(np.asarray(idx))
+
+
+def _plain(n=23, bs=4, seed=3):
+    return BatchIterator(_Samples(n), bs, shuffle=True, seed=seed)
+
+
+def test_same_batches_in_order_across_epochs():
+    ref = _plain()
+    pre = PrefetchIterator(_plain(), depth=2)
+    try:
+        for _ in range(17):  # 5 batches per epoch: crosses three epoch boundaries
+            assert torch.equal(next(pre), next(ref))
+            assert pre.state_dict() == ref.state_dict()
+    finally:
+        pre.close()
+
+
+def test_state_is_the_consumed_position_and_resumes_exactly():
+    ref = _plain()
+    pre = PrefetchIterator(_plain(), depth=2)
+    try:
+        for _ in range(3):
+            next(pre), next(ref)
+        time.sleep(0.05)  # let the thread run ahead
+        assert pre.source.position > ref.position or pre.source.epoch > ref.epoch
+        state = pre.state_dict()
+        assert state == ref.state_dict()
+    finally:
+        pre.close()
+    resumed = PrefetchIterator(_plain(), depth=2)
+    resumed.load_state_dict(state)
+    try:
+        for _ in range(8):
+            assert torch.equal(next(resumed), next(ref))
+    finally:
+        resumed.close()
+
+
+def test_load_state_dict_while_running_and_continue_after_close():
+    ref = _plain()
+    pre = PrefetchIterator(_plain(), depth=1)
+    try:
+        first = [next(pre) for _ in range(4)]
+        pre.load_state_dict(_plain().state_dict())  # rewind to the start while prefetching
+        for b in first:
+            assert torch.equal(next(pre), b)
+        pre.close()  # drops the prefetched batches; next() continues after the consumed ones
+        for _ in range(4):
+            next(ref)
+        for _ in range(3):
+            assert torch.equal(next(pre), next(ref))
+    finally:
+        pre.close()
+
+
+def test_bounded_queue():
+    samples = _Samples(40)
+    pre = PrefetchIterator(BatchIterator(samples, 4, shuffle=False), depth=2)
+    try:
+        next(pre)
+        time.sleep(0.2)
+        # one returned + at most `depth` queued + one collated and waiting to be queued
+        assert samples.calls <= 1 + 2 + 1
+    finally:
+        pre.close()
+
+
+def test_worker_exception_is_raised_in_consumer_then_retried():
+    samples = _Samples(20, fail_at=3)
+    pre = PrefetchIterator(BatchIterator(samples, 4, shuffle=False), depth=2)
+    try:
+        assert next(pre).tolist() == [0, 1, 2, 3]
+        assert next(pre).tolist() == [4, 5, 6, 7]
+        with pytest.raises(RuntimeError, match="collate failed on call 3"):
+            next(pre)
+        assert pre.state_dict()["position"] == 2  # the failed batch was not consumed
+        assert next(pre).tolist() == [8, 9, 10, 11]  # a later call starts over from there
+    finally:
+        pre.close()
+
+
+def test_close_stops_the_thread():
+    pre = PrefetchIterator(BatchIterator(_Samples(40, delay=0.01), 4, shuffle=False), depth=2)
+    next(pre)
+    pre.close()
+    assert not any(t.name == "hstu-batch-prefetch" for t in threading.enumerate())
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="depth=0"):
+        PrefetchIterator(_plain(), depth=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
+            PrefetchIterator(_plain(), pin_memory=True)

@@ -365,14 +365,16 @@ def _attention_forward(
     a = spec.attn
     if spec.use_compiled_ops:
         kw = spec.attn_kwargs
+        # CPU copies of the metadata when present: validated on the host, no device sync
+        offsets, contexts, targets = a.kernel_metadata(q.device)
         return torch.ops.hstu_attention.fwd(
             q,
             k,
             v,
-            a.seq_offsets,
+            offsets,
             a.max_seqlen,
-            a.num_contexts,
-            a.num_targets,
+            contexts,
+            targets,
             kw["target_group_size"],
             kw["window_size"],
             kw["alpha"],
@@ -400,15 +402,16 @@ def _attention_backward(
     a = spec.attn
     if spec.use_compiled_ops:
         kw = spec.attn_kwargs
+        offsets, contexts, targets = a.kernel_metadata(q.device)
         dq, dk, dv = torch.ops.hstu_attention.bwd(
             dout.contiguous(),
             q,
             k,
             v,
-            a.seq_offsets,
+            offsets,
             a.max_seqlen,
-            a.num_contexts,
-            a.num_targets,
+            contexts,
+            targets,
             kw["target_group_size"],
             kw["window_size"],
             kw["alpha"],

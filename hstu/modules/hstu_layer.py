@@ -169,14 +169,17 @@ class HSTULayer(nn.Module):
             attention = hstu_attention
         if self.relative_bias is not None:
             extra["bias"] = self.relative_bias(attn.max_seqlen)
+        offsets, contexts, targets = attn.seq_offsets, attn.num_contexts, attn.num_targets
+        if attention is hstu_attention:  # takes CPU metadata on CUDA: no device sync
+            offsets, contexts, targets = attn.kernel_metadata(x.device)
         a = attention(
             q.reshape(t, h, d).contiguous(),
             k.reshape(t, h, d).contiguous(),
             v.reshape(t, h, d).contiguous(),
-            attn.seq_offsets,
+            offsets,
             attn.max_seqlen,
-            num_contexts=attn.num_contexts,
-            num_targets=attn.num_targets,
+            num_contexts=contexts,
+            num_targets=targets,
             target_group_size=self.target_group_size,
             window_size=self.window_size,
             alpha=self.alpha,

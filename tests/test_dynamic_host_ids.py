@@ -114,3 +114,48 @@ def test_host_ids_errors():
     with pytest.raises(ValueError, match="reserved"):
         t(torch.tensor([R.EMPTY_KEY, 2]), host_ids=torch.tensor([R.EMPTY_KEY, 2]))
     assert t.size() == 0  # rejected before anything was inserted
+
+
+def _kernel_like_insert(orig):
+    """The reference insert behaving like the compiled kernel on padded input: empty trailing
+    segments are skipped and the output entries past the last segment are left unwritten
+    (filled with junk here, which the table must ignore)."""
+
+    def insert(state, keys, seg_offsets, seg_buckets, scores, *args):
+        counts = seg_offsets[1:] - seg_offsets[:-1]
+        n_seg = int((counts > 0).sum())
+        assert torch.all(counts[n_seg:] == 0), "padding segments must be trailing and empty"
+        n = int(seg_offsets[n_seg])
+        slots, evicted = orig(
+            state, keys[:n], seg_offsets[: n_seg + 1], seg_buckets[:n_seg], scores[:n], *args
+        )
+        junk = torch.full((keys.numel() - n,), 123456789, dtype=torch.int64)
+        return torch.cat([slots, junk]), evicted
+
+    return insert
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "custom"])
+def test_padded_insert_matches_exact_sizes(policy, monkeypatch):
+    """The GPU path (insert input padded to the unique-id count, no device read) leaves the table
+    exactly as the exact-size path, through inserts, evictions and overflows."""
+    monkeypatch.setattr(R, "insert", _kernel_like_insert(R.insert))
+    kw = dict(eviction_policy=policy, capacity=40)
+    exact, padded = DynamicEmbeddingTable(_cfg(**kw)), DynamicEmbeddingTable(_cfg(**kw))
+    padded._padded_insert = True
+    g = torch.Generator().manual_seed(7)
+    for step in range(8):
+        ids = torch.randint(0, 90, (70,), generator=g) if step != 3 else torch.tensor([1, 1])
+        scores = torch.randint(0, 1000, (ids.numel(),), generator=g)
+        scores = scores if policy == "custom" else None
+        outs = []
+        for t in (exact, padded):
+            out = t(ids, scores, host_ids=ids.clone())
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            outs.append(out.detach())
+        assert torch.equal(outs[0], outs[1])
+    a, b = exact.dump(), padded.dump()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert exact.stats() == padded.stats()
+    assert exact.stats()["evictions"] > 0 and exact.stats()["overflows"] >= 0

@@ -140,6 +140,9 @@ class DynamicEmbeddingTable(nn.Module):
         self.step = 0
         self.lr = config.learning_rate
         self._counters = torch.zeros(5, dtype=torch.int64, device=self.device)
+        # the compiled insert skips empty trailing segments, so training lookups can hand it the
+        # missing ids padded to a size known on the host (no device read); the reference cannot
+        self._padded_insert = self.ops is not reference_table
 
     # -- lookup ---------------------------------------------------------------------------------
     def forward(
@@ -198,13 +201,16 @@ class DynamicEmbeddingTable(nn.Module):
 
     def _insert_missing(
         self, u: UniqueIds, slots: torch.Tensor, score_vals: torch.Tensor | None
-    ) -> int:
+    ) -> int | torch.Tensor:
         """Inserts the unique ids that `find` did not locate (``slots < 0``) and writes their new
-        slots into ``slots``; returns how many there were.
+        slots into ``slots``; returns how many there were (a 0-d device tensor on the padded
+        path).
 
-        The one device->host read of a training lookup: the number of missing ids and of the
-        buckets they fall in, together. The missing ids are ordered by bucket, ties in id order,
-        exactly as `_insert_grouped` orders them."""
+        The missing ids go to the insert op grouped by bucket, ties in id order, exactly as
+        `_insert_grouped` orders them. How many there are is known only on the device. The
+        compiled kernel takes the grouping padded to the number of unique ids (trailing empty
+        segments, which it skips), so nothing is read back; the CPU reference needs exact sizes
+        and reads the two counts (one sync, free on the CPU)."""
         nb = self.state.num_buckets
         miss = slots < 0
         bucket = torch.where(miss, self.ops.bucket_of(u.uniq, nb), nb)  # present ids sort last
@@ -213,6 +219,8 @@ class DynamicEmbeddingTable(nn.Module):
         first = sorted_bucket < nb
         if first.numel() > 1:
             first[1:] &= sorted_bucket[1:] != sorted_bucket[:-1]
+        if self._padded_insert:
+            return self._insert_padded(u, slots, score_vals, miss, order, sorted_bucket, first)
         n_new, n_seg = torch.stack([miss.sum(), first.sum()]).tolist()
         if n_new == 0:
             return 0
@@ -223,27 +231,73 @@ class DynamicEmbeddingTable(nn.Module):
         seg_counts = torch.zeros(n_seg, dtype=torch.int64, device=slots.device)
         torch.cumsum(seg_counts.scatter_add_(0, seg, torch.ones_like(seg)), 0, out=seg_offsets[1:])
         keys = u.uniq[idx]
-        if score_vals is None:
-            new_scores = torch.full_like(keys, self.step)
-        else:
-            new_scores = score_vals[idx]
-        new_slots, n_evicted = self.ops.insert(
-            self.state,
-            keys,
-            seg_offsets,
-            seg_buckets,
-            new_scores,
-            self.step,
-            self.dim,
-            self.config.seed,
-            self.config.init_args(),
-        )
+        new_scores = torch.full_like(keys, self.step) if score_vals is None else score_vals[idx]
+        new_slots, n_evicted = self._insert_op(keys, seg_offsets, seg_buckets, new_scores)
         slots[idx] = new_slots
         inserted = (new_slots >= 0).sum()
         self._counters[2] += inserted
         self._counters[3] += n_evicted
         self._counters[4] += n_new - inserted
         return n_new
+
+    def _insert_padded(
+        self,
+        u: UniqueIds,
+        slots: torch.Tensor,
+        score_vals: torch.Tensor | None,
+        miss: torch.Tensor,
+        order: torch.Tensor,
+        sorted_bucket: torch.Tensor,
+        first: torch.Tensor,
+    ) -> int | torch.Tensor:
+        """`_insert_missing` without a device read: all U unique ids go to the op in `order`
+        (the missing ones first), with U segments of which the first n_seg are the real bucket
+        groups and the rest empty (offset n_new, bucket 0). The op writes slots only for the
+        first n_new ids; the rest of its output is ignored."""
+        n = slots.numel()
+        if n == 0:
+            return 0
+        dev = slots.device
+        n_new = miss.sum()
+        valid = torch.arange(n, device=dev) < n_new
+        # segment of each position; present ids go to a dummy segment n (dropped)
+        seg = torch.where(valid, torch.cumsum(first.long(), 0) - 1, n)
+        seg_counts = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        seg_counts.scatter_add_(0, seg, torch.ones_like(seg))
+        seg_offsets = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(seg_counts[:n], 0, out=seg_offsets[1:])
+        # every position of a real segment writes the same bucket; empty segments keep bucket 0
+        seg_buckets = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        seg_buckets.scatter_(0, seg, torch.where(valid, sorted_bucket, 0))
+        keys = u.uniq[order]
+        new_scores = torch.full_like(keys, self.step) if score_vals is None else score_vals[order]
+        raw, n_evicted = self._insert_op(keys, seg_offsets, seg_buckets[:n], new_scores)
+        taken = valid & (raw >= 0)
+        slots[order] = torch.where(valid, raw, slots[order])
+        inserted = taken.sum()
+        self._counters[2] += inserted
+        self._counters[3] += n_evicted
+        self._counters[4] += n_new - inserted
+        return n_new
+
+    def _insert_op(
+        self,
+        keys: torch.Tensor,
+        seg_offsets: torch.Tensor,
+        seg_buckets: torch.Tensor,
+        scores: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.insert(
+            self.state,
+            keys,
+            seg_offsets,
+            seg_buckets,
+            scores,
+            self.step,
+            self.dim,
+            self.config.seed,
+            self.config.init_args(),
+        )
 
     def _raise_reserved(self) -> None:
         raise ValueError(

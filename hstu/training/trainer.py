@@ -451,7 +451,10 @@ class Trainer:
             empty = len(idx) == 0
             # every rank runs the same number of forwards (sharded tables are collective); a rank
             # whose share of the last batch is empty runs sample 0 and discards it
-            batch = self.eval_samples.collate(idx if not empty else [0]).to(self.device)
+            host_batch = self.eval_samples.collate(idx if not empty else [0])
+            if self.device.type == "cuda":  # pinned: the copy does not wait for the GPU
+                host_batch = host_batch.pin_memory()
+            batch = host_batch.to(self.device, non_blocking=self.device.type == "cuda")
             with self._autocast():
                 out = self.model(batch)
             if empty:

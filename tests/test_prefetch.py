@@ -3,6 +3,7 @@ checkpointed position that is the position of the batches consumed, not prefetch
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -117,6 +118,19 @@ def test_close_stops_the_thread():
     pre = PrefetchIterator(BatchIterator(_Samples(40, delay=0.01), 4, shuffle=False), depth=2)
     next(pre)
     pre.close()
+    assert not any(t.name == "hstu-batch-prefetch" for t in threading.enumerate())
+
+
+def test_dropped_iterator_stops_its_thread():
+    pre = PrefetchIterator(BatchIterator(_Samples(40), 4, shuffle=False), depth=1)
+    next(pre)
+    del pre
+    gc.collect()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        if not any(t.name == "hstu-batch-prefetch" for t in threading.enumerate()):
+            break
+        time.sleep(0.05)
     assert not any(t.name == "hstu-batch-prefetch" for t in threading.enumerate())
 
 

@@ -310,8 +310,6 @@ class PrefetchIterator:
     are for (the thread makes it current before pinning).
     """
 
-    _STOP_POLL_S = 0.1
-
     def __init__(
         self,
         source: BatchIterator,
@@ -330,7 +328,7 @@ class PrefetchIterator:
         self.device = device
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._stop: threading.Event | None = None
         self._consumed_state = source.state_dict()
 
     # the wrapped iterator's read-only facts
@@ -359,35 +357,22 @@ class PrefetchIterator:
         return payload
 
     def _start(self) -> None:
-        self._stop.clear()
+        self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self.depth)
+        # the thread holds the source, queue and stop flag, not this object: an iterator dropped
+        # without close() is collected, and its __del__ stops the thread
         self._thread = threading.Thread(
-            target=self._work, args=(self._queue,), name="hstu-batch-prefetch", daemon=True
+            target=_prefetch_worker,
+            args=(self.source, self._queue, self._stop, self.pin_memory, self.device),
+            name="hstu-batch-prefetch",
+            daemon=True,
         )
         self._thread.start()
 
-    def _work(self, q: queue.Queue) -> None:
-        try:
-            if self.pin_memory and self.device is not None and self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            while not self._stop.is_set():
-                batch = next(self.source)
-                if self.pin_memory:
-                    batch = batch.pin_memory()
-                item = ("batch", batch, self.source.state_dict())
-                if not self._put(q, item):
-                    return
-        except BaseException as exc:  # handed to the consumer, raised there
-            self._put(q, ("error", exc, None))
-
-    def _put(self, q: queue.Queue, item: tuple) -> bool:
-        while not self._stop.is_set():
-            try:
-                q.put(item, timeout=self._STOP_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
 
     def _join(self) -> None:
         """Stops the thread, drops what it prefetched and rewinds the source to the consumed
@@ -411,3 +396,37 @@ class PrefetchIterator:
         self._join()
         self.source.load_state_dict(state)
         self._consumed_state = self.source.state_dict()
+
+
+_STOP_POLL_S = 0.1
+
+
+def _prefetch_worker(
+    source: BatchIterator,
+    q: queue.Queue,
+    stop: threading.Event,
+    pin_memory: bool,
+    device: torch.device | None,
+) -> None:
+    """`PrefetchIterator`'s thread: (batch, state after it) items, or one ("error", exc)."""
+    try:
+        if pin_memory and device is not None and device.type == "cuda":
+            torch.cuda.set_device(device)
+        while not stop.is_set():
+            batch = next(source)
+            if pin_memory:
+                batch = batch.pin_memory()
+            if not _put(q, stop, ("batch", batch, source.state_dict())):
+                return
+    except BaseException as exc:  # handed to the consumer, raised there
+        _put(q, stop, ("error", exc, None))
+
+
+def _put(q: queue.Queue, stop: threading.Event, item: tuple) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_STOP_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False

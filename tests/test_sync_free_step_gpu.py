@@ -47,9 +47,14 @@ def _sync_debug(mode):
 
 
 def _allow_syncs(fn):
+    """``fn`` with sync checks off; a torchrec LazyAwaitable result is waited for inside too (its
+    output dist would otherwise run, unexempted, where the caller first reads it)."""
+
     def wrapped(*args, **kwargs):
         with _sync_debug("default"):
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            wait = getattr(out, "wait", None)
+            return wait() if callable(wait) else out
 
     return wrapped
 

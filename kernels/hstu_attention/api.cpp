@@ -219,8 +219,9 @@ Checked check_inputs_uncached(const Tensor& q, const Tensor& k, const Tensor& v,
 // The jagged metadata check needs the offsets on the host (a device sync for GPU metadata, a
 // pinned host->device copy for CPU metadata). The same offsets tensor is passed to every layer's
 // forward and backward of a step, so the result is cached per tensor object (CPU or GPU alike):
-// an entry holds weak references to the offsets / num_contexts / num_targets TensorImpls and their version counters, and is reused only while all of them are alive and
-// unmodified (an in-place write bumps the version and forces a new check).
+// an entry holds weak references to the offsets / num_contexts / num_targets TensorImpls and
+// their version counters, and is reused only while all of them are alive and unmodified (an
+// in-place write bumps the version and forces a new check).
 struct CacheKey {
   using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl>;
   std::optional<WeakImpl> offs, ctx, tgt;

@@ -109,3 +109,38 @@ def test_training_forward_has_no_host_device_sync(tmp_path, monkeypatch):
         assert stats["item_table/inserts"] > 0 and stats["item_table/lookups"] > 0
     finally:
         trainer.close()
+
+
+def test_compiled_attention_takes_cpu_metadata_without_sync():
+    """The compiled op given CPU offsets/contexts/targets: same output and gradients as with the
+    GPU tensors, and forward + backward (new tensors, then the cached check) never sync."""
+    from hstu.ops.cuda_attention import hstu_attention_cuda
+
+    torch.manual_seed(0)
+    lengths = torch.tensor([70, 1, 130, 64, 0, 200])
+    offs = torch.zeros(lengths.numel() + 1, dtype=torch.long)
+    offs[1:] = torch.cumsum(lengths, 0)
+    ctx = torch.tensor([3, 0, 5, 2, 0, 6])
+    tgt = torch.tensor([10, 1, 0, 7, 0, 20])
+    t, dev = int(offs[-1]), torch.device("cuda")
+    q, k, v = (torch.randn(t, 2, 64, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    dout = torch.randn_like(q)
+    kw = dict(target_group_size=2, deterministic=True)
+
+    def run(o, c, g):
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        out = hstu_attention_cuda(*leaves, o, 200, num_contexts=c, num_targets=g, **kw)
+        out.backward(dout)
+        return [out.detach()] + [x.grad for x in leaves]
+
+    ref = run(offs.to(dev), ctx.to(dev), tgt.to(dev))
+    torch.cuda.synchronize()
+    with _sync_debug("error"):
+        got = run(offs.clone(), ctx.clone(), tgt.clone())
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    # bad CPU metadata is still refused before launch, with the usual message
+    bad = offs.clone()
+    bad[-1] += 1
+    with pytest.raises(ValueError, match="seq_offsets\\[-1\\]"):
+        hstu_attention_cuda(q, k, v, bad, 200)

@@ -164,6 +164,21 @@ def test_d256_backward_every_tile_config(smem: str, dtype: torch.dtype, monkeypa
     _check(LENGTHS, 256, dtype, **_mask_kwargs(MASKS["all"], LENGTHS))
 
 
+@pytest.mark.parametrize("convert", ["in_bwd", "kernel"])
+@pytest.mark.parametrize("mask", ["causal", "all", "window"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_dq_conversion_paths(d: int, mask: str, convert: str, monkeypatch) -> None:
+    """dQ converted by the last key block of each query block inside the backward kernel (when
+    the op passes the arrival counters) and by the separate convert kernel
+    (HSTU_ATTN_DQ_CONVERT=kernel) both match the reference, on sequences with many blocks."""
+    if convert == "kernel":
+        monkeypatch.setenv("HSTU_ATTN_DQ_CONVERT", "kernel")
+    else:
+        monkeypatch.delenv("HSTU_ATTN_DQ_CONVERT", raising=False)
+    lengths = [700, 0, 1, 513, 129, 1030, 64, 300]
+    _check(lengths, d, torch.bfloat16, max_seqlen=1030, **_mask_kwargs(MASKS[mask], lengths))
+
+
 @pytest.mark.parametrize(
     "d, smem", [(64, None), (128, None), (256, None), (256, "229375"), (256, "166912")]
 )

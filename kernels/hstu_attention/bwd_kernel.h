@@ -74,6 +74,23 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   int* sem_row = p.deterministic ? p.dq_semaphore + (int64_t(bidh) * p.batch + bidb) *
                                                         ((p.max_seqlen + kBlockM - 1) / kBlockM)
                                  : nullptr;
+  // In-kernel dQ conversion (p.dq_counter set, not deterministic): after its dQ reductions for a
+  // query block have landed, a CTA counts itself on the block's counter; the CTA that brings it
+  // to the number of key blocks processing that query block converts the block's rows.
+  int* cnt_row = (p.dq_counter != nullptr && !p.deterministic)
+                     ? p.dq_counter + (int64_t(bidh) * p.batch + bidb) *
+                                          ((p.max_seqlen + kBlockM - 1) / kBlockM)
+                     : nullptr;
+  const int num_n_blocks = (L + kBlockN - 1) / kBlockN;
+  // Whether the CTA of key block nb processes query block m (the same range and skip tests as
+  // this CTA's own loop).
+  auto processes = [&](int nb, int m) {
+    const int b0 = nb * kBlockN;
+    const int b1 = min(b0 + kBlockN, L);
+    const int lo = mk.key_block_row_lo(b0) / kBlockM;
+    const int hi = (mk.key_block_row_hi(b0, b1) + kBlockM - 1) / kBlockM;
+    return lo <= m && m < hi && !mk.tile_empty(m * kBlockM, (m + 1) * kBlockM, b0, b1);
+  };
   // Deterministic mode: every key block takes its turn on every query block, active or not.
   auto pass_through = [&](int from, int to) {
     if (sem_row != nullptr && tidx == 0) {
@@ -255,6 +272,58 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     }
   };
 
+  // The counting is spread over two barriers the schedule has anyway, a GEMM after the
+  // reductions were issued (so the fence finds them done):
+  //   dq_count_begin  (every thread, before barrier 1): fence; returns barrier 1's replacement,
+  //                   the number of key blocks processing query block `pending`;
+  //   dq_count_arrive (after barrier 1): thread 0 increments the counter;
+  //   dq_count_finish (replaces barrier 2): the last arriver converts the block.
+  // pending < 0: nothing to count, and the calls are plain barriers.
+  auto dq_count_begin = [&](int pending) {
+    if (cnt_row == nullptr || pending < 0) {
+      __syncthreads();
+      return 0;
+    }
+    __threadfence();
+    int expected = 0;
+    for (int nb0 = 0; nb0 < num_n_blocks; nb0 += Kt::kNThreads) {
+      const int nb = nb0 + tidx;
+      expected += __syncthreads_count(nb < num_n_blocks && processes(nb, pending));
+    }
+    return expected;
+  };
+  auto dq_count_arrive = [&](int pending, int expected) {
+    bool last = false;
+    if (cnt_row != nullptr && pending >= 0 && tidx == 0) {
+      last = atomicAdd(cnt_row + pending, 1) == expected - 1;
+      if (last) cnt_row[pending] = 0;  // the counters are left zeroed for the next call
+    }
+    return last;
+  };
+  auto dq_count_finish = [&](int pending, bool last) {
+    if (!__syncthreads_or(last)) return;
+    __threadfence();
+    const int m0 = pending * kBlockM;
+    const int rows = min(kBlockM, L - m0);
+    const float* src = dqacc_ptr + int64_t(m0) * kHeadDim;
+    Element* dst = reinterpret_cast<Element*>(p.dq) + base + int64_t(m0) * p.row_stride;
+    constexpr int kVecs = kHeadDim / 4;
+    for (int i = tidx; i < rows * kVecs; i += Kt::kNThreads) {
+      const int r = i / kVecs;
+      const int c = (i % kVecs) * 4;
+      // L2 only: other SMs' reductions are not in this SM's L1.
+      const float4 a = __ldcg(reinterpret_cast<const float4*>(src + r * kHeadDim + c));
+      cutlass::Array<float, 4> in;
+      in[0] = a.x;
+      in[1] = a.y;
+      in[2] = a.z;
+      in[3] = a.w;
+      const cutlass::Array<Element, 4> o = cutlass::NumericArrayConverter<Element, float, 4>{}(in);
+      *reinterpret_cast<uint2*>(dst + int64_t(r) * p.row_stride + c) =
+          *reinterpret_cast<const uint2*>(&o);
+    }
+  };
+
   // With h = alpha s / 2, t = tanh(h) (so sig = sigmoid(alpha s) = (1 + t) / 2) and
   // S_len = scaling_seqlen:
   //   P  = SiLU(alpha s) / S_len                          = h' (1 + t),  h' = h / S_len
@@ -281,6 +350,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     if (m_block < m_hi) load_rows(q_ptr, tQsQ, m_block, 0);
     cute::cp_async_fence();
     pass_through(0, min(m_block, num_m_blocks));
+    int pending = -1;  // the previous query block, whose dQ conversion count is still to do
     while (m_block < m_hi) {
       const int m0 = m_block * kBlockM;
       const int next = next_active(m_block);
@@ -291,7 +361,8 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       clear(acc_dp);
       gemm_dP(acc_dp, 0);
       cute::cp_async_wait<0>();
-      __syncthreads();  // Q has landed
+      const int expected = dq_count_begin(pending);  // the barrier: Q has landed
+      const bool last = dq_count_arrive(pending, expected);
       Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       gemm_S(acc_s, 0);
@@ -312,7 +383,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
         Tensor rdS = convert_fragment<Element>(acc_dp);
         copy(copy_PdS, thr_copy_PdS.retile_S(rdS), tdSsdS);
       }
-      __syncthreads();
+      dq_count_finish(pending, last);  // the barrier before dV
       gemm_dV(0);
       if (next < m_hi) {
         __syncthreads();  // dO is read by dP and dV only: the next one streams in now
@@ -327,7 +398,12 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       cute::cp_async_fence();
       dq_reduce(m_block);
       pass_through(m_block + 1, min(next, num_m_blocks));
+      pending = m_block;
       m_block = next;
+    }
+    if (pending >= 0 && cnt_row != nullptr) {
+      const int expected = dq_count_begin(pending);
+      dq_count_finish(pending, dq_count_arrive(pending, expected));
     }
   } else {
     if (m_block < m_hi) {
@@ -337,6 +413,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     cute::cp_async_fence();
     pass_through(0, min(m_block, num_m_blocks));
     int stage = 0;  // the Q/dO buffer of the current query block
+    int pending = -1;  // the previous query block, whose dQ conversion count is still to do
     while (m_block < m_hi) {
       const int off = stage * kQdOElems;
       const int m0 = m_block * kBlockM;
@@ -344,7 +421,8 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       // Q/dO of this block have landed, and every warp is done with the previous block's sP/sdS
       // and with the stage the prefetch below overwrites.
       cute::cp_async_wait<0>();
-      __syncthreads();
+      const int expected = dq_count_begin(pending);  // the barrier
+      const bool last = dq_count_arrive(pending, expected);
       if (Kt::kDoubleBuffer && next < m_hi) {
         load_rows(q_ptr, tQsQ, next, stage ^ 1);
         load_rows(do_ptr, tdOsdO, next, stage ^ 1);
@@ -404,7 +482,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
         Tensor rdS = convert_fragment<Element>(acc_dp);
         copy(copy_PdS, thr_copy_PdS.retile_S(rdS), tdSsdS);
       }
-      __syncthreads();
+      dq_count_finish(pending, last);  // the barrier before dV
 
       gemm_dV(off);
       if (!Kt::kDoubleBuffer && next < m_hi) {
@@ -422,7 +500,12 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
         cute::cp_async_fence();
       }
       if (Kt::kDoubleBuffer) stage ^= 1;
+      pending = m_block;
       m_block = next;
+    }
+    if (pending >= 0 && cnt_row != nullptr) {
+      const int expected = dq_count_begin(pending);
+      dq_count_finish(pending, dq_count_arrive(pending, expected));
     }
   }
   pass_through(max(m_block, 0), num_m_blocks);

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "bwd_kernel.h"
@@ -171,12 +172,22 @@ cudaError_t launch_hstu_bwd_config(HstuParams& p, cudaStream_t stream) {
   }
 }
 
+// HSTU_ATTN_DQ_CONVERT=kernel keeps the separate dQ convert kernel even when the caller passes
+// dq_counter (to compare the two; both are tested).
+inline bool dq_convert_in_bwd_disabled() {
+  const char* e = std::getenv("HSTU_ATTN_DQ_CONVERT");
+  return e != nullptr && std::strcmp(e, "kernel") == 0;
+}
+
 template <typename T, int D>
 cudaError_t run_hstu_bwd(HstuParams& p, cudaStream_t stream) {
+  if (p.dq_counter != nullptr && dq_convert_in_bwd_disabled()) p.dq_counter = nullptr;
   cudaError_t err = launch_hstu_bwd_config<T, D>(p, stream);
   if (err != cudaSuccess) return err;
   const int64_t per_head = int64_t(p.total) * D;
-  if (per_head > 0 && p.heads > 0) {
+  // With dq_counter the backward kernel has converted dQ itself.
+  const bool converted = p.dq_counter != nullptr && !p.deterministic;
+  if (!converted && per_head > 0 && p.heads > 0) {
     const int threads = 256;
     const int64_t blocks = (per_head / 4 + threads - 1) / threads;
     hstu_convert_dq_kernel<T, D><<<dim3(unsigned(blocks), unsigned(p.heads)), threads, 0, stream>>>(

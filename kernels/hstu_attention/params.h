@@ -21,6 +21,10 @@ struct HstuParams {
   void* dv = nullptr;
   float* dq_accum = nullptr;  // [T, H, D] fp32, zero-initialised
   int* dq_semaphore = nullptr;  // [H, B, num_m_blocks] int32, zeroed; deterministic mode only
+  // [H, B, ceil(max_seqlen / 64)] int32, zeroed (and left zeroed), or nullptr. When set (and not
+  // deterministic), the backward converts dq_accum to dq itself: the last key block to reduce
+  // into a query block converts it, and no separate convert kernel runs.
+  int* dq_counter = nullptr;
 
   int64_t row_stride = 0;
   int64_t head_stride = 0;

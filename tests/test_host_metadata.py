@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_models import _setup as models_setup
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from hstu.config.gin_utils import load_config
 from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
-from hstu.data.registry import build_samples, load_sequence_data
 from hstu.models.base import EXTRA_ITEM_FEATURE, gather_outputs
 from hstu.models.builder import build_model
 from hstu.models.ranking import label_bits
@@ -251,21 +250,9 @@ def test_batch_host_twin():
 
 
 def _setup(task: str, *bindings: str):
-    cfg = load_config(
-        task,
-        [],
-        [
-            "DatasetArgs.synthetic_num_users=200",
-            "DatasetArgs.synthetic_num_items=100",
-            "DatasetArgs.max_history_seqlen=20",
-            "NetworkArgs.hidden_dropout=0.0",
-            *bindings,
-        ],
-    )
-    data = load_sequence_data(cfg.dataset, num_tasks=8)
-    splits = build_samples(data, cfg.dataset, task)
-    torch.manual_seed(0)
-    return cfg, splits, build_model(cfg, data), data
+    """test_models' small synthetic setup: (cfg, splits, model, data)."""
+    cfg, data, splits, model = models_setup(task, *bindings)
+    return cfg, splits, model, data
 
 
 @pytest.mark.parametrize(

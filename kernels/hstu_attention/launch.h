@@ -19,21 +19,29 @@ namespace hstu {
 // Forward tiles (kBlockM, kBlockN, warps): register budget of the fp32 S and O fragments.
 template <typename T, int D>
 struct FwdConfig;
+// `two_per_sm` replaces `type` where a block may opt into twice its shared memory (run_hstu_fwd).
 template <typename T>
 struct FwdConfig<T, 32> {
   using type = FwdTraits<T, 32, 128, 128, 4>;
+  using two_per_sm = type;
 };
 template <typename T>
 struct FwdConfig<T, 64> {
   using type = FwdTraits<T, 64, 128, 128, 4>;
+  using two_per_sm = type;
 };
 template <typename T>
 struct FwdConfig<T, 128> {
   using type = FwdTraits<T, 128, 128, 64, 4>;
+  using two_per_sm = type;
 };
 template <typename T>
 struct FwdConfig<T, 256> {
-  using type = FwdTraits<T, 256, 128, 64, 8>;
+  using type = FwdTraits<T, 256, 128, 64, 8>;  // 128 KB: one CTA of 8 warps per SM
+  // H100/H200: 64 query rows over 4 warps (the same 16-row warp tiles), 96 KB, so two CTAs share
+  // an SM and one's barriers and SiLU phases overlap the other's MMAs (the d128 forward runs
+  // this way). K/V are loaded from L2 twice as often per MAC.
+  using two_per_sm = FwdTraits<T, 256, 64, 64, 4>;
 };
 
 // Backward tiles (kBlockM, kBlockN, warps, warp layouts of S/dP, dK/dV, dQ, double-buffered
@@ -78,8 +86,11 @@ struct BwdConfig<T, 256> {
 constexpr int kMaxDevices = 64;
 
 // `ready` must be distinct per kernel: all kernels share one function-pointer type.
+// max_shared: ask for the largest shared-memory carveout (for kernels meant to fit two CTAs per
+// SM; otherwise the driver may size the carveout for one).
 template <typename Kernel>
-inline cudaError_t prepare_kernel(Kernel kernel, int smem, bool (&ready)[kMaxDevices]) {
+inline cudaError_t prepare_kernel(Kernel kernel, int smem, bool (&ready)[kMaxDevices],
+                                  bool max_shared = false) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
@@ -90,22 +101,12 @@ inline cudaError_t prepare_kernel(Kernel kernel, int smem, bool (&ready)[kMaxDev
   if (smem > 48 * 1024) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   }
+  if (err == cudaSuccess && max_shared) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               int(cudaSharedmemCarveoutMaxShared));
+  }
   if (err == cudaSuccess && dev >= 0 && dev < kMaxDevices) ready[dev] = true;
   return err;
-}
-
-template <typename T, int D>
-cudaError_t run_hstu_fwd(HstuParams& p, cudaStream_t stream) {
-  using Kt = typename FwdConfig<T, D>::type;
-  auto kernel = &hstu_fwd_kernel<Kt>;
-  constexpr int smem = Kt::kSmemSize;
-  static bool ready[kMaxDevices] = {};
-  cudaError_t err = prepare_kernel(kernel, smem, ready);
-  if (err != cudaSuccess) return err;
-  dim3 grid(p.batch, p.heads, (p.max_seqlen + Kt::kBlockM - 1) / Kt::kBlockM);
-  if (grid.z == 0 || p.batch == 0 || p.heads == 0) return cudaSuccess;
-  kernel<<<grid, Kt::kNThreads, smem, stream>>>(p);
-  return cudaGetLastError();
 }
 
 // Largest dynamic shared memory a block may opt into on the current device (cached per device).
@@ -124,16 +125,40 @@ inline int max_smem_optin() {
   return cached[dev];
 }
 
-// Shared memory the backward may plan with: the device's opt-in limit, capped by the environment
-// variable HSTU_ATTN_MAX_SMEM (bytes) when set, e.g. 166912 to run the A100 tiles on an H100
-// (d256: 229375 selects the 64x64 double-buffered tiles, 166912 the single-buffered ones).
-inline int bwd_smem_budget() {
+// Shared memory the kernels may plan with per block: the device's opt-in limit, capped by the
+// environment variable HSTU_ATTN_MAX_SMEM (bytes) when set, e.g. 166912 to run the A100 tiles on
+// an H100 (d256: 229375 selects the 64x64 double-buffered backward tiles and keeps the two-CTA
+// forward; 166912 the A100's single-buffered backward and one-CTA forward).
+inline int smem_budget() {
   int v = max_smem_optin();
   if (const char* e = std::getenv("HSTU_ATTN_MAX_SMEM")) {
     const long cap = std::strtol(e, nullptr, 10);
     if (cap > 0 && cap < v) v = int(cap);
   }
   return v;
+}
+
+template <typename Kt, bool kTwoPerSm = false>
+cudaError_t launch_hstu_fwd_kernel(HstuParams& p, cudaStream_t stream) {
+  auto kernel = &hstu_fwd_kernel<Kt>;
+  constexpr int smem = Kt::kSmemSize;
+  static bool ready[kMaxDevices] = {};
+  cudaError_t err = prepare_kernel(kernel, smem, ready, kTwoPerSm);
+  if (err != cudaSuccess) return err;
+  dim3 grid(p.batch, p.heads, (p.max_seqlen + Kt::kBlockM - 1) / Kt::kBlockM);
+  if (grid.z == 0 || p.batch == 0 || p.heads == 0) return cudaSuccess;
+  kernel<<<grid, Kt::kNThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t run_hstu_fwd(HstuParams& p, cudaStream_t stream) {
+  using One = typename FwdConfig<T, D>::type;
+  using Two = typename FwdConfig<T, D>::two_per_sm;
+  if constexpr (!std::is_same_v<One, Two>) {
+    if (smem_budget() >= 2 * Two::kSmemSize) return launch_hstu_fwd_kernel<Two, true>(p, stream);
+  }
+  return launch_hstu_fwd_kernel<One>(p, stream);
 }
 
 template <typename Kt>
@@ -161,7 +186,7 @@ cudaError_t launch_hstu_bwd_config(HstuParams& p, cudaStream_t stream) {
   if constexpr (std::is_same_v<Small, Huge>) {
     return launch_hstu_bwd_kernel<Small>(p, stream);
   } else {
-    const int budget = bwd_smem_budget();
+    const int budget = smem_budget();
     if constexpr (!std::is_same_v<Big, Huge>) {
       if (budget >= Huge::kSmemSize) return launch_hstu_bwd_kernel<Huge>(p, stream);
     }

@@ -13,6 +13,11 @@ training step sees them); "cutlass_op" "bwd" rows time the backward op alone (2.
 FLOPs); with --graph, "cutlass_cudagraph" rows time the same calls replayed from a CUDA graph
 (GPU time alone).
 
+Rows record the kernel-selection environment variables that are set (HSTU_ATTN_MAX_SMEM: tile
+configurations by shared-memory budget; HSTU_ATTN_DQ_CONVERT=kernel: separate dQ convert
+kernel), so A/B runs of one build can be told apart, e.g.
+`HSTU_ATTN_MAX_SMEM=229375 python scripts/bench_attention.py --graph --shapes long_d256`.
+
 The reference pads every sequence and materialises fp32 [B, H, N, N] scores: it is measured with
 fewer iterations (--ref-iters) and, when the full batch does not fit or --ref-max-elems is
 exceeded, on a batch prefix whose time is scaled up by the FLOP ratio; such rows say so in
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 
@@ -39,6 +45,9 @@ SHAPES = {
     "long_d256": (8, 4, 256, 4096, 0, 0),
     "rank_targets": (32, 4, 128, 2048, 100, 6),
 }
+
+# Environment variables that change which kernel configuration runs (kernels/hstu_attention).
+KERNEL_ENV = ("HSTU_ATTN_MAX_SMEM", "HSTU_ATTN_DQ_CONVERT")
 
 
 def make_inputs(b: int, h: int, d: int, n: int, targets: int, contexts: int, device="cuda"):
@@ -147,9 +156,12 @@ def main() -> None:
         sys.exit("hstu._hstu_attention_C is not built / no CUDA GPU")
     gpu = torch.cuda.get_device_name()
     sink = open(args.out, "a") if args.out else None
+    knobs = {k: os.environ[k] for k in KERNEL_ENV if k in os.environ}
 
     def emit(rec: dict) -> None:
         rec = {"bench": "hstu_attention", "gpu": gpu, **rec}
+        if knobs:
+            rec["env"] = knobs
         line = json.dumps(rec)
         print(line, flush=True)
         if sink:

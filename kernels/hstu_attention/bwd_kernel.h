@@ -39,6 +39,17 @@ __device__ __forceinline__ void red_add_f32x2(float* ptr, float a, float b) {
 #endif
 }
 
+// *ptr += v with release semantics at GPU scope (no L1 invalidation, unlike a full fence);
+// returns the old value.
+__device__ __forceinline__ int atomic_add_release(int* ptr, int v) {
+  int old;
+  asm volatile("atom.add.release.gpu.global.s32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(ptr), "r"(v)
+               : "memory");
+  return old;
+}
+
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     hstu_bwd_kernel(const __grid_constant__ HstuParams p) {
@@ -273,10 +284,12 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   };
 
   // The counting is spread over two barriers the schedule has anyway, a GEMM after the
-  // reductions were issued (so the fence finds them done):
-  //   dq_count_begin  (every thread, before barrier 1): fence; returns barrier 1's replacement,
-  //                   the number of key blocks processing query block `pending`;
-  //   dq_count_arrive (after barrier 1): thread 0 increments the counter;
+  // reductions were issued (so the release finds them done):
+  //   dq_count_begin  (replaces barrier 1): returns the number of key blocks processing query
+  //                   block `pending`;
+  //   dq_count_arrive (after barrier 1): thread 0 adds 1 to the counter with release semantics
+  //                   (after the barrier, that orders every thread's reductions before it, as
+  //                   CUTLASS's split-K semaphore does); the last arriver acquires (fence);
   //   dq_count_finish (replaces barrier 2): the last arriver converts the block.
   // pending < 0: nothing to count, and the calls are plain barriers.
   auto dq_count_begin = [&](int pending) {
@@ -284,7 +297,6 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       __syncthreads();
       return 0;
     }
-    __threadfence();
     int expected = 0;
     for (int nb0 = 0; nb0 < num_n_blocks; nb0 += Kt::kNThreads) {
       const int nb = nb0 + tidx;
@@ -295,14 +307,16 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   auto dq_count_arrive = [&](int pending, int expected) {
     bool last = false;
     if (cnt_row != nullptr && pending >= 0 && tidx == 0) {
-      last = atomicAdd(cnt_row + pending, 1) == expected - 1;
-      if (last) cnt_row[pending] = 0;  // the counters are left zeroed for the next call
+      last = atomic_add_release(cnt_row + pending, 1) == expected - 1;
+      if (last) {
+        __threadfence();  // acquire: every other CTA's reductions are visible
+        cnt_row[pending] = 0;  // the counters are left zeroed for the next call
+      }
     }
     return last;
   };
   auto dq_count_finish = [&](int pending, bool last) {
     if (!__syncthreads_or(last)) return;
-    __threadfence();
     const int m0 = pending * kBlockM;
     const int rows = min(kBlockM, L - m0);
     const float* src = dqacc_ptr + int64_t(m0) * kHeadDim;

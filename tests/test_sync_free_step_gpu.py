@@ -3,9 +3,10 @@
 One step of a shrunken synthetic_benchmark_ranking model (fused layers, compiled attention,
 dynamic item/user tables, bf16) runs its forward, from the model call to the loss, under
 ``torch.cuda.set_sync_debug_mode("error")``: any blocking device->host read or pageable copy
-raises. Allowed, and scoped out explicitly: the forward of the torchrec-sharded
-EmbeddingCollection of the small contextual tables (torchrec's input dist builds index tensors on
-the device from Python lists). The dynamic tables, including their inserts, must not sync.
+raises. Nothing is scoped out on one GPU: the torchrec-sharded EmbeddingCollection of the small
+contextual tables used to sync in its input dist (a recat index tensor built on the device from a
+Python list each step); `install_torchrec_recat_cache` (hstu.training.distributed) now builds it
+once. The dynamic tables, including their inserts, must not sync.
 """
 
 from __future__ import annotations
@@ -46,19 +47,6 @@ def _sync_debug(mode):
         torch.cuda.set_sync_debug_mode(prev)
 
 
-def _allow_syncs(fn):
-    """``fn`` with sync checks off; a torchrec LazyAwaitable result is waited for inside too (its
-    output dist would otherwise run, unexempted, where the caller first reads it)."""
-
-    def wrapped(*args, **kwargs):
-        with _sync_debug("default"):
-            out = fn(*args, **kwargs)
-            wait = getattr(out, "wait", None)
-            return wait() if callable(wait) else out
-
-    return wrapped
-
-
 @pytest.fixture(autouse=True)
 def _need_gpu_and_kernels():
     if not torch.cuda.is_available():
@@ -87,9 +75,6 @@ def test_training_forward_has_no_host_device_sync(tmp_path, monkeypatch):
         for _ in range(4):
             trainer.train_step()
         torch.cuda.synchronize()
-        static = trainer.core.embedding_collection
-        if static is not None:
-            monkeypatch.setattr(static, "forward", _allow_syncs(static.forward))
         trainer.model.train()
         host_batch = next(trainer.train_iter)
         assert host_batch.features.values().is_pinned()

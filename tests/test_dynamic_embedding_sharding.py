@@ -64,10 +64,19 @@ class Model(torch.nn.Module):
         self.lin = torch.nn.Linear(4, 1)
 
     def forward(self, static_kjt, dyn_kjt, coef, host_ids=None):
-        out = self.dyn(dyn_kjt, host_ids=host_ids)
+        # host ids arrive wrapped: DDP moves tensors in plain arguments (dicts too) to the GPU
+        out = self.dyn(dyn_kjt, host_ids=None if host_ids is None else host_ids.ids)
         loss = sum((out[f].values() * coef[f]).sum() for f in coef)
         s = self.static(static_kjt)["s"].values()
         return loss + self.lin(s).sum()
+
+
+class _HostIds:
+    """CPU ids for the model's forward, opaque to DDP's input scattering (which would move a dict
+    of tensors to the GPU, as the trainer's Batch.host twin is not)."""
+
+    def __init__(self, ids: dict[str, torch.Tensor]) -> None:
+        self.ids = ids
 
 
 def _prefill(m: DynamicEmbeddingCollection, dev: torch.device) -> None:
@@ -108,7 +117,7 @@ def _worker(rank: int, port: int, tmp: str, backend: str, mode: str) -> None:
     def host_ids(kjt):  # "*_host_ids": the CPU ids ride along (routed over gloo, no device read)
         if not mode.endswith("host_ids"):
             return None
-        return {f: jt.values() for f, jt in kjt.to_dict().items()}
+        return _HostIds({f: jt.values() for f, jt in kjt.to_dict().items()})
 
     for step in range(STEPS):
         kjt, coef = batch(step, rank)
@@ -119,7 +128,8 @@ def _worker(rank: int, port: int, tmp: str, backend: str, mode: str) -> None:
     dyn.eval()
     with torch.no_grad():
         probe_kjt = batch(0, rank)[0]
-        probe = dyn(probe_kjt.to(dev), host_ids=host_ids(probe_kjt))
+        held = host_ids(probe_kjt)
+        probe = dyn(probe_kjt.to(dev), host_ids=None if held is None else held.ids)
     torch.save(
         {
             "dump": dyn.dump(),

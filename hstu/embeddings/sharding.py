@@ -173,7 +173,9 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         route: by owner, stable): (send counts, recv counts, received CPU ids), or None when no
         gloo group spans this collection's ranks."""
         ok, group = host_group(self._group)
-        if not ok:
+        if not ok or host_ids.device.type != "cpu":
+            # (no gloo group over these ranks, or the "host" ids were moved to the GPU, e.g. by
+            # DDP's input scattering when passed as a plain argument: the device route is exact)
             return None
         w = self.world_size
         host_ids = host_ids.to(torch.int64)

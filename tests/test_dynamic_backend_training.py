@@ -170,3 +170,56 @@ def test_dynamic_backend_trains_on_gpu_bf16(tmp_path):
     )
     assert [s for s, _ in resumed.losses] == list(range(21, 41))
     np.testing.assert_allclose([v for _, v in resumed.losses], losses[20:], rtol=5e-2)
+
+
+def test_dense_contextual_tables_with_dynamic_backend(tmp_path):
+    """contextual_tables='dense': item/user tables dynamic, the other contextual tables plain
+    nn.Embedding trained by the dense optimizer (no torchrec collection); trains, resumes
+    exactly, and a checkpoint refuses a run with torchrec contextual tables."""
+    dense = "EmbeddingArgs.contextual_tables='dense'"
+    cfg = _cfg(tmp_path / "m", dense)
+    data = load_sequence_data(cfg.dataset, num_tasks=cfg.ranking.num_tasks)
+    model = build_model(cfg, data)
+    assert model.embedding_collection is None
+    assert set(model.dense_tables.tables) == {"ctx_segment", "ctx_age_group", "ctx_region"}
+    assert sorted(model.dynamic_features) == ["item_id", "user_id"]
+
+    full = run_training(
+        _cfg(tmp_path / "a", dense, "TrainerArgs.max_train_iters=16", "TrainerArgs.log_interval=4")
+    )
+    losses = [loss for _, loss in full.losses]
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]), losses
+    first = run_training(
+        _cfg(tmp_path / "b", dense, "TrainerArgs.max_train_iters=8", "TrainerArgs.log_interval=4")
+    )
+    resumed = run_training(
+        _cfg(
+            tmp_path / "c",
+            dense,
+            "TrainerArgs.max_train_iters=16",
+            "TrainerArgs.log_interval=4",
+            f"TrainerArgs.ckpt_load_dir='{first.checkpoint_dir}'",
+            "TrainerArgs.ckpt_save_interval=-1",
+        )
+    )
+    np.testing.assert_allclose([v for _, v in resumed.losses], losses[8:], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="contextual_tables='dense'"):
+        try:
+            run_training(
+                _cfg(tmp_path / "d", f"TrainerArgs.ckpt_load_dir='{first.checkpoint_dir}'")
+            )
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+
+def test_dense_contextual_tables_need_dynamic_backend():
+    with pytest.raises(ValueError, match="contextual_tables='dense' needs"):
+        load_config(
+            "ranking",
+            [],
+            [
+                "EmbeddingArgs.embedding_backend='torchrec'",
+                "EmbeddingArgs.contextual_tables='dense'",
+            ],
+        )

@@ -48,6 +48,7 @@ DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
 LR_SCHEDULERS: tuple[str, ...] = ("constant", "cosine", "linear")
 EMBEDDING_BACKENDS: tuple[str, ...] = ("torchrec", "dynamic", "dense")
+CONTEXTUAL_TABLES: tuple[str, ...] = ("torchrec", "dense")
 # "position": learned relative position bias in every HSTU layer (Meta HSTU's position part)
 RELATIVE_ATTENTION_BIAS: tuple[str, ...] = ("none", "position")
 FUSED_GATE_KERNELS: tuple[str, ...] = ("auto", "cuda", "compiled")
@@ -371,6 +372,10 @@ class EmbeddingArgs:
     """Embedding tables: backend, capacity of dynamic tables, sparse optimizer, init."""
 
     embedding_backend: str = "torchrec"  # torchrec | dynamic | dense (dense optimizer)
+    # with the dynamic backend: the small contextual tables as torchrec tables (sharded, fused
+    # sparse optimizer) or "dense" (plain nn.Embedding replicated by DDP, dense optimizer: no
+    # torchrec input/output all-to-alls, which cost host time and a host sync per step)
+    contextual_tables: str = "torchrec"
     item_capacity: int = 0  # dynamic tables; 0 = derived from the dataset
     user_capacity: int = 0
     sparse_optimizer_str: str = "rowwise_adagrad"
@@ -381,6 +386,13 @@ class EmbeddingArgs:
 
     def __post_init__(self) -> None:
         _choice(self, "embedding_backend", EMBEDDING_BACKENDS)
+        _choice(self, "contextual_tables", CONTEXTUAL_TABLES)
+        if self.contextual_tables == "dense" and self.embedding_backend == "torchrec":
+            raise ValueError(
+                "EmbeddingArgs.contextual_tables='dense' needs embedding_backend='dynamic' (the "
+                "torchrec backend keeps every table in one torchrec collection); use "
+                "contextual_tables='torchrec' or embedding_backend='dynamic'"
+            )
         _int(self, "item_capacity", min_value=0, what="0 = derived from the dataset")
         _int(self, "user_capacity", min_value=0, what="0 = derived from the dataset")
         _choice(self, "sparse_optimizer_str", SPARSE_OPTIMIZERS)

@@ -131,8 +131,13 @@ class DenseEmbeddingCollection(nn.Module):
                     raise ValueError(f"feature {f!r} is listed by two tables")
                 self.feature_to_table[f] = s.name
 
-    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+    def forward(
+        self, features: KeyedJaggedTensor, host_ids: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, JaggedTensor]:
+        """``host_ids``: feature -> the same ids on the CPU, where the id range is checked
+        (without them a GPU lookup reads the ids' min/max back: a host<->device sync)."""
         out: dict[str, JaggedTensor] = {}
+        host_ids = host_ids or {}
         for key, jt in features.to_dict().items():
             if key not in self.feature_to_table:
                 raise KeyError(
@@ -140,10 +145,11 @@ class DenseEmbeddingCollection(nn.Module):
                 )
             table = self.tables[self.feature_to_table[key]]
             ids = jt.values().long()
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.num_embeddings):
+            check = host_ids.get(key, ids)
+            if check.numel() and (int(check.min()) < 0 or int(check.max()) >= table.num_embeddings):
                 raise ValueError(
                     f"feature {key!r}: ids must lie in [0, {table.num_embeddings}); got "
-                    f"{int(ids.min())}..{int(ids.max())}"
+                    f"{int(check.min())}..{int(check.max())}"
                 )
             out[key] = JaggedTensor(values=table(ids), lengths=jt.lengths())
         return out

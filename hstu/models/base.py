@@ -145,8 +145,6 @@ class GenerativeRecommender(nn.Module):
         final_layernorm: bool = True,
     ) -> None:
         super().__init__()
-        if dynamic_tables is not None and dense_tables is not None:
-            raise ValueError("choose one EmbeddingArgs.embedding_backend: 'dynamic' or 'dense'")
         if relative_attention_bias not in RELATIVE_ATTENTION_BIAS:
             raise ValueError(
                 f"NetworkArgs.relative_attention_bias={relative_attention_bias!r} is not "
@@ -162,7 +160,9 @@ class GenerativeRecommender(nn.Module):
         # fbgemm's TBE kernels need a row width that is a multiple of 4: wider rows, the first
         # hidden_size columns used (the spare columns never receive gradient). Plain nn.Embedding
         # tables (the dense backend) have no such constraint.
-        self.table_dim = hidden_size if dense_tables is not None else (hidden_size + 3) // 4 * 4
+        # (dynamic and dense tables together: the dense ones are the contextual tables, same width)
+        plain = dense_tables is not None and dynamic_tables is None
+        self.table_dim = hidden_size if plain else (hidden_size + 3) // 4 * 4
         item_features = [ITEM_FEATURE] + ([EXTRA_ITEM_FEATURE] if self.uses_extra_items else [])
         cards = dict(zip(info.contextual_feature_names, info.contextual_cardinalities))
         specs = [
@@ -330,16 +330,25 @@ class GenerativeRecommender(nn.Module):
         static_collection = (
             self.dense_tables if self.dense_tables is not None else self.embedding_collection
         )
+        keys = self.embedding_features
+        known = {k: parts[k].host_values for k in keys if parts[k].host_values is not None}
+
+        def static_lookup(names: list[str]) -> dict[str, JaggedTensor]:
+            kjt = _make_kjt(names, parts, b)
+            if self.dense_tables is None:
+                return static_collection(kjt)
+            # plain tables check their id range on the CPU ids (no device read)
+            return self.dense_tables(kjt, host_ids={k: known[k] for k in names if k in known})
+
         if self.dynamic_collection is None:
-            out = static_collection(_make_kjt(self.embedding_features, parts, b))
+            out = static_lookup(keys)
         else:
-            keys = self.embedding_features
             dyn = [k for k in keys if k in self.dynamic_features]
             static = [k for k in keys if k not in self.dynamic_features]
             out = {}
             if static:
-                out.update(static_collection(_make_kjt(static, parts, b)))
-            host_ids = {k: parts[k].host_values for k in dyn if parts[k].host_values is not None}
+                out.update(static_lookup(static))
+            host_ids = {k: known[k] for k in dyn if k in known}
             out.update(self.dynamic_collection(_make_kjt(dyn, parts, b), host_ids=host_ids))
         if self.table_dim == self.hidden_size:
             return out

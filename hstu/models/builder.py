@@ -60,9 +60,12 @@ def dynamic_table_options(cfg: RunConfig, device: str = "cpu") -> DynamicTableOp
 
 
 def dense_table_options(cfg: RunConfig) -> DenseTableOptions | None:
-    """EmbeddingArgs -> the dense tables' settings (None unless embedding_backend='dense')."""
+    """EmbeddingArgs -> the dense tables' settings: every table with embedding_backend='dense',
+    the contextual tables with embedding_backend='dynamic' and contextual_tables='dense' (None
+    otherwise: torchrec tables)."""
     emb = cfg.embedding
-    if emb.embedding_backend != "dense":
+    dense_contextual = emb.embedding_backend == "dynamic" and emb.contextual_tables == "dense"
+    if emb.embedding_backend != "dense" and not dense_contextual:
         return None
     return DenseTableOptions(initializer=emb.initializer, init_std=emb.init_std)
 

@@ -232,6 +232,7 @@ class Trainer:
                 "task": self.cfg.task,
                 "dataset": self.cfg.dataset.dataset_name,
                 "embedding_backend": self.cfg.embedding.embedding_backend,
+                "contextual_tables": self.cfg.embedding.contextual_tables,
             },
         )
         if self.info.is_main:
@@ -267,6 +268,14 @@ class Trainer:
                 f"'{saved_backend}' but this run uses '{self.cfg.embedding.embedding_backend}'; "
                 f"the tables are stored differently, so resume with --gin-bindings "
                 f"\"EmbeddingArgs.embedding_backend='{saved_backend}'\""
+            )
+        saved_ctx = meta.get("extra_meta", {}).get("contextual_tables")  # absent before 11-22
+        if saved_ctx is not None and saved_ctx != self.cfg.embedding.contextual_tables:
+            raise ValueError(
+                f"checkpoint {load_dir} was written with EmbeddingArgs.contextual_tables="
+                f"'{saved_ctx}' but this run uses '{self.cfg.embedding.contextual_tables}'; the "
+                f"contextual tables are stored differently, so resume with --gin-bindings "
+                f"\"EmbeddingArgs.contextual_tables='{saved_ctx}'\""
             )
         if saved_dynamic != (self.core.dynamic_collection is not None):
             saved = "dynamic" if saved_dynamic else "torchrec"

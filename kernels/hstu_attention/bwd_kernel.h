@@ -74,8 +74,8 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   if (n0 >= L) return;
   const SeqMask mk = make_seq_mask(p, bidb, L);
   const int n1 = min(n0 + kBlockN, L);
-  const int m_lo = mk.key_block_row_lo(n0) / kBlockM;
-  const int m_hi = (mk.key_block_row_hi(n0, n1) + kBlockM - 1) / kBlockM;
+  int m_lo, m_hi;
+  mk.key_block_query_blocks(n0, n1, kBlockM, m_lo, m_hi);
   const int num_m_blocks = (L + kBlockM - 1) / kBlockM;
   auto next_active = [&](int m) {
     ++m;
@@ -93,14 +93,9 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
                                           ((p.max_seqlen + kBlockM - 1) / kBlockM)
                      : nullptr;
   const int num_n_blocks = (L + kBlockN - 1) / kBlockN;
-  // Whether the CTA of key block nb processes query block m (the same range and skip tests as
-  // this CTA's own loop).
+  // Whether the CTA of key block nb processes query block m (the walk of mask.h, as our loop).
   auto processes = [&](int nb, int m) {
-    const int b0 = nb * kBlockN;
-    const int b1 = min(b0 + kBlockN, L);
-    const int lo = mk.key_block_row_lo(b0) / kBlockM;
-    const int hi = (mk.key_block_row_hi(b0, b1) + kBlockM - 1) / kBlockM;
-    return lo <= m && m < hi && !mk.tile_empty(m * kBlockM, (m + 1) * kBlockM, b0, b1);
+    return mk.key_block_visits(nb * kBlockN, min(nb * kBlockN + kBlockN, L), m, kBlockM);
   };
   // Deterministic mode: every key block takes its turn on every query block, active or not.
   auto pass_through = [&](int from, int to) {

@@ -94,6 +94,20 @@ struct SeqMask {
     return hi;
   }
 
+  // The backward's walk: the query blocks (of bm rows) that the CTA of key block [n0, n1) visits
+  // are those in [lo, hi) that tile_empty does not rule out. The in-kernel dQ conversion counts
+  // the key blocks visiting a query block with the same predicate.
+  __host__ __device__ __forceinline__ void key_block_query_blocks(int n0, int n1, int bm, int& lo,
+                                                                  int& hi) const {
+    lo = key_block_row_lo(n0) / bm;
+    hi = (key_block_row_hi(n0, n1) + bm - 1) / bm;
+  }
+  __host__ __device__ __forceinline__ bool key_block_visits(int n0, int n1, int m, int bm) const {
+    int lo, hi;
+    key_block_query_blocks(n0, n1, bm, lo, hi);
+    return m >= lo && m < hi && !tile_empty(m * bm, (m + 1) * bm, n0, n1);
+  }
+
   // True only if no pair of the tile [m0, m1) x [n0, n1) is valid (conservative).
   __host__ __device__ __forceinline__ bool tile_empty(int m0, int m1, int n0, int n1) const {
     m1 = imin(m1, L);

@@ -1,7 +1,8 @@
 // Host-side exhaustive check of mask.h (built and run by tests/test_attention_compile.py; no GPU).
 // For small sequences and every combination of contexts, targets, group size and window it checks
 // that the per-row key intervals, the tile skip/full predicates and the block ranges the kernels
-// iterate over agree with the element rule valid(i, j). It then prints valid(i, j) for a few
+// iterate over agree with the element rule valid(i, j), and that the backward's walk visits every
+// non-empty tile and every query block (the in-kernel dQ conversion relies on it). It then prints valid(i, j) for a few
 // configurations ("M L c t G w causal" + one 0/1 row per query) so that the test can compare
 // them with hstu.ops.reference.hstu_attention_mask.
 #include <cstdio>
@@ -54,7 +55,15 @@ static void check(const SeqMask& mk) {
           }
         if (mk.tile_empty(m0, m0 + bm, n0, n0 + bn)) EXPECT(!any, "tile %d,%d empty", m0, n0);
         if (mk.tile_full(m0, m0 + bm, n0, n0 + bn)) EXPECT(all, "tile %d,%d full", m0, n0);
+        // The backward's walk visits every tile holding a valid pair.
+        if (any) EXPECT(mk.key_block_visits(n0, n1, m0 / bm, bm), "walk skips tile %d,%d", m0, n0);
       }
+      // In-kernel dQ conversion: every query block has a key block that visits it (the last of
+      // them converts it; none would leave dq unwritten).
+      int visitors = 0;
+      for (int n0 = 0; n0 < L; n0 += bn)
+        visitors += mk.key_block_visits(n0, n0 + bn < L ? n0 + bn : L, m0 / bm, bm);
+      EXPECT(visitors >= 1, "query block %d has no visiting key block (bm=%d bn=%d)", m0, bm, bn);
     }
   }
 }

@@ -386,6 +386,12 @@ std::tuple<Tensor, Tensor, Tensor> bwd_cuda(
     sem = at::zeros({int64_t(p.heads) * p.batch * std::max<int64_t>(m_blocks, 1)},
                     q.options().dtype(at::kInt));
     p.dq_semaphore = sem.data_ptr<int>();
+  } else {
+    // Per-query-block arrival counters: the backward kernel converts dq_accum to dq itself.
+    const int64_t m_blocks = (int64_t(p.max_seqlen) + kMinBlockM - 1) / kMinBlockM;
+    sem = at::zeros({int64_t(p.heads) * p.batch * std::max<int64_t>(m_blocks, 1)},
+                    q.options().dtype(at::kInt));
+    p.dq_counter = sem.data_ptr<int>();
   }
   p.k = k.data_ptr();
   p.v = v.data_ptr();

@@ -172,10 +172,8 @@ def test_dq_conversion_paths(d: int, mask: str, convert: str, monkeypatch) -> No
     """dQ converted by the last key block of each query block inside the backward kernel (when
     the op passes the arrival counters) and by the separate convert kernel
     (HSTU_ATTN_DQ_CONVERT=kernel) both match the reference, on sequences with many blocks."""
-    if convert == "kernel":
-        monkeypatch.setenv("HSTU_ATTN_DQ_CONVERT", "kernel")
-    else:
-        monkeypatch.delenv("HSTU_ATTN_DQ_CONVERT", raising=False)
+    # the convert kernel is the default (unset); HSTU_ATTN_DQ_CONVERT=bwd opts into the other path
+    monkeypatch.setenv("HSTU_ATTN_DQ_CONVERT", "kernel" if convert == "kernel" else "bwd")
     lengths = [700, 0, 1, 513, 129, 1030, 64, 300]
     _check(lengths, d, torch.bfloat16, max_seqlen=1030, **_mask_kwargs(MASKS[mask], lengths))
 

@@ -178,3 +178,34 @@ def test_two_processes_match_one(tmp_path):
     a, b = np.array(curves[1]), np.array(curves[2])
     assert a.shape == b.shape == (20,)
     np.testing.assert_allclose(b, a, rtol=1e-2)
+
+
+def test_resume_keeps_this_runs_optimizer_implementation(tmp_path):
+    """The dense optimizer's fused/foreach flags come from the resuming run, not the checkpoint (a
+    file written by a fused-Adam GPU run resumes on CPU without the fused kernel, and a file from
+    before the fused Adam resumes fused on a GPU)."""
+    from hstu.training.trainer import Trainer
+
+    common = ["TrainerArgs.train_batch_size=16", "TrainerArgs.eval_interval=0"]
+    first = run_training(_cfg("ranking", tmp_path / "b", "TrainerArgs.max_train_iters=2", *common))
+    rank_file = Path(first.checkpoint_dir) / "rank_0.pt"
+    state = torch.load(rank_file, weights_only=False)
+    for group in state["dense_optimizer"]["param_groups"]:
+        group["fused"], group["foreach"] = True, False  # as if written by another implementation
+    torch.save(state, rank_file)
+    cfg = _cfg(
+        "ranking",
+        tmp_path / "c",
+        "TrainerArgs.max_train_iters=3",
+        f"TrainerArgs.ckpt_load_dir='{first.checkpoint_dir}'",
+        "TrainerArgs.ckpt_save_interval=-1",
+        *common,
+    )
+    trainer = Trainer(cfg, "cpu")
+    try:
+        assert trainer.step == 2  # resumed
+        for group in trainer.optimizer.param_groups:
+            assert not group["fused"] and group["foreach"] is not False
+        assert trainer.fit().losses[-1][0] == 3
+    finally:
+        trainer.close()

@@ -307,7 +307,12 @@ class Trainer:
             f"{where} fused_optimizer",
         )
         self.model.fused_optimizer.load_state_dict(fused)
+        # the implementation flags (fused / foreach) are this run's choice for this device, not
+        # the saving run's (a checkpoint written on CPU, or before the fused Adam, resumes fused)
+        impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(sources[0]["dense_optimizer"])
+        for group, flags in zip(self.optimizer.param_groups, impl):
+            group.update(flags)
         self.scheduler.load_state_dict(sources[0]["scheduler"])
         self.train_iter.load_state_dict(sources[0]["train_iter"])
         self._restore_rng(state["rng"], resharded, int(step))

@@ -257,6 +257,7 @@ def _run_path(path: str, args: argparse.Namespace, device_type: str, world: int)
             per_gpu //= 2
         finally:
             if trainer is not None:
+                trainer.train_iter.close()  # stops the batch-prefetch thread
                 trainer.tb.close()
             del trainer
             gc.collect()

@@ -15,10 +15,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test of the profiling option")
-def test_bench_e2e_profile_writes_trace_and_summary(tmp_path):
-    prof_dir = tmp_path / "prof"
-    proc = subprocess.run(
+def _run_bench(prof_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """bench_e2e.py on CPU: tiny synthetic config, reference attention, --profile prof_dir."""
+    return subprocess.run(
         [
             sys.executable,
             str(ROOT / "scripts" / "bench_e2e.py"),
@@ -32,8 +31,6 @@ def test_bench_e2e_profile_writes_trace_and_summary(tmp_path):
             "1",
             "--warmup",
             "1",
-            "--profile-steps",
-            "2",
             "--mean-seq-len",
             "20",
             "--max-seq-len",
@@ -42,12 +39,19 @@ def test_bench_e2e_profile_writes_trace_and_summary(tmp_path):
             "200",
             "--profile",
             str(prof_dir),
+            *extra,
         ],  # fmt: skip
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test of the profiling option")
+def test_bench_e2e_profile_writes_trace_and_summary(tmp_path):
+    prof_dir = tmp_path / "prof"
+    proc = _run_bench(prof_dir, "--profile-steps", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     prof = rows[-1]["profile"]
@@ -73,38 +77,7 @@ def test_bench_e2e_profile_two_processes_trace_every_rank(tmp_path):
     """--nproc 2 --profile: both ranks run the profiled steps (they hold collectives, so a rank-0
     only profile would hang) and each writes its own trace."""
     prof_dir = tmp_path / "prof"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_e2e.py"),
-            "--device",
-            "cpu",
-            "--config",
-            "configs/synthetic_ranking.gin",
-            "--paths",
-            "reference",
-            "--steps",
-            "1",
-            "--warmup",
-            "1",
-            "--profile-steps",
-            "1",
-            "--mean-seq-len",
-            "20",
-            "--max-seq-len",
-            "40",
-            "--num-users",
-            "200",
-            "--nproc",
-            "2",
-            "--profile",
-            str(prof_dir),
-        ],  # fmt: skip
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _run_bench(prof_dir, "--profile-steps", "1", "--nproc", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     run = [r for r in rows if r.get("world_size") == 2]

@@ -261,22 +261,17 @@ class Trainer:
                 f"format loads on any number of processes)"
             )
         saved_dynamic = "dynamic_embeddings" in state
-        saved_backend = meta.get("extra_meta", {}).get("embedding_backend")  # absent before 11-22
-        if saved_backend is not None and saved_backend != self.cfg.embedding.embedding_backend:
-            raise ValueError(
-                f"checkpoint {load_dir} was written with EmbeddingArgs.embedding_backend="
-                f"'{saved_backend}' but this run uses '{self.cfg.embedding.embedding_backend}'; "
-                f"the tables are stored differently, so resume with --gin-bindings "
-                f"\"EmbeddingArgs.embedding_backend='{saved_backend}'\""
-            )
-        saved_ctx = meta.get("extra_meta", {}).get("contextual_tables")  # absent before 11-22
-        if saved_ctx is not None and saved_ctx != self.cfg.embedding.contextual_tables:
-            raise ValueError(
-                f"checkpoint {load_dir} was written with EmbeddingArgs.contextual_tables="
-                f"'{saved_ctx}' but this run uses '{self.cfg.embedding.contextual_tables}'; the "
-                f"contextual tables are stored differently, so resume with --gin-bindings "
-                f"\"EmbeddingArgs.contextual_tables='{saved_ctx}'\""
-            )
+        # table layout settings the checkpoint records (absent in files older than 2026-11-22)
+        for name in ("embedding_backend", "contextual_tables"):
+            saved_value = meta.get("extra_meta", {}).get(name)
+            current = getattr(self.cfg.embedding, name)
+            if saved_value is not None and saved_value != current:
+                raise ValueError(
+                    f"checkpoint {load_dir} was written with EmbeddingArgs.{name}="
+                    f"'{saved_value}' but this run uses '{current}'; the tables are stored "
+                    f"differently, so resume with --gin-bindings "
+                    f"\"EmbeddingArgs.{name}='{saved_value}'\""
+                )
         if saved_dynamic != (self.core.dynamic_collection is not None):
             saved = "dynamic" if saved_dynamic else "torchrec"
             raise ValueError(

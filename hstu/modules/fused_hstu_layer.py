@@ -219,15 +219,21 @@ def _silu_backward_into(dz: torch.Tensor, grads, z: torch.Tensor, hd: int) -> No
         )
 
 
-def _kernel_rows(g: torch.Tensor, t: int, hd: int, dtype: torch.dtype) -> torch.Tensor:
-    """``g`` as the [T, hd] rows the SiLU backward kernel reads (unit last stride, row stride a
-    multiple of 8, 16-byte aligned): a view when it already is one, else a contiguous copy."""
-    g = g.reshape(t, hd).to(dtype)
-    if t > 0 and (g.stride(1) != 1 or (t > 1 and (g.stride(0) % 8 or g.stride(0) < hd))):
+def _kernel_layout(g: torch.Tensor) -> torch.Tensor:
+    """``g`` [T, W] as the rows the lnmd elementwise kernels read (unit last stride, row stride a
+    multiple of 8 and >= W, 16-byte aligned): itself when it already is, else a contiguous copy
+    (e.g. an expanded gradient with stride 0)."""
+    t, w = g.shape
+    if t > 0 and (g.stride(1) != 1 or (t > 1 and (g.stride(0) % 8 or g.stride(0) < w))):
         g = g.contiguous()
     if t > 0 and g.data_ptr() % 16:
         g = g.clone(memory_format=torch.contiguous_format)
     return g
+
+
+def _kernel_rows(g: torch.Tensor, t: int, hd: int, dtype: torch.dtype) -> torch.Tensor:
+    """``g`` as the [T, hd] rows the SiLU backward kernel reads, in ``dtype``."""
+    return _kernel_layout(g.reshape(t, hd).to(dtype))
 
 
 def _silu_backward(spec: _LayerSpec, grads, z: torch.Tensor, hd: int, dt_bias: torch.dtype):
@@ -247,14 +253,7 @@ def _output_grad(spec: _LayerSpec, dout: torch.Tensor, cdtype: torch.dtype, dt_b
     """(dout in the matmul dtype, the output projection's bias gradient in dt_bias): one pass
     over an fp32 dout when the cast kernel runs, else a cast and a sum of the cast."""
     if spec.cast_op is not None and dout.dtype == torch.float32 and cdtype != torch.float32:
-        t, d = dout.shape
-        if t > 0 and (
-            dout.stride(1) != 1 or (t > 1 and (dout.stride(0) % 8 or dout.stride(0) < d))
-        ):
-            dout = dout.contiguous()  # e.g. an expanded gradient (stride 0)
-        if t > 0 and dout.data_ptr() % 16:
-            dout = dout.clone(memory_format=torch.contiguous_format)
-        dproj, d_bias = spec.cast_op(dout, cdtype)
+        dproj, d_bias = spec.cast_op(_kernel_layout(dout), cdtype)
         return dproj, d_bias.to(dt_bias)
     dproj = dout.to(cdtype)
     return dproj, dproj.sum(0, dtype=torch.float32).to(dt_bias)
@@ -499,7 +498,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
             hd = spec.num_heads * spec.head_dim
             shape = (t, spec.num_heads, spec.head_dim)
             if act is None:  # recompute_uvqk_silu
-                act = spec.silu_ops[0](z) if spec.silu_ops else _silu_chunk_major(z, hd)
+                act = spec.silu_ops[0](z) if spec.silu_ops is not None else _silu_chunk_major(z, hd)
             u = act[0]
 
             # output projection: proj = y @ W_o^T + b_o

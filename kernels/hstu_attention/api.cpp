@@ -363,10 +363,10 @@ Tensor fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   return out;
 }
 
-// HSTU_ATTN_DQ_CONVERT=bwd: the backward kernel converts dQ itself (the last key block to reach
-// a query block converts it; per-query-block arrival counters) instead of the separate convert
-// kernel. Measured on the H100 (2026-11-22) it is slower at d64/d128 (long_d128 forward+backward
-// 197 vs 241 TF/s) and neutral at d256, so the convert kernel stays the default.
+// HSTU_ATTN_DQ_CONVERT=bwd: the backward kernel converts dQ itself (the last key block to reach a
+// query block converts it; per-query-block arrival counters) instead of the separate convert
+// kernel (unset or any other value). Measured on the H100 (2026-11-22) it is slower at d64/d128
+// (long_d128 forward+backward 197 vs 241 TF/s) and neutral at d256, so it is opt-in.
 bool dq_convert_in_bwd_requested() {
   const char* e = std::getenv("HSTU_ATTN_DQ_CONVERT");
   return e != nullptr && std::strcmp(e, "bwd") == 0;
@@ -392,17 +392,13 @@ std::tuple<Tensor, Tensor, Tensor> bwd_cuda(
   // Head-major [H, T, D]: the kernel's dQ reductions then use compile-time row offsets.
   Tensor dq_accum = at::zeros({q.size(1), q.size(0), q.size(2)}, q.options().dtype(at::kFloat));
   Tensor sem;
-  if (deterministic) {
+  if (deterministic || dq_convert_in_bwd_requested()) {
+    // One int32 per (head, sequence, query block): the deterministic mode's semaphores, or the
+    // arrival counters with which the backward kernel converts dq_accum to dq itself.
     const int64_t m_blocks = (int64_t(p.max_seqlen) + kMinBlockM - 1) / kMinBlockM;
     sem = at::zeros({int64_t(p.heads) * p.batch * std::max<int64_t>(m_blocks, 1)},
                     q.options().dtype(at::kInt));
-    p.dq_semaphore = sem.data_ptr<int>();
-  } else if (dq_convert_in_bwd_requested()) {
-    // Per-query-block arrival counters: the backward kernel converts dq_accum to dq itself.
-    const int64_t m_blocks = (int64_t(p.max_seqlen) + kMinBlockM - 1) / kMinBlockM;
-    sem = at::zeros({int64_t(p.heads) * p.batch * std::max<int64_t>(m_blocks, 1)},
-                    q.options().dtype(at::kInt));
-    p.dq_counter = sem.data_ptr<int>();
+    (deterministic ? p.dq_semaphore : p.dq_counter) = sem.data_ptr<int>();
   }
   p.k = k.data_ptr();
   p.v = v.data_ptr();

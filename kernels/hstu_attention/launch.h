@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "bwd_kernel.h"
@@ -197,17 +196,11 @@ cudaError_t launch_hstu_bwd_config(HstuParams& p, cudaStream_t stream) {
   }
 }
 
-// HSTU_ATTN_DQ_CONVERT=kernel keeps the separate dQ convert kernel even when the caller passes
-// dq_counter (both are tested). api.cpp passes dq_counter only with HSTU_ATTN_DQ_CONVERT=bwd:
-// the in-kernel conversion measured slower on the H100 at d64/d128, so it is opt-in.
-inline bool dq_convert_in_bwd_disabled() {
-  const char* e = std::getenv("HSTU_ATTN_DQ_CONVERT");
-  return e != nullptr && std::strcmp(e, "kernel") == 0;
-}
-
+// dQ is converted by the backward kernel itself when the caller passes dq_counter (api.cpp does
+// only with HSTU_ATTN_DQ_CONVERT=bwd: measured slower on the H100 at d64/d128), else by the
+// separate convert kernel below (both are tested).
 template <typename T, int D>
 cudaError_t run_hstu_bwd(HstuParams& p, cudaStream_t stream) {
-  if (p.dq_counter != nullptr && dq_convert_in_bwd_disabled()) p.dq_counter = nullptr;
   cudaError_t err = launch_hstu_bwd_config<T, D>(p, stream);
   if (err != cudaSuccess) return err;
   const int64_t per_head = int64_t(p.total) * D;

@@ -215,29 +215,17 @@ class DynamicEmbeddingTable(nn.Module):
         `_insert_grouped` orders them. How many there are is known only on the device. The
         compiled kernel takes the grouping padded to the number of unique ids (trailing empty
         segments, which it skips), so nothing is read back; the CPU reference needs exact sizes
-        and reads the two counts (one sync, free on the CPU)."""
-        nb = self.state.num_buckets
+        and reads the missing ids back (one sync, free on the CPU)."""
         miss = slots < 0
-        bucket = torch.where(miss, self.ops.bucket_of(u.uniq, nb), nb)  # present ids sort last
-        order = torch.argsort(bucket, stable=True)
-        sorted_bucket = bucket[order]
-        first = sorted_bucket < nb
-        if first.numel() > 1:
-            first[1:] &= sorted_bucket[1:] != sorted_bucket[:-1]
         if self._padded_insert:
-            return self._insert_padded(u, slots, score_vals, miss, order, sorted_bucket, first)
-        n_new, n_seg = torch.stack([miss.sum(), first.sum()]).tolist()
+            return self._insert_padded(u, slots, score_vals, miss)
+        idx = torch.nonzero(miss).flatten()  # exact sizes (the CPU reference: reading is free)
+        n_new = idx.numel()
         if n_new == 0:
             return 0
-        idx = order[:n_new]
-        seg = torch.cumsum(first[:n_new].long(), 0) - 1
-        seg_buckets = sorted_bucket.new_empty(n_seg).scatter_(0, seg, sorted_bucket[:n_new])
-        seg_offsets = torch.zeros(n_seg + 1, dtype=torch.int64, device=slots.device)
-        seg_counts = torch.zeros(n_seg, dtype=torch.int64, device=slots.device)
-        torch.cumsum(seg_counts.scatter_add_(0, seg, torch.ones_like(seg)), 0, out=seg_offsets[1:])
         keys = u.uniq[idx]
         new_scores = torch.full_like(keys, self.step) if score_vals is None else score_vals[idx]
-        new_slots, n_evicted = self._insert_op(keys, seg_offsets, seg_buckets, new_scores)
+        new_slots, n_evicted = self._insert_grouped(keys, new_scores, self.step)
         slots[idx] = new_slots
         inserted = (new_slots >= 0).sum()
         self._counters[2] += inserted
@@ -251,18 +239,23 @@ class DynamicEmbeddingTable(nn.Module):
         slots: torch.Tensor,
         score_vals: torch.Tensor | None,
         miss: torch.Tensor,
-        order: torch.Tensor,
-        sorted_bucket: torch.Tensor,
-        first: torch.Tensor,
     ) -> int | torch.Tensor:
         """`_insert_missing` without a device read: all U unique ids go to the op in `order`
-        (the missing ones first), with U segments of which the first n_seg are the real bucket
-        groups and the rest empty (offset n_new, bucket 0). The op writes slots only for the
-        first n_new ids; the rest of its output is ignored."""
+        (the missing ones first, grouped by bucket as `_insert_grouped` groups them), with U
+        segments of which the first n_seg are the real bucket groups and the rest empty (offset
+        n_new, bucket 0). The op writes slots only for the first n_new ids; the rest of its
+        output is ignored."""
         n = slots.numel()
         if n == 0:
             return 0
         dev = slots.device
+        nb = self.state.num_buckets
+        bucket = torch.where(miss, self.ops.bucket_of(u.uniq, nb), nb)  # present ids sort last
+        order = torch.argsort(bucket, stable=True)
+        sorted_bucket = bucket[order]
+        first = sorted_bucket < nb  # the first position of each missing bucket group
+        if n > 1:
+            first[1:] &= sorted_bucket[1:] != sorted_bucket[:-1]
         n_new = miss.sum()
         valid = torch.arange(n, device=dev) < n_new
         # segment of each position; present ids go to a dummy segment n (dropped)

@@ -52,6 +52,8 @@ CONTEXTUAL_TABLES: tuple[str, ...] = ("torchrec", "dense")
 # "position": learned relative position bias in every HSTU layer (Meta HSTU's position part)
 RELATIVE_ATTENTION_BIAS: tuple[str, ...] = ("none", "position")
 FUSED_GATE_KERNELS: tuple[str, ...] = ("auto", "cuda", "compiled")
+# token padding of the jagged batch: "auto" on CUDA only, "on" everywhere, "off" never
+PAD_TOKENS: tuple[str, ...] = ("auto", "on", "off")
 SPARSE_OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adagrad", "rowwise_adagrad")
 INITIALIZERS: tuple[str, ...] = ("normal", "uniform", "truncated_normal", "constant")
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu")
@@ -292,6 +294,9 @@ class NetworkArgs:
     uvqk_init_std: float = 0.0  # 0 = Xavier uniform W_uvqk; > 0 = N(0, std)
     final_layernorm: bool = True  # LayerNorm after the last layer
     use_contextual_features: bool = True  # False: no contextual tokens (item sequence only)
+    pad_tokens: str = (
+        "auto"  # pad the jagged token count so matmul shapes repeat: auto (CUDA) | on | off
+    )
 
     def __post_init__(self) -> None:
         _int(self, "num_layers", min_value=1)
@@ -317,6 +322,7 @@ class NetworkArgs:
         _float(self, "uvqk_init_std", min_value=0.0, what="0 = Xavier uniform")
         _bool(self, "final_layernorm")
         _bool(self, "use_contextual_features")
+        _choice(self, "pad_tokens", PAD_TOKENS)
         if self.fused_layer and self.relative_attention_bias != "none":
             raise ValueError(
                 f"NetworkArgs.relative_attention_bias={self.relative_attention_bias!r} needs "

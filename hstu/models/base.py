@@ -143,6 +143,7 @@ class GenerativeRecommender(nn.Module):
         position_init_std: float = 0.02,
         uvqk_init_std: float = 0.0,
         final_layernorm: bool = True,
+        pad_tokens: str = "auto",
     ) -> None:
         super().__init__()
         if relative_attention_bias not in RELATIVE_ATTENTION_BIAS:
@@ -203,6 +204,7 @@ class GenerativeRecommender(nn.Module):
             dropout=dropout,
             scale_item_embeddings=scale_item_embeddings,
             position_init_std=position_init_std,
+            pad_tokens=pad_tokens,
         )
         # longest token sequence: contextual tokens + history/candidate positions + candidates
         max_tokens = len(self.contextual_names) + positions + info.max_num_candidates

@@ -101,6 +101,7 @@ def _build_model(
         position_init_std=net.position_init_std,
         uvqk_init_std=net.uvqk_init_std,
         final_layernorm=net.final_layernorm,
+        pad_tokens=net.pad_tokens,
     )
     info = feature_info(data, cfg)
     torch.manual_seed(cfg.trainer.seed)

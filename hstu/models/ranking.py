@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from hstu.data.batch import Batch
 from hstu.models.base import FeatureInfo, GenerativeRecommender, gather_outputs
 from hstu.modules.heads import MLPHead
+from hstu.modules.preprocessor import padded_token_count
 
 __all__ = ["RankingGR", "label_bits"]
 
@@ -49,8 +50,14 @@ class RankingGR(GenerativeRecommender):
         candidates here; the trainer passes global count / world size so that data-parallel
         gradient averaging gives exactly the global mean)."""
         y, layout, _, _ = self.encode(batch)
-        cand = gather_outputs(y, layout, layout.candidate_index)
-        logits = self.head(cand).float()
+        index = layout.candidate_index
+        n_cand = index.numel()
+        if y.shape[0] > layout.num_tokens and n_cand > 0:
+            # the tokens were padded (NetworkArgs.pad_tokens): pad the head's rows too, with
+            # copies of candidate 0 whose logits are dropped, so its matmul shapes repeat as well
+            extra = padded_token_count(n_cand) - n_cand
+            index = torch.cat([index, index.new_full((extra,), 0)]) if extra else index
+        logits = self.head(gather_outputs(y, layout, index)).float()[:n_cand]
         out = {"logits": logits, "num_tokens": torch.tensor(layout.num_tokens)}
         if batch.labels is not None:
             targets = label_bits(batch.labels, self.num_tasks)

@@ -40,8 +40,16 @@ class AttentionInputs:
     host_seq_offsets: torch.Tensor | None = None  # [B+1] CPU int64, same values as seq_offsets
     host_num_contexts: torch.Tensor | None = None  # [B] CPU int64 (None iff num_contexts is None)
     host_num_targets: torch.Tensor | None = None  # [B] CPU int64 (None iff num_targets is None)
+    # trailing sequences that only hold padding rows (`SequencePreprocessor` pads the token count
+    # so matmul shapes repeat across batches); not part of the batch: no FLOPs, no outputs read
+    padding_sequences: int = 0
 
     def __post_init__(self) -> None:
+        if self.padding_sequences < 0 or self.padding_sequences > self.seq_offsets.numel() - 1:
+            raise ValueError(
+                f"AttentionInputs: padding_sequences={self.padding_sequences} is not within the "
+                f"{self.seq_offsets.numel() - 1} sequences"
+            )
         pairs = (
             ("seq_offsets", self.seq_offsets, self.host_seq_offsets),
             ("num_contexts", self.num_contexts, self.host_num_contexts),
@@ -79,6 +87,13 @@ class AttentionInputs:
         if device.type == "cuda" and self.host_seq_offsets is not None:
             return self.host_seq_offsets, self.host_num_contexts, self.host_num_targets
         return self.seq_offsets, self.num_contexts, self.num_targets
+
+    def real_lengths(self) -> torch.Tensor:
+        """Token lengths of the batch's own sequences (padding sequences left out), from the CPU
+        copy of the offsets when there is one."""
+        offs = self.host_seq_offsets if self.host_seq_offsets is not None else self.seq_offsets
+        lengths = offs[1:] - offs[:-1]
+        return lengths[: lengths.numel() - self.padding_sequences]
 
 
 class RelativePositionBias(nn.Module):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
+from hstu.config.args import PAD_TOKENS
 from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
 from hstu.modules.hstu_layer import AttentionInputs
 
@@ -23,6 +24,7 @@ __all__ = [
     "SequenceLayout",
     "SequencePreprocessor",
     "host_lengths",
+    "padded_token_count",
     "segment_ranges",
 ]
 
@@ -89,6 +91,20 @@ def segment_ranges(starts: torch.Tensor, counts: torch.Tensor, total: int) -> to
     return starts[seg] + (torch.arange(total, device=dev) - first[seg])
 
 
+def padded_token_count(t: int) -> int:
+    """``t`` rounded up to a multiple of 2**(bit_length(t) - 6), at least 128: at most ~1/32 more
+    rows (1024 extra at most for 32k-64k tokens) and at most 32 sizes per power of two.
+
+    Why: each batch has a different number of jagged tokens T, and cuBLAS picks its kernel for
+    every new [T, K] x [K, N] shape on the host (measured on the H100: ~150-230 us per matmul for
+    a new T, ~25 us for a repeated one; ~50 matmuls per step). Rounding T makes the shapes repeat.
+    """
+    if t <= 0:
+        return t
+    grain = max(128, 1 << max(0, t.bit_length() - 6))
+    return -(-t // grain) * grain
+
+
 class SequencePreprocessor(nn.Module):
     def __init__(
         self,
@@ -100,8 +116,14 @@ class SequencePreprocessor(nn.Module):
         *,
         scale_item_embeddings: bool = False,
         position_init_std: float = 0.02,
+        pad_tokens: str = "auto",
     ) -> None:
         super().__init__()
+        if pad_tokens not in PAD_TOKENS:
+            raise ValueError(
+                f"NetworkArgs.pad_tokens={pad_tokens!r} is not supported: one of {list(PAD_TOKENS)}"
+            )
+        self.pad_tokens = pad_tokens
         self.hidden_size = hidden_size
         self.num_action_bits = max(1, num_action_bits)
         self.num_contextual = num_contextual
@@ -125,7 +147,14 @@ class SequencePreprocessor(nn.Module):
 
         Sizes, maxima and the jagged offsets handed to the attention kernel come from the batch's
         CPU twin; the device tensors are derived from the device lengths with those sizes given,
-        so the forward reads nothing back from the GPU (see docs/architecture.md)."""
+        so the forward reads nothing back from the GPU (see docs/architecture.md).
+
+        Token padding (``pad_tokens``, on CUDA by default): x gets `padded_token_count(T)` rows;
+        the extra rows are zeros, grouped into trailing padding sequences of at most max_seqlen
+        tokens (so the attention scaling is unchanged) with no contextual tokens or targets. They
+        never mix with the batch's rows (LayerNorm and the linears are per row, the attention per
+        sequence), nothing reads their outputs, so their gradients are exactly zero and add nothing
+        to the weight gradients. `AttentionInputs.padding_sequences` counts them."""
         device = items.values().device
         b = batch.batch_size
         f = self.num_contextual
@@ -175,19 +204,15 @@ class SequencePreprocessor(nn.Module):
         action_tok = bits.to(values.dtype) @ self.action_embedding + self.history_embedding
         tok = tok.index_put((hist_index,), action_tok, accumulate=True)
 
-        x = values.new_zeros((num_tokens, self.hidden_size))
+        pad = self.pad_tokens == "on" or (self.pad_tokens == "auto" and device.type == "cuda")
+        rows = padded_token_count(num_tokens) if pad else num_tokens
+        x = values.new_zeros((rows, self.hidden_size))
         x = x.index_copy(0, dest, tok)
         for i, ctx in enumerate(contextual):
             x = x.index_copy(0, offsets[:-1] + i, ctx)
         x = self.dropout(x)
-        attn = AttentionInputs(
-            seq_offsets=offsets,
-            max_seqlen=max_seqlen,
-            num_contexts=torch.full((b,), f, dtype=torch.long, device=device) if f > 0 else None,
-            num_targets=num_cand if has_targets else None,
-            host_seq_offsets=offsets_host,
-            host_num_contexts=torch.full((b,), f, dtype=torch.long) if f > 0 else None,
-            host_num_targets=host.candidates if has_targets else None,
+        attn = _attention_inputs(
+            offsets, offsets_host, max_seqlen, f, num_cand, host.candidates, has_targets, rows
         )
         layout = SequenceLayout(
             attn=attn,
@@ -203,6 +228,55 @@ class SequencePreprocessor(nn.Module):
             host_num_candidates=host.candidates,
         )
         return x, layout
+
+
+def _attention_inputs(
+    offsets: torch.Tensor,
+    offsets_host: torch.Tensor,
+    max_seqlen: int,
+    f: int,
+    num_cand: torch.Tensor,
+    host_cand: torch.Tensor,
+    has_targets: bool,
+    rows: int,
+) -> AttentionInputs:
+    """The attention layout of the batch's sequences plus, when ``rows`` exceeds their token
+    count, trailing padding sequences of at most max_seqlen tokens covering the extra rows (no
+    contextual tokens, no targets). Built on both sides without copies: no host<->GPU sync."""
+    b = offsets.numel() - 1
+    pad = rows - int(offsets_host[-1])
+    n_pad = -(-pad // max_seqlen) if pad > 0 else 0
+    dev = offsets.device
+    if n_pad:
+        steps_host = torch.clamp(torch.arange(1, n_pad + 1) * max_seqlen, max=pad)
+        steps = torch.clamp(torch.arange(1, n_pad + 1, device=dev) * max_seqlen, max=pad)
+        offsets_host = torch.cat([offsets_host, offsets_host[-1] + steps_host])
+        offsets = torch.cat([offsets, offsets[-1:] + steps])
+
+    def per_seq(dev_vals: torch.Tensor, host_vals: torch.Tensor):
+        """[b] values + zeros for the padding sequences, on the device and on the host."""
+        if not n_pad:
+            return dev_vals, host_vals
+        return (
+            torch.cat([dev_vals, dev_vals.new_zeros(n_pad)]),
+            torch.cat([host_vals, host_vals.new_zeros(n_pad)]),
+        )
+
+    contexts = targets = (None, None)
+    if f > 0:
+        contexts = per_seq(torch.full((b,), f, dtype=torch.long, device=dev), torch.full((b,), f))
+    if has_targets:
+        targets = per_seq(num_cand, host_cand.to(torch.int64))
+    return AttentionInputs(
+        seq_offsets=offsets,
+        max_seqlen=max_seqlen,
+        num_contexts=contexts[0],
+        num_targets=targets[0],
+        host_seq_offsets=offsets_host,
+        host_num_contexts=contexts[1],
+        host_num_targets=targets[1],
+        padding_sequences=n_pad,
+    )
 
 
 def item_values(batch: Batch) -> torch.Tensor:

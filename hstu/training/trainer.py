@@ -366,10 +366,7 @@ class Trainer:
             out = self.model(batch, loss_normalizer=normalizer)
         out["loss"].backward()
         attn = self.core.last_attention_inputs
-        lengths = None
-        if attn is not None:
-            offs = attn.host_seq_offsets if attn.host_seq_offsets is not None else attn.seq_offsets
-            lengths = offs[1:] - offs[:-1]
+        lengths = attn.real_lengths() if attn is not None else None
         grad_norm = clip_grad_norm(
             self.dense_params, self.cfg.optimizer.grad_clip_norm, as_tensor=True
         )

@@ -1,0 +1,79 @@
+"""Token padding (NetworkArgs.pad_tokens): the jagged token count is rounded up so matmul shapes
+repeat across batches; the padding rows must change nothing the model computes (CPU, reference
+ops, padding forced on)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hstu.config.gin_utils import load_config
+from hstu.data.registry import build_samples, load_sequence_data
+from hstu.models.builder import build_model
+from hstu.modules.preprocessor import padded_token_count
+
+
+def test_padded_token_count_bounds():
+    assert padded_token_count(0) == 0
+    seen = set()
+    for t in list(range(1, 5000, 7)) + list(range(30000, 70000, 13)):
+        p = padded_token_count(t)
+        assert p >= t and p % 128 == 0
+        assert p - t < max(128, t / 32 + 1)  # at most ~1/32 extra rows
+        if 32768 <= t < 65536:
+            seen.add(p)
+    assert len(seen) <= 33  # few distinct shapes per power of two
+
+
+def _model(task: str, pad: str, *extra: str):
+    cfg = load_config(
+        task,
+        [],
+        [
+            "DatasetArgs.synthetic_num_users=200",
+            "DatasetArgs.synthetic_num_items=100",
+            "DatasetArgs.max_history_seqlen=20",
+            "NetworkArgs.hidden_dropout=0.0",
+            f"NetworkArgs.pad_tokens='{pad}'",
+            *extra,
+        ],
+    )
+    data = load_sequence_data(cfg.dataset, num_tasks=8)
+    splits = build_samples(data, cfg.dataset, task)
+    torch.manual_seed(0)
+    return splits, build_model(cfg, data)
+
+
+@pytest.mark.parametrize(
+    ("task", "extra"),
+    [("ranking", ()), ("retrieval", ()), ("ranking", ("NetworkArgs.fused_layer=True",))],
+)
+def test_padding_changes_no_output_or_gradient(task, extra):
+    splits, plain = _model(task, "off", *extra)
+    _, padded = _model(task, "on", *extra)
+    padded.load_state_dict(plain.state_dict())
+    batch = splits.train.collate(list(range(7)))
+    outs, grads = [], []
+    for model in (plain, padded):
+        model.train()
+        torch.manual_seed(1)  # same negatives for retrieval
+        out = model(batch)
+        out["loss"].backward()
+        outs.append(out)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    attn = padded.last_attention_inputs
+    t = int(outs[0]["num_tokens"])
+    assert int(outs[1]["num_tokens"]) == t  # the real token count, not the padded one
+    assert attn.padding_sequences > 0 and int(attn.seq_offsets[-1]) == padded_token_count(t)
+    lengths = attn.seq_offsets.diff()
+    assert int(lengths[-attn.padding_sequences :].max()) <= attn.max_seqlen
+    assert int(attn.real_lengths().sum()) == t
+    torch.testing.assert_close(outs[1]["loss"], outs[0]["loss"], rtol=1e-5, atol=1e-6)
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_bad_pad_tokens_value_names_the_binding():
+    with pytest.raises(ValueError, match="pad_tokens"):
+        _model("ranking", "sometimes")

@@ -53,7 +53,14 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--task", default="ranking", choices=("ranking", "retrieval"))
     p.add_argument("--bindings", nargs="*", default=[], help="gin bindings, e.g. 'A.b=1'")
     p.add_argument("--steps", type=int, default=20, help="timed training steps per path")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=40,
+        help="untimed steps first (default 40: the steady state of a long run, where cuBLAS has "
+        "planned the matmuls of every padded token count the batches produce; see "
+        "NetworkArgs.pad_tokens in docs/architecture.md)",
+    )
     p.add_argument(
         "--paths",
         default="compiled,reference",

@@ -330,22 +330,24 @@ def _sync(trainer) -> None:
 
 
 def _time_trainer(trainer, args: argparse.Namespace) -> dict:
-    for _ in range(args.warmup):
-        trainer.train_step()
-    _sync(trainer)
-    if trainer.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(trainer.device)
-    flops = tokens = samples = 0.0
-    start = time.perf_counter()
-    # as Trainer.fit runs them: statistics stay on the device and are read back once at the end
-    # (inside the timed region), so the host queues step i+1 while the GPU runs step i
-    pending = [trainer._train_step_async() for _ in range(args.steps)]
-    for stats in trainer._resolve(pending):
-        flops += stats["flops"]
-        tokens += stats["tokens"]
-        samples += stats["samples"]
-    _sync(trainer)
-    elapsed = time.perf_counter() - start
+    # the garbage-collection policy of Trainer.fit (TrainerArgs.gc_interval) applies here too
+    with trainer.gc:
+        for _ in range(args.warmup):
+            trainer.train_step()
+        _sync(trainer)
+        if trainer.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+        flops = tokens = samples = 0.0
+        start = time.perf_counter()
+        # as Trainer.fit runs them: statistics stay on the device and are read back once at the
+        # end (inside the timed region), so the host queues step i+1 while the GPU runs step i
+        pending = [trainer._train_step_async() for _ in range(args.steps)]
+        for stats in trainer._resolve(pending):
+            flops += stats["flops"]
+            tokens += stats["tokens"]
+            samples += stats["samples"]
+        _sync(trainer)
+        elapsed = time.perf_counter() - start
     world = trainer.info.world_size
     tflops = flops / world / elapsed / 1e12
     row = {

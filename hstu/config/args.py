@@ -198,6 +198,7 @@ class TrainerArgs:
     progress_bar: bool = True
     peak_tflops: float = 0.0  # for MFU; 0 = 312 (A100 bf16 dense)
     rank_balance: str = "cost"  # split of a global batch over ranks: "cost" (LPT) or "strided"
+    gc_interval: int = 50  # Python GC: young generations every N steps (all ranks), 0 = automatic
 
     def __post_init__(self) -> None:
         _int(self, "train_batch_size", min_value=1)
@@ -225,6 +226,7 @@ class TrainerArgs:
         _bool(self, "progress_bar")
         _float(self, "peak_tflops", min_value=0.0, what="0 = 312, the A100 bf16 peak")
         _choice(self, "rank_balance", RANK_BALANCE)
+        _int(self, "gc_interval", min_value=0, what="0 = Python's automatic collection")
 
 
 @gin.configurable

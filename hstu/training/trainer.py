@@ -40,6 +40,7 @@ from hstu.training.distributed import (
     wrap_model,
 )
 from hstu.training.flops import StackShape, peak_tflops_for, step_flops
+from hstu.training.gc_control import StepGC
 from hstu.training.logger import MetricLogger
 from hstu.training.optim import build_dense_optimizer, build_lr_scheduler, clip_grad_norm
 from hstu.training.reshard import restore_into, to_portable, unexpected_keys
@@ -192,6 +193,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.run_dir)
         self.tb = MetricLogger(str(self.run_dir), enabled=self.info.is_main)
+        # Python GC at fixed steps on every rank (active inside fit() and the benchmarks' loops)
+        self.gc = StepGC(t.gc_interval)
         self.step = 0
         if t.ckpt_load_dir:
             self._load_checkpoint(t.ckpt_load_dir)
@@ -352,6 +355,7 @@ class Trainer:
         """One optimisation step without host<->device syncs of its own: loss-term counts come
         from the host-side batch (summed over ranks through a gloo group), the loss, gradient
         norm and attention lengths stay on the device until `_resolve`."""
+        self.gc.step()
         self.model.train()
         host_batch = next(self.train_iter)  # pinned already on GPU (PrefetchIterator)
         local_count = _loss_count(host_batch, self.cfg.task)
@@ -513,11 +517,28 @@ class Trainer:
             disable=not _progress_enabled(self.cfg, self.info),
             dynamic_ncols=True,
         )
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with self.gc:
+            self._fit_loop(result, bar)
+        bar.close()
+        self._run_eval(result)
+        result.final_metrics = result.evals[-1][1] if result.evals else {}
+        if t.ckpt_save_interval >= 0:
+            result.checkpoint_dir = self.save_checkpoint()
+        self.tb.hparams(
+            self._hparams(), {f"hparam/{k}": v for k, v in result.final_metrics.items()}
+        )
+        self.tb.flush()
+        barrier()
+        return result
+
+    def _fit_loop(self, result: TrainResult, bar: tqdm) -> None:
+        """The training steps of `fit()` with their logging, evaluation and checkpoints."""
+        t = self.cfg.trainer
         window_start = time.perf_counter()
         window_steps = 0
         window_tokens = window_samples = window_flops = 0.0
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
         pending: list[_PendingStep] = []
         while self.step < t.max_train_iters:
             pending.append(self._train_step_async())
@@ -587,19 +608,9 @@ class Trainer:
                 self._run_eval(result)
             if ckpt_now:
                 result.checkpoint_dir = self.save_checkpoint()
-        bar.close()
-        self._run_eval(result)
-        result.final_metrics = result.evals[-1][1] if result.evals else {}
-        if t.ckpt_save_interval >= 0:
-            result.checkpoint_dir = self.save_checkpoint()
-        self.tb.hparams(
-            self._hparams(), {f"hparam/{k}": v for k, v in result.final_metrics.items()}
-        )
-        self.tb.flush()
-        barrier()
-        return result
 
     def _run_eval(self, result: TrainResult) -> None:
+        self.gc.full()  # every rank evaluates at the same step
         start = time.perf_counter()
         metrics = self.evaluate()
         result.evals.append((self.step, metrics))

@@ -26,6 +26,9 @@ class Batch:
     labels: ranking only, [sum(num_candidates)] int64 action bitmask of each candidate, in order.
     target_item_ids: retrieval evaluation only, [B] int64 held-out next item of each sample.
     user_ids: [B] int64 raw user ids (for bookkeeping, history exclusion, debugging).
+    global_counts: training batches from a `BatchIterator` given per-sample loss counts: (loss
+      terms, samples) of the whole global batch, all ranks together, known without communication
+      (the trainer then skips its per-step host all-reduce of the local counts).
     host: for a batch moved off the CPU by `to()`, the CPU batch it was copied from. The models
       read lengths, offsets and counts from it instead of from the device tensors, so the forward
       needs no device->host copies (each one a host<->GPU sync). Never modify either side after
@@ -38,6 +41,7 @@ class Batch:
     user_ids: torch.Tensor
     labels: torch.Tensor | None = None
     target_item_ids: torch.Tensor | None = None
+    global_counts: tuple[float, float] | None = field(default=None, compare=False)
     host: Batch | None = field(default=None, repr=False, compare=False)
 
     @property

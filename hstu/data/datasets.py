@@ -158,6 +158,10 @@ class RankingSamples:
     def history_lengths(self) -> np.ndarray:
         return self.candidate_starts - self.history_starts
 
+    def loss_counts(self) -> np.ndarray:
+        """Loss terms of each sample: its candidates (as the trainer counts a batch's)."""
+        return self.num_candidates()
+
     def collate(self, indices: np.ndarray | list[int]) -> Batch:
         """`Batch` of the given samples: item_id = history + candidates, action = history only,
         labels = candidates' bitmasks (concatenated in sample order), num_candidates per sample."""
@@ -204,6 +208,11 @@ class RetrievalSamples:
     def max_seqlen(self) -> int:
         """Longest item sequence a batch can hold (train windows carry one extra item)."""
         return self.max_history_seqlen + (0 if self.is_eval else 1)
+
+    def loss_counts(self) -> np.ndarray:
+        """Loss terms of each sample as the trainer counts a batch's: next-item pairs, one per
+        window item after the first."""
+        return np.maximum(self.ends - self.starts - 1, 0)
 
     def target_positions(self) -> np.ndarray:
         """Eval: global position of each sample's target; train: positions ``starts+1..ends-1``

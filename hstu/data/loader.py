@@ -115,6 +115,8 @@ class BatchIterator:
     ``batch_size_binding`` names the config field in error messages. ``balance`` is
     ``"strided"`` or ``"cost"`` (see the module docstring; it needs the samples' sequence lengths
     and uses ``linear_cost`` as ``c``); with one process both are the identity.
+    ``loss_counts`` (optional, one per sample): training batches then carry
+    ``Batch.global_counts``, the global batch's loss terms and samples, the same on every rank.
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class BatchIterator:
         batch_size_binding: str = "TrainerArgs.train_batch_size",
         balance: str = "strided",
         linear_cost: float = 0.0,
+        loss_counts: np.ndarray | None = None,
     ) -> None:
         if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool):
             raise TypeError(f"{batch_size_binding} must be an integer; got {batch_size!r}")
@@ -157,6 +160,14 @@ class BatchIterator:
             )
         if not linear_cost >= 0:
             raise ValueError(f"BatchIterator: linear_cost={linear_cost} must be >= 0")
+        if loss_counts is not None:
+            loss_counts = np.asarray(loss_counts, dtype=np.int64)
+            if loss_counts.shape != (n,) or (loss_counts < 0).any():
+                raise ValueError(
+                    f"BatchIterator: loss_counts must be {n} non-negative counts (one per "
+                    f"sample); got shape {loss_counts.shape}"
+                )
+        self.loss_counts = loss_counts
         self.balance = balance
         self.linear_cost = float(linear_cost)
         self._costs: np.ndarray | None = None
@@ -235,16 +246,27 @@ class BatchIterator:
         return self
 
     def __next__(self) -> Batch:
-        return self.samples.collate(self.next_indices())
+        global_idx = self._next_global()
+        batch = self.samples.collate(self.local_indices(global_idx))
+        if self.loss_counts is not None:
+            batch.global_counts = (
+                float(self.loss_counts[global_idx].sum()),
+                float(global_idx.shape[0]),
+            )
+        return batch
 
     def next_indices(self) -> np.ndarray:
         """Advance by one global batch and return this rank's sample indices."""
+        return self.local_indices(self._next_global())
+
+    def _next_global(self) -> np.ndarray:
+        """Advance by one global batch and return its sample indices (all ranks)."""
         if len(self) == 0:
             raise ValueError(f"no samples to iterate over ({self.batch_size_binding})")
         if self.position >= len(self):
             self.epoch += 1
             self.position = 0
-        idx = self.local_indices(self.global_batch_indices(self.epoch, self.position))
+        idx = self.global_batch_indices(self.epoch, self.position)
         self.position += 1
         return idx
 

@@ -134,6 +134,7 @@ class Trainer:
                 rank=self.info.rank,
                 world_size=self.info.world_size,
                 drop_last=True,
+                loss_counts=getattr(self.train_samples, "loss_counts", lambda: None)(),
                 **balance,
             ),
             depth=2,
@@ -353,13 +354,19 @@ class Trainer:
 
     def _train_step_async(self) -> _PendingStep:
         """One optimisation step without host<->device syncs of its own: loss-term counts come
-        from the host-side batch (summed over ranks through a gloo group), the loss, gradient
+        from the host-side batch (the global counts the loader attached, else the local counts
+        summed over ranks through a gloo group), the loss, gradient
         norm and attention lengths stay on the device until `_resolve`."""
         self.gc.step()
         self.model.train()
         host_batch = next(self.train_iter)  # pinned already on GPU (PrefetchIterator)
-        local_count = _loss_count(host_batch, self.cfg.task)
-        global_count, samples = all_reduce_sum_host([local_count, host_batch.batch_size])
+        if host_batch.global_counts is not None:
+            # known from the global batch on every rank: no per-step host collective (it would
+            # make every rank's host wait for the slowest one at the start of each step)
+            global_count, samples = host_batch.global_counts
+        else:
+            local_count = _loss_count(host_batch, self.cfg.task)
+            global_count, samples = all_reduce_sum_host([local_count, host_batch.batch_size])
         if self.device.type == "cuda":
             # the device batch keeps host_batch as its CPU twin: the model reads sizes from it
             batch = host_batch.to(self.device, non_blocking=True)

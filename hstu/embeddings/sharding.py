@@ -131,14 +131,19 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         ids: torch.Tensor,
         scores,
         host_ids: torch.Tensor | None = None,
+        routed: tuple[list[int], list[int], torch.Tensor] | None = None,
     ):
+        """Looks ``ids`` up in their owners' shards. ``routed``: this table's result of
+        `_route_ids_on_host` when the caller already exchanged the CPU ids."""
         w = self.world_size
         ids = ids.to(self.device)
         if w == 1:  # every id is local: no collective to line up
             return table(ids, scores, host_ids=host_ids)
         owner = owner_of(ids, w)
         order = torch.argsort(owner, stable=True)
-        routed = self._route_ids_on_host(host_ids) if host_ids is not None else None
+        if routed is None and host_ids is not None:
+            found = self._route_ids_on_host([host_ids])
+            routed = None if found is None else found[0]
         if routed is not None:
             # ids and counts went over gloo from the CPU ids: no device->host read
             send, recv, recv_host = routed
@@ -167,27 +172,43 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         return rows[inv]
 
     def _route_ids_on_host(
-        self, host_ids: torch.Tensor
-    ) -> tuple[list[int], list[int], torch.Tensor] | None:
-        """Sends the CPU ids to their owners over a gloo group (the same order as the device
-        route: by owner, stable): (send counts, recv counts, received CPU ids), or None when no
-        gloo group spans this collection's ranks."""
+        self, host_ids: list[torch.Tensor]
+    ) -> list[tuple[list[int], list[int], torch.Tensor]] | None:
+        """Sends each table's CPU ids to their owners over a gloo group, all tables in one
+        exchange of counts and one of ids (each collective waits for every rank's host): per
+        table, in the order of the device route (by owner, stable), (send counts, recv counts,
+        received CPU ids); None when no gloo group spans this collection's ranks."""
         ok, group = host_group(self._group)
-        if not ok or host_ids.device.type != "cpu":
+        if not ok or any(h.device.type != "cpu" for h in host_ids):
             # (no gloo group over these ranks, or the "host" ids were moved to the GPU, e.g. by
             # DDP's input scattering when passed as a plain argument: the device route is exact)
             return None
-        w = self.world_size
-        host_ids = host_ids.to(torch.int64)
-        owner = owner_of(host_ids, w)
-        send_counts = torch.bincount(owner, minlength=w)
+        w, nt = self.world_size, len(host_ids)
+        host_ids = [h.to(torch.int64) for h in host_ids]
+        owners = [owner_of(h, w) for h in host_ids]
+        # send_counts[r, t]: ids of table t for rank r; recv_counts[s, t]: ids of t from rank s
+        send_counts = torch.stack([torch.bincount(o, minlength=w) for o in owners], 1)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=group)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
-        recv_ids = host_ids.new_empty(sum(recv))
-        order = torch.argsort(owner, stable=True)
-        dist.all_to_all_single(recv_ids, host_ids[order], recv, send, group=group)
-        return send, recv, recv_ids
+        # the payload for rank r: table 0's ids for r, then table 1's, ...
+        by_dest: list[list[torch.Tensor]] = [[] for _ in range(w)]
+        for t, (h, o) in enumerate(zip(host_ids, owners)):
+            ordered = h[torch.argsort(o, stable=True)]
+            for r, part in enumerate(torch.split(ordered, send_counts[:, t].tolist())):
+                by_dest[r].append(part)
+        send_buf = torch.cat([part for parts in by_dest for part in parts])
+        send_split, recv_split = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        recv_buf = send_buf.new_empty(sum(recv_split))
+        dist.all_to_all_single(recv_buf, send_buf, recv_split, send_split, group=group)
+        parts = torch.split(recv_buf, recv_counts.flatten().tolist())  # source-major
+        return [
+            (
+                send_counts[:, t].tolist(),
+                recv_counts[:, t].tolist(),
+                torch.cat([parts[src * nt + t] for src in range(w)]),
+            )
+            for t in range(nt)
+        ]
 
     def forward(
         self, features: KeyedJaggedTensor, host_ids: dict[str, torch.Tensor] | None = None
@@ -201,7 +222,7 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
             raise ValueError(
                 f"features {unknown} have no dynamic table; configured: {self.feature_names()}"
             )
-        out: dict[str, JaggedTensor] = {}
+        plans = []
         for table in self.tables.values():
             # Every rank routes every table (an absent feature sends zero ids): the collectives
             # must line up across ranks.
@@ -222,7 +243,14 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
                 hid = table_host_ids(host_ids, feats)
             else:  # no ids here, but the route (gloo or device) must match the other ranks'
                 hid = None if host_ids is None else torch.empty(0, dtype=torch.int64)
-            emb = self._route(table, ids, scores, hid)
+            plans.append((table, feats, vals, ids, scores, hid))
+        # with CPU ids for every table, one gloo exchange routes them all
+        routed = None
+        if self.world_size > 1 and plans and all(p[5] is not None for p in plans):
+            routed = self._route_ids_on_host([p[5] for p in plans])
+        out: dict[str, JaggedTensor] = {}
+        for i, (table, feats, vals, ids, scores, hid) in enumerate(plans):
+            emb = self._route(table, ids, scores, hid, None if routed is None else routed[i])
             for f, e in zip(feats, torch.split(emb, [v.numel() for v in vals])):
                 out[f] = JaggedTensor(values=e, lengths=jts[f].lengths(), offsets=jts[f].offsets())
         return out

@@ -259,38 +259,6 @@ def _output_grad(spec: _LayerSpec, dout: torch.Tensor, cdtype: torch.dtype, dt_b
     return dproj, dproj.sum(0, dtype=torch.float32).to(dt_bias)
 
 
-_mm_out_dtype: dict[str, bool] = {}
-
-
-def _mm_fp32_out_supported(device: torch.device) -> bool:
-    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for bf16 inputs here (CUDA
-    builds of recent torch; tried once per device type, with tiny tensors)."""
-    key = device.type
-    if key not in _mm_out_dtype:
-        try:
-            a = torch.ones((2, 2), device=device, dtype=torch.bfloat16)
-            ok = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-        except (RuntimeError, TypeError, NotImplementedError):
-            ok = False
-        _mm_out_dtype[key] = ok
-    return _mm_out_dtype[key]
-
-
-def _matmul_to(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(a @ b).to(dtype)`` for the weight gradients. A bf16 product wanted in fp32 (fp32
-    master weights) comes straight out of the matmul on CUDA (fp32 output, no rounding to bf16
-    and no separate cast kernel: one launch instead of two per weight)."""
-    if (
-        dtype == torch.float32
-        and a.dtype == torch.bfloat16
-        and b.dtype == torch.bfloat16
-        and a.is_cuda
-        and _mm_fp32_out_supported(a.device)
-    ):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).to(dtype)
-
-
 def _residual(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
     out = x + proj  # one kernel; promotes bf16 proj into an fp32 residual stream
     return out if out.dtype == x.dtype else out.to(x.dtype)
@@ -552,7 +520,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
                     "gate_bwd", dev, dy, attn, mean2, rstd2, w_attn, b_attn, u, mask, scale, cdtype
                 )
             del dy
-            d_w_out = _matmul_to(dproj.t(), y_c, dt_w_out)
+            d_w_out = (dproj.t() @ y_c).to(dt_w_out)
             del y_c
 
             # attention (q, k, v: contiguous views of the chunk-major SiLU output)
@@ -569,7 +537,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
             del du, dv, dq, dk
             if n_c is None:  # recompute_input_layernorm
                 n_c = _stage("recompute_norm", dev, x, mean1, rstd1, w_in, b_in, cdtype)
-            d_w_uvqk = _matmul_to(dz.t(), n_c, dt_w_uvqk)
+            d_w_uvqk = (dz.t() @ n_c).to(dt_w_uvqk)
             dn = dz @ w_uvqk_c
             del dz
 

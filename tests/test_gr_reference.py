@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_helpers import torchrun_losses
+from model_helpers import small_model
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hstu.config.args import NetworkArgs
 from hstu.config.gin_utils import load_config
 from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE
-from hstu.data.registry import build_samples, load_sequence_data
 from hstu.embeddings.static import DenseEmbeddingCollection, TableSpec
 from hstu.models.builder import build_model
 from hstu.models.retrieval import NegativeSample
@@ -142,22 +142,7 @@ def test_uvqk_init_std_and_final_layernorm():
     torch.testing.assert_close(enc(x, attn), enc.layers[0](x, attn))
 
 
-def _setup(task: str, *bindings: str):
-    cfg = load_config(
-        task,
-        [],
-        [
-            "DatasetArgs.synthetic_num_users=200",
-            "DatasetArgs.synthetic_num_items=100",
-            "DatasetArgs.max_history_seqlen=20",
-            "NetworkArgs.hidden_dropout=0.0",
-            *bindings,
-        ],
-    )
-    data = load_sequence_data(cfg.dataset, num_tasks=8)
-    splits = build_samples(data, cfg.dataset, task)
-    torch.manual_seed(0)
-    return cfg, data, splits, build_model(cfg, data)
+_setup = small_model
 
 
 def test_gr_options_build_the_reference_model():

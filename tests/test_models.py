@@ -4,29 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import small_model
 
-from hstu.config.gin_utils import load_config
-from hstu.data.registry import build_samples, load_sequence_data
-from hstu.models.builder import build_model
 from hstu.models.ranking import label_bits
 
-
-def _setup(task: str, *bindings: str):
-    cfg = load_config(
-        task,
-        [],
-        [
-            "DatasetArgs.synthetic_num_users=200",
-            "DatasetArgs.synthetic_num_items=100",
-            "DatasetArgs.max_history_seqlen=20",
-            "NetworkArgs.hidden_dropout=0.0",
-            *bindings,
-        ],
-    )
-    data = load_sequence_data(cfg.dataset, num_tasks=8)
-    splits = build_samples(data, cfg.dataset, task)
-    torch.manual_seed(0)
-    return cfg, data, splits, build_model(cfg, data)
+_setup = small_model
 
 
 def test_label_bits():

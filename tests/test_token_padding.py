@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import small_model
 
-from hstu.config.gin_utils import load_config
-from hstu.data.registry import build_samples, load_sequence_data
-from hstu.models.builder import build_model
 from hstu.modules.preprocessor import padded_token_count
 
 
@@ -26,22 +24,8 @@ def test_padded_token_count_bounds():
 
 
 def _model(task: str, pad: str, *extra: str):
-    cfg = load_config(
-        task,
-        [],
-        [
-            "DatasetArgs.synthetic_num_users=200",
-            "DatasetArgs.synthetic_num_items=100",
-            "DatasetArgs.max_history_seqlen=20",
-            "NetworkArgs.hidden_dropout=0.0",
-            f"NetworkArgs.pad_tokens='{pad}'",
-            *extra,
-        ],
-    )
-    data = load_sequence_data(cfg.dataset, num_tasks=8)
-    splits = build_samples(data, cfg.dataset, task)
-    torch.manual_seed(0)
-    return splits, build_model(cfg, data)
+    _, _, splits, model = small_model(task, f"NetworkArgs.pad_tokens='{pad}'", *extra)
+    return splits, model
 
 
 @pytest.mark.parametrize(

@@ -134,16 +134,14 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         routed: tuple[list[int], list[int], torch.Tensor] | None = None,
     ):
         """Looks ``ids`` up in their owners' shards. ``routed``: this table's result of
-        `_route_ids_on_host` when the caller already exchanged the CPU ids."""
+        `_route_ids_on_host` (`forward` exchanges every table's CPU ids at once); None routes
+        the ids over the device group."""
         w = self.world_size
         ids = ids.to(self.device)
         if w == 1:  # every id is local: no collective to line up
             return table(ids, scores, host_ids=host_ids)
         owner = owner_of(ids, w)
         order = torch.argsort(owner, stable=True)
-        if routed is None and host_ids is not None:
-            found = self._route_ids_on_host([host_ids])
-            routed = None if found is None else found[0]
         if routed is not None:
             # ids and counts went over gloo from the CPU ids: no device->host read
             send, recv, recv_host = routed
@@ -244,7 +242,8 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
             else:  # no ids here, but the route (gloo or device) must match the other ranks'
                 hid = None if host_ids is None else torch.empty(0, dtype=torch.int64)
             plans.append((table, feats, vals, ids, scores, hid))
-        # with CPU ids for every table, one gloo exchange routes them all
+        # with CPU ids for every table, one gloo exchange routes them all (else every table goes
+        # over the device group: the same choice on every rank, so the collectives line up)
         routed = None
         if self.world_size > 1 and plans and all(p[5] is not None for p in plans):
             routed = self._route_ids_on_host([p[5] for p in plans])

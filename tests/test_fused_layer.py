@@ -219,6 +219,31 @@ def _gpu_ready() -> bool:
     return compiled_attention_available()
 
 
+def _cuda_layers_and_batch(heads: int, dim: int, recompute, gate: str | None = None):
+    """(unfused layer, fused layer with the same weights, jagged layout with contexts and
+    targets, input x, output gradient g) on CUDA, hidden 256, seeded."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    hidden = 256
+    ref = HSTULayer(hidden, heads, dim, 0.0).to(dev)
+    fused = FusedHSTULayer(
+        hidden,
+        heads,
+        dim,
+        0.0,
+        recompute_input_layernorm=recompute[0],
+        recompute_uvqk_silu=recompute[1],
+        gate_kernel=gate,
+    ).to(dev)
+    fused.load_state_dict(ref.state_dict())
+    lengths = [300, 1, 77, 512, 0, 129]
+    attn = _layout(lengths, contexts=[3, 0, 2, 4, 0, 1], targets=[10, 0, 5, 20, 0, 7], device=dev)
+    t = sum(lengths)
+    x = torch.randn(t, hidden, device=dev)
+    g = torch.randn(t, hidden, device=dev)
+    return ref, fused, attn, x, g
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_ready(), reason="needs CUDA and the compiled HSTU attention kernel")
 @pytest.mark.parametrize("recompute", RECOMPUTE)
@@ -236,25 +261,7 @@ def test_fused_matches_unfused_bf16_cuda(recompute, compile_stages, gate):
     if gate == "cuda" and not lnmd.load_extension():
         pytest.skip("the LayerNorm*u*dropout extension is not built")
     fused_mod.set_stage_compile(compile_stages)
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    hidden, heads, dim = 256, 4, 64
-    ref = HSTULayer(hidden, heads, dim, 0.0).to(dev)
-    fused = FusedHSTULayer(
-        hidden,
-        heads,
-        dim,
-        0.0,
-        recompute_input_layernorm=recompute[0],
-        recompute_uvqk_silu=recompute[1],
-        gate_kernel=gate,
-    ).to(dev)
-    fused.load_state_dict(ref.state_dict())
-    lengths = [300, 1, 77, 512, 0, 129]
-    attn = _layout(lengths, contexts=[3, 0, 2, 4, 0, 1], targets=[10, 0, 5, 20, 0, 7], device=dev)
-    t = sum(lengths)
-    x = torch.randn(t, hidden, device=dev)
-    g = torch.randn(t, hidden, device=dev)
+    ref, fused, attn, x, g = _cuda_layers_and_batch(4, 64, recompute, gate)
     results = []
     for layer in (ref, fused):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -455,20 +462,8 @@ def test_fused_silu_kernel_vs_aten_path_cuda(recompute):
 
     if not lnmd.load_extension() or not hasattr(torch.ops.hstu_lnmd, "silu_chunk_major"):
         pytest.skip("the lnmd extension with the SiLU ops is not built")
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    hidden, heads, dim = 256, 4, 64
-    ref = HSTULayer(hidden, heads, dim, 0.0).to(dev)
-    fused = FusedHSTULayer(
-        hidden, heads, dim, 0.0, recompute_input_layernorm=recompute[0],
-        recompute_uvqk_silu=recompute[1],
-    ).to(dev)  # fmt: skip
-    fused.load_state_dict(ref.state_dict())
-    lengths = [300, 1, 77, 512, 0, 129]
-    attn = _layout(lengths, contexts=[3, 0, 2, 4, 0, 1], targets=[10, 0, 5, 20, 0, 7], device=dev)
-    t = sum(lengths)
-    x = torch.randn(t, hidden, device=dev)
-    g = torch.randn(t, hidden, device=dev)
+    heads, dim = 4, 64
+    ref, fused, attn, x, g = _cuda_layers_and_batch(heads, dim, recompute)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         assert fused_mod._silu_ops(x, heads * dim) is not None
         res_k = _run(fused, x, attn, g)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from hstu.data.batch import ITEM_FEATURE, Batch
@@ -362,12 +363,15 @@ class GenerativeRecommender(nn.Module):
     # ---- encoder -----------------------------------------------------------------------------
     def encode(self, batch: Batch, extra_ids: torch.Tensor | None = None):
         """Returns (encoder output [T, D], layout, item embeddings [N_items, D], extra emb or None)."""
-        emb = self.lookup(batch, extra_ids)
+        with record_function("hstu/lookup"):
+            emb = self.lookup(batch, extra_ids)
         contextual = [emb[name].values() for name in self.contextual_names]
         items = emb[ITEM_FEATURE]
-        x, layout = self.preprocessor(batch, contextual, items)
+        with record_function("hstu/preprocess"):
+            x, layout = self.preprocessor(batch, contextual, items)
         self.last_attention_inputs = layout.attn
-        y = self.encoder(x, layout.attn)
+        with record_function("hstu/encoder"):
+            y = self.encoder(x, layout.attn)
         extra = emb[EXTRA_ITEM_FEATURE].values() if self.uses_extra_items else None
         return y, layout, items.values(), extra
 

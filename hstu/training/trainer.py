@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 from tqdm import tqdm
 
 from hstu.config.gin_utils import RunConfig
@@ -373,17 +374,19 @@ class Trainer:
         else:
             batch = host_batch.to(self.device)
         normalizer = max(global_count, 1.0) / self.info.world_size
-        with self._autocast():
+        with record_function("hstu/forward"), self._autocast():
             out = self.model(batch, loss_normalizer=normalizer)
-        out["loss"].backward()
+        with record_function("hstu/backward"):
+            out["loss"].backward()
         attn = self.core.last_attention_inputs
         lengths = attn.real_lengths() if attn is not None else None
-        grad_norm = clip_grad_norm(
-            self.dense_params, self.cfg.optimizer.grad_clip_norm, as_tensor=True
-        )
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with record_function("hstu/optimizer"):
+            grad_norm = clip_grad_norm(
+                self.dense_params, self.cfg.optimizer.grad_clip_norm, as_tensor=True
+            )
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         loss_sum = out["loss_sum"].detach().to(torch.float64).reshape(1)
         if self.info.world_size > 1:
             torch.distributed.all_reduce(loss_sum)  # queued on the stream, no host wait

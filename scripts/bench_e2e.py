@@ -294,8 +294,10 @@ def _profile(trainer, args: argparse.Namespace, path: str) -> dict:
         trainer._resolve([trainer._train_step_async() for _ in range(n)])
         _sync(trainer)
         wall = time.perf_counter() - start
-    rank = trainer.info.rank
-    raw = out_dir / (f"{path}_trace.json" if rank == 0 else f"{path}_rank{rank}_trace.json")
+    rank, world = trainer.info.rank, trainer.info.world_size
+    # one name per world size: a --nproc sweep keeps every launch's traces
+    stem = path if world == 1 else f"{path}_w{world}"
+    raw = out_dir / (f"{stem}_trace.json" if rank == 0 else f"{stem}_rank{rank}_trace.json")
     prof.export_chrome_trace(str(raw))
     with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
@@ -342,6 +344,9 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
         # as Trainer.fit runs them: statistics stay on the device and are read back once at the
         # end (inside the timed region), so the host queues step i+1 while the GPU runs step i
         pending = [trainer._train_step_async() for _ in range(args.steps)]
+        # host time to issue the steps: close to the step time when the host bounds the step
+        # (the GPU waits for it), well below it when the host runs ahead of the GPU
+        issued = time.perf_counter() - start
         for stats in trainer._resolve(pending):
             flops += stats["flops"]
             tokens += stats["tokens"]
@@ -359,6 +364,8 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
         "tokens_per_s": tokens / elapsed,
         "tokens_per_step": tokens / args.steps,
         "tflops_per_gpu": tflops,
+        "step_ms": 1e3 * elapsed / args.steps,
+        "host_issue_ms_per_step": 1e3 * issued / args.steps,
         "mfu": tflops / trainer.peak_tflops if trainer.peak_tflops else None,
         "peak_tflops": trainer.peak_tflops,
         "device": torch.cuda.get_device_name(trainer.device)
@@ -372,6 +379,12 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
         if dist.is_initialized() and world > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest rank
         row["peak_mem_gb"] = float(peak)
+    if dist.is_initialized() and world > 1:  # the slowest rank's host
+        from hstu.training.distributed import host_group
+
+        t = torch.tensor([row["host_issue_ms_per_step"]], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group()[1])
+        row["host_issue_ms_per_step"] = float(t)
     return row
 
 

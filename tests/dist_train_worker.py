@@ -3,7 +3,8 @@
 Trains the ranking task with the gin ``BINDINGS`` (a JSON list), writes rank 0's loss curve to
 ``OUT/losses.json`` and, right after a checkpoint was loaded (before any step), every rank's
 restored state to ``OUT/loaded_rank_<r>.pt`` (sharded tensors as offset records), so a test can
-compare it with the saved files.
+compare it with the saved files; rank 0 also writes ``OUT/info.json`` (whether the ids of the
+dynamic tables were routed ahead of the steps).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> None:
         trainer.close()
     if rank == 0:
         (out / "losses.json").write_text(json.dumps(result.losses))
+        (out / "info.json").write_text(json.dumps({"id_router": trainer.id_router is not None}))
 
 
 if __name__ == "__main__":

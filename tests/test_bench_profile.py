@@ -82,5 +82,5 @@ def test_bench_e2e_profile_two_processes_trace_every_rank(tmp_path):
     rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     run = [r for r in rows if r.get("world_size") == 2]
     assert run and run[0]["profile"]["steps"] == 1
-    assert (prof_dir / "reference_trace.json.gz").exists()
-    assert (prof_dir / "reference_rank1_trace.json.gz").exists()
+    assert (prof_dir / "reference_w2_trace.json.gz").exists()
+    assert (prof_dir / "reference_w2_rank1_trace.json.gz").exists()

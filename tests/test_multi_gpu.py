@@ -158,6 +158,31 @@ def test_checkpoint_saved_on_two_resumes_on_other_counts(tmp_path, backend, resu
         np.testing.assert_allclose(resumed, full[5:], rtol=1e-5, atol=1e-6)
 
 
+def test_ids_routed_ahead_give_the_losses_of_routing_in_the_step(tmp_path):
+    """Two gloo processes, dynamic tables: exchanging the ids of batch i+1 on the router thread
+    during step i (the default) trains exactly like exchanging them inside the forward."""
+    common = TINY + [
+        "EmbeddingArgs.embedding_backend='dynamic'",
+        "EmbeddingArgs.item_capacity=8192",
+        "EmbeddingArgs.user_capacity=8192",
+        "TrainerArgs.max_train_iters=8",
+        "TrainerArgs.ckpt_save_interval=-1",
+        "TrainerArgs.run_name='r'",
+    ]
+    runs = {}
+    for ahead in (True, False):
+        out = tmp_path / f"ahead_{ahead}"
+        runs[ahead] = _torchrun(
+            2,
+            common + [f"TrainerArgs.log_dir='{out}'", f"TrainerArgs.route_ids_ahead={ahead}"],
+            out,
+        )
+        info = json.loads((out / "info.json").read_text())
+        assert info["id_router"] is ahead
+    assert len(runs[True]) == 8
+    np.testing.assert_array_equal(runs[True], runs[False])
+
+
 # ---- scripts/check_multi_gpu.py -------------------------------------------------------------
 
 CHECK = ROOT / "scripts" / "check_multi_gpu.py"

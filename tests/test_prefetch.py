@@ -114,6 +114,56 @@ def test_worker_exception_is_raised_in_consumer_then_retried():
         pre.close()
 
 
+def test_lookahead_sees_each_batch_one_next_before_it_is_returned():
+    ref = _plain()
+    pre = PrefetchIterator(_plain(), depth=2)
+    seen: list[torch.Tensor] = []
+    pre.set_lookahead(lambda b: seen.append(b.clone()))
+    try:
+        for i in range(12):  # crosses epoch boundaries
+            b = next(pre)
+            assert torch.equal(b, next(ref))
+            assert len(seen) == i + 2  # this batch and the next one were looked at
+            assert torch.equal(seen[i], b)
+            assert pre.state_dict() == ref.state_dict()  # the position of the batches returned
+        assert torch.equal(seen[12], next(ref))
+    finally:
+        pre.close()
+
+
+def test_lookahead_close_and_rewind_keep_the_batch_sequence():
+    ref = _plain()
+    pre = PrefetchIterator(_plain(), depth=2)
+    seen: list[torch.Tensor] = []
+    pre.set_lookahead(lambda b: seen.append(b.clone()))
+    try:
+        got = [next(pre) for _ in range(3)]
+        pre.close()  # drops the looked-ahead batch; it is looked at again when fetched again
+        got += [next(pre) for _ in range(3)]
+        want = [next(ref) for _ in range(6)]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert torch.equal(seen[3], want[3]) and torch.equal(seen[4], want[3])
+        pre.load_state_dict(_plain().state_dict())
+        assert torch.equal(next(pre), want[0])
+    finally:
+        pre.close()
+
+
+def test_lookahead_defers_a_worker_error_to_the_batch_that_failed():
+    samples = _Samples(20, fail_at=3)
+    pre = PrefetchIterator(BatchIterator(samples, 4, shuffle=False), depth=2)
+    pre.set_lookahead(lambda b: None)
+    try:
+        assert next(pre).tolist() == [0, 1, 2, 3]
+        assert next(pre).tolist() == [4, 5, 6, 7]  # batch 3 already failed behind it
+        with pytest.raises(RuntimeError, match="collate failed on call 3"):
+            next(pre)
+        assert pre.state_dict()["position"] == 2
+        assert next(pre).tolist() == [8, 9, 10, 11]
+    finally:
+        pre.close()
+
+
 def test_close_stops_the_thread():
     pre = PrefetchIterator(BatchIterator(_Samples(40, delay=0.01), 4, shuffle=False), depth=2)
     next(pre)

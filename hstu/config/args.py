@@ -199,6 +199,7 @@ class TrainerArgs:
     peak_tflops: float = 0.0  # for MFU; 0 = 312 (A100 bf16 dense)
     rank_balance: str = "cost"  # split of a global batch over ranks: "cost" (LPT) or "strided"
     gc_interval: int = 50  # Python GC: young generations every N steps (all ranks), 0 = automatic
+    route_ids_ahead: bool = True  # several ranks: exchange dynamic-table ids a step ahead
 
     def __post_init__(self) -> None:
         _int(self, "train_batch_size", min_value=1)
@@ -227,6 +228,7 @@ class TrainerArgs:
         _float(self, "peak_tflops", min_value=0.0, what="0 = 312, the A100 bf16 peak")
         _choice(self, "rank_balance", RANK_BALANCE)
         _int(self, "gc_interval", min_value=0, what="0 = Python's automatic collection")
+        _bool(self, "route_ids_ahead")
 
 
 @gin.configurable

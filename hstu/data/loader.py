@@ -27,7 +27,7 @@ import heapq
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -352,6 +352,16 @@ class PrefetchIterator:
         self._thread: threading.Thread | None = None
         self._stop: threading.Event | None = None
         self._consumed_state = source.state_dict()
+        self._lookahead: Callable[[Batch], None] | None = None
+        self._held: tuple[Batch, dict] | None = None  # the next batch, already looked ahead at
+        self._held_error: BaseException | None = None
+
+    def set_lookahead(self, fn: Callable[[Batch], None] | None) -> None:
+        """Calls ``fn(batch)`` on the caller's thread one `next()` before that batch is returned
+        (the trainer starts the exchange of the batch's embedding ids between ranks there, to
+        overlap the current step). Every `next()` then takes one more batch from the thread
+        first; the checkpointed position stays that of the batches returned."""
+        self._lookahead = fn
 
     # the wrapped iterator's read-only facts
     def __len__(self) -> int:
@@ -371,12 +381,37 @@ class PrefetchIterator:
     def __next__(self) -> Batch:
         if self._thread is None:
             self._start()
+        if self._lookahead is None:
+            batch, state = self._get()
+        else:
+            if self._held_error is not None:  # the batch after the last one returned failed
+                exc, self._held_error = self._held_error, None
+                self._join()
+                raise exc
+            if self._held is None:
+                self._held = self._get_ahead()
+            batch, state = self._held
+            self._held = None
+            self._consumed_state = state
+            try:
+                self._held = self._get_ahead()
+            except Exception as exc:  # raised by the next call: this batch is still good
+                self._held_error = exc
+            return batch
+        self._consumed_state = state
+        return batch
+
+    def _get(self) -> tuple[Batch, dict]:
         kind, payload, state = self._queue.get()
         if kind == "error":
             self._join()
             raise payload
-        self._consumed_state = state
-        return payload
+        return payload, state
+
+    def _get_ahead(self) -> tuple[Batch, dict]:
+        batch, state = self._get()
+        self._lookahead(batch)
+        return batch, state
 
     def _start(self) -> None:
         self._stop = threading.Event()
@@ -405,6 +440,8 @@ class PrefetchIterator:
         self._thread.join()
         self._thread = None
         self._queue = None
+        self._held = None
+        self._held_error = None
         self.source.load_state_dict(self._consumed_state)
 
     def close(self) -> None:

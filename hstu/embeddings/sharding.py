@@ -18,6 +18,12 @@ all_to_alls) and holds no Parameter or buffer, so DDP and the dense optimizer ne
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -42,6 +48,7 @@ from hstu.training.distributed import host_group
 
 __all__ = [
     "DynamicEmbeddingSharder",
+    "HostIdRouter",
     "ShardedDynamicEmbeddingCollection",
     "shard_dynamic_embeddings",
     "merge_collection_dumps",
@@ -67,6 +74,108 @@ class _AllToAllRows(torch.autograd.Function):
         if ctx.grad_scale != 1.0:
             g = g * ctx.grad_scale
         return g, None, None, None, None
+
+
+@dataclass
+class _TableRoute:
+    """One table's share of a gloo exchange of CPU ids: ``count`` local ids, sent to their
+    owners in ``order`` (stable by owner) with ``send[r]`` ids for rank r, ``recv[s]`` ids
+    received from rank s (``recv_ids``, source-major); ``inverse`` puts rows in ``order`` back in
+    the local id order."""
+
+    count: int
+    send: list[int]
+    recv: list[int]
+    recv_ids: torch.Tensor
+    order: torch.Tensor
+    inverse: torch.Tensor
+
+    def pinned(self) -> _TableRoute:
+        """The same route with its tensors in page-locked memory (asynchronous copies to a GPU)."""
+        return _TableRoute(
+            self.count,
+            self.send,
+            self.recv,
+            self.recv_ids.pin_memory(),
+            self.order.pin_memory(),
+            self.inverse.pin_memory(),
+        )
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device``; from pinned memory the copy does not wait for the GPU."""
+    if device.type != "cuda":
+        return t.to(device)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+
+
+class HostIdRouter:
+    """Makes the gloo exchange of a sharded collection's CPU ids for the *next* training batch
+    while the current step runs, on one background thread with a gloo group of its own.
+
+    Without it, `ShardedDynamicEmbeddingCollection.forward` exchanges the ids at the start of
+    every lookup: a host-to-host barrier where each rank's main thread waits for the slowest
+    rank's host, plus the hashing and sorting of the ids on the CPU. With it the main thread only
+    collects the finished exchange (`Future.result()`), and the ranks' hosts may drift apart by
+    up to a step without waiting for each other.
+
+    Every rank must `submit` the same sequence of batches (the trainer submits one per training
+    step, through `PrefetchIterator`'s lookahead), because each submission is one pair of
+    collectives on the router's group. ``group``: the ranks of the collection's group; the
+    router's gloo group is created here, so every rank must construct its router at the same
+    point (it is a collective call of the default group)."""
+
+    def __init__(
+        self,
+        collection: ShardedDynamicEmbeddingCollection,
+        device: torch.device,
+        batch_host_ids: Callable[[Any], tuple[list[str], dict[str, torch.Tensor]] | None],
+        ranks: list[int] | None = None,
+    ) -> None:
+        self.collection = collection
+        self.device = torch.device(device)
+        self._batch_host_ids = batch_host_ids
+        self.group = dist.new_group(ranks=ranks, backend="gloo")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hstu-id-router")
+        self._cuda_ready = threading.Event()
+
+    @classmethod
+    def for_model(cls, model: nn.Module, device: torch.device) -> HostIdRouter | None:
+        """A router for ``model``'s sharded dynamic tables, or None where ahead-of-step routing
+        does not apply: one process, no sharded dynamic collection, a collection over a subgroup,
+        or a model whose lookup adds ids that are not in the batch (retrieval's sampled
+        negatives). The same answer on every rank (it depends on the configuration only)."""
+        coll = getattr(model, "dynamic_collection", None)
+        if not isinstance(coll, ShardedDynamicEmbeddingCollection) or coll.world_size == 1:
+            return None
+        if getattr(model, "uses_extra_items", False) or not hasattr(model, "dynamic_host_ids"):
+            return None
+        if coll._group is not None and coll._group is not dist.group.WORLD:
+            return None
+        return cls(coll, device, model.dynamic_host_ids)
+
+    def submit(self, features: list[str], host_ids: dict[str, torch.Tensor]) -> Future:
+        """Starts the exchange for a lookup of ``features`` with these CPU ids; the future's
+        result goes to `forward(..., route=)` (None when some ids are not on the host)."""
+        return self._pool.submit(self._run, list(features), dict(host_ids))
+
+    def _run(self, features: list[str], host_ids: dict[str, torch.Tensor]):
+        pin = self.device.type == "cuda"
+        if pin and not self._cuda_ready.is_set():
+            torch.cuda.set_device(self.device)  # page-locked buffers for this GPU's context
+            self._cuda_ready.set()
+        return self.collection.route_on_host(features, host_ids, self.group, pin=pin)
+
+    def attach(self, batch) -> None:
+        """`PrefetchIterator` lookahead hook: starts the exchange of ``batch``'s ids (a CPU batch,
+        one step before the trainer takes it) and stores the future as ``batch.dynamic_route``."""
+        spec = self._batch_host_ids(batch)
+        batch.dynamic_route = None if spec is None else self.submit(*spec)
+
+    def close(self) -> None:
+        """Waits for the submitted exchanges (the other ranks made the same submissions, so
+        they complete) and stops the thread."""
+        self._pool.shutdown(wait=True)
 
 
 class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModule):
@@ -131,25 +240,26 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         ids: torch.Tensor,
         scores,
         host_ids: torch.Tensor | None = None,
-        routed: tuple[list[int], list[int], torch.Tensor] | None = None,
+        routed: _TableRoute | None = None,
     ):
-        """Looks ``ids`` up in their owners' shards. ``routed``: this table's result of
-        `_route_ids_on_host` (`forward` exchanges every table's CPU ids at once); None routes
-        the ids over the device group."""
+        """Looks ``ids`` up in their owners' shards. ``routed``: this table's share of an
+        exchange of the CPU ids over gloo (`forward` exchanges every table's ids at once, or a
+        `HostIdRouter` did it ahead of the step); None routes the ids over the device group."""
         w = self.world_size
         ids = ids.to(self.device)
         if w == 1:  # every id is local: no collective to line up
             return table(ids, scores, host_ids=host_ids)
-        owner = owner_of(ids, w)
-        order = torch.argsort(owner, stable=True)
         if routed is not None:
-            # ids and counts went over gloo from the CPU ids: no device->host read
-            send, recv, recv_host = routed
-            if self.device.type == "cuda":  # pinned: the copy does not wait for the GPU
-                recv_ids = recv_host.pin_memory().to(self.device, non_blocking=True)
-            else:
-                recv_ids = recv_host.to(self.device)
+            # ids, counts and the permutations come from the CPU ids: no device->host read, and
+            # no hashing or sorting of the ids on the device
+            send, recv, recv_host = routed.send, routed.recv, routed.recv_ids
+            recv_ids = _to_device(recv_host, self.device)
+            inv = _to_device(routed.inverse, self.device)
+            order = _to_device(routed.order, self.device) if scores is not None else None
         else:
+            owner = owner_of(ids, w)
+            order = torch.argsort(owner, stable=True)
+            inv = None
             send_counts = torch.bincount(owner, minlength=w)
             recv_counts = torch.empty_like(send_counts)
             dist.all_to_all_single(recv_counts, send_counts, group=self._group)
@@ -165,21 +275,29 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         local = table(recv_ids, recv_scores, host_ids=recv_host)
         grad_scale = 1.0 / w if self.gradient_division else 1.0
         rows = _AllToAllRows.apply(local, send, recv, self._group, grad_scale)
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=order.device)
-        return rows[inv]
+        if inv is None:
+            inv = torch.empty_like(order)
+            inv[order] = torch.arange(order.numel(), device=order.device)
+        return rows.index_select(0, inv)
 
     def _route_ids_on_host(
-        self, host_ids: list[torch.Tensor]
-    ) -> list[tuple[list[int], list[int], torch.Tensor]] | None:
-        """Sends each table's CPU ids to their owners over a gloo group, all tables in one
-        exchange of counts and one of ids (each collective waits for every rank's host): per
-        table, in the order of the device route (by owner, stable), (send counts, recv counts,
-        received CPU ids); None when no gloo group spans this collection's ranks."""
-        ok, group = host_group(self._group)
-        if not ok or any(h.device.type != "cpu" for h in host_ids):
-            # (no gloo group over these ranks, or the "host" ids were moved to the GPU, e.g. by
-            # DDP's input scattering when passed as a plain argument: the device route is exact)
+        self,
+        host_ids: list[torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        pin: bool = False,
+    ) -> list[_TableRoute] | None:
+        """Sends each table's CPU ids to their owners over a gloo group (``group``, default the
+        host twin of this collection's group), all tables in one exchange of counts and one of
+        ids (each collective waits for every rank's host): per table, in the order of the device
+        route (by owner, stable), a `_TableRoute`; None when no gloo group spans this
+        collection's ranks. ``pin``: the received ids and permutations in page-locked memory."""
+        if group is None:
+            ok, group = host_group(self._group)
+            if not ok:
+                return None
+        if any(h.device.type != "cpu" for h in host_ids):
+            # (the "host" ids were moved to the GPU, e.g. by DDP's input scattering when passed
+            # as a plain argument: the device route is exact)
             return None
         w, nt = self.world_size, len(host_ids)
         host_ids = [h.to(torch.int64) for h in host_ids]
@@ -190,29 +308,74 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         dist.all_to_all_single(recv_counts, send_counts, group=group)
         # the payload for rank r: table 0's ids for r, then table 1's, ...
         by_dest: list[list[torch.Tensor]] = [[] for _ in range(w)]
+        orders = []
         for t, (h, o) in enumerate(zip(host_ids, owners)):
-            ordered = h[torch.argsort(o, stable=True)]
-            for r, part in enumerate(torch.split(ordered, send_counts[:, t].tolist())):
+            order = torch.argsort(o, stable=True)
+            orders.append(order)
+            for r, part in enumerate(torch.split(h[order], send_counts[:, t].tolist())):
                 by_dest[r].append(part)
         send_buf = torch.cat([part for parts in by_dest for part in parts])
         send_split, recv_split = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         recv_buf = send_buf.new_empty(sum(recv_split))
         dist.all_to_all_single(recv_buf, send_buf, recv_split, send_split, group=group)
         parts = torch.split(recv_buf, recv_counts.flatten().tolist())  # source-major
-        return [
-            (
-                send_counts[:, t].tolist(),
-                recv_counts[:, t].tolist(),
-                torch.cat([parts[src * nt + t] for src in range(w)]),
+        out = []
+        for t in range(nt):
+            order = orders[t]
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel())
+            route = _TableRoute(
+                count=order.numel(),
+                send=send_counts[:, t].tolist(),
+                recv=recv_counts[:, t].tolist(),
+                recv_ids=torch.cat([parts[src * nt + t] for src in range(w)]),
+                order=order,
+                inverse=inverse,
             )
-            for t in range(nt)
-        ]
+            out.append(route.pinned() if pin else route)
+        return out
+
+    def _table_host_ids(
+        self, features: list[str], host_ids: dict[str, torch.Tensor] | None
+    ) -> list[torch.Tensor | None]:
+        """Per table (collection order), the CPU ids of its features among ``features`` (the
+        lookup's keys) in the order of the device ids: None where some are not known; an empty
+        tensor for a table with no feature here (its route must still match the other ranks')."""
+        out = []
+        for table in self.tables.values():
+            feats = [f for f in table.config.feature_names if f in features]
+            if feats:
+                out.append(table_host_ids(host_ids, feats))
+            else:
+                out.append(None if host_ids is None else torch.empty(0, dtype=torch.int64))
+        return out
+
+    def route_on_host(
+        self,
+        features: list[str],
+        host_ids: dict[str, torch.Tensor],
+        group: dist.ProcessGroup,
+        pin: bool = False,
+    ) -> list[_TableRoute] | None:
+        """The gloo exchange `forward` makes for a lookup of ``features`` with these CPU ids,
+        made now (by `HostIdRouter`, ahead of the step): pass the result to `forward(...,
+        route=)`. None when some table's ids are not all known on the host (then the forward
+        routes over the device group, on every rank alike)."""
+        hids = self._table_host_ids(features, host_ids)
+        if self.world_size == 1 or not hids or any(h is None for h in hids):
+            return None
+        return self._route_ids_on_host(hids, group=group, pin=pin)
 
     def forward(
-        self, features: KeyedJaggedTensor, host_ids: dict[str, torch.Tensor] | None = None
+        self,
+        features: KeyedJaggedTensor,
+        host_ids: dict[str, torch.Tensor] | None = None,
+        route: Future | list[_TableRoute] | None = None,
     ) -> dict[str, JaggedTensor]:
         """``host_ids``: feature -> the same ids on the CPU. Every rank must pass them for the
         same tables (or none): they decide whether the ids route over gloo or the device group.
+        ``route``: the exchange `route_on_host` (or a `HostIdRouter` future) already made for
+        exactly these features and ids; every rank must pass one or none.
         """
         jts = features.to_dict()
         unknown = [f for f in jts if f not in self._feature_to_table]
@@ -237,15 +400,22 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
                 ws = [jts[f].weights_or_none() for f in feats]
                 if all(w is not None for w in ws):
                     scores = torch.cat(ws)
-            if feats:
-                hid = table_host_ids(host_ids, feats)
-            else:  # no ids here, but the route (gloo or device) must match the other ranks'
-                hid = None if host_ids is None else torch.empty(0, dtype=torch.int64)
-            plans.append((table, feats, vals, ids, scores, hid))
-        # with CPU ids for every table, one gloo exchange routes them all (else every table goes
-        # over the device group: the same choice on every rank, so the collectives line up)
-        routed = None
-        if self.world_size > 1 and plans and all(p[5] is not None for p in plans):
+            plans.append([table, feats, vals, ids, scores, None])
+        for plan, hid in zip(plans, self._table_host_ids(list(jts), host_ids)):
+            plan[5] = hid
+        # exchanged ahead of the step (None when the ids were not all on the host: the same on
+        # every rank, which then all route here)
+        routed = route.result() if isinstance(route, Future) else route
+        if routed is not None:
+            got = [int(p[3].numel()) for p in plans]
+            if [r.count for r in routed] != got:
+                raise RuntimeError(
+                    f"the id route made ahead of this step was made for {[r.count for r in routed]}"
+                    f" ids per table, but the lookup has {got}: it belongs to another batch"
+                )
+        elif self.world_size > 1 and plans and all(p[5] is not None for p in plans):
+            # with CPU ids for every table, one gloo exchange routes them all (else every table
+            # goes over the device group: the same choice on every rank, so collectives line up)
             routed = self._route_ids_on_host([p[5] for p in plans])
         out: dict[str, JaggedTensor] = {}
         for i, (table, feats, vals, ids, scores, hid) in enumerate(plans):

@@ -320,6 +320,19 @@ class GenerativeRecommender(nn.Module):
         b, parts = self._lookup_features(batch, extra_ids, device)
         return _make_kjt(self.embedding_features, parts, b)
 
+    def dynamic_host_ids(self, batch: Batch) -> tuple[list[str], dict[str, torch.Tensor]] | None:
+        """(the dynamic tables' feature keys, their CPU ids) exactly as `lookup(batch)` hands
+        them to the dynamic collection, for a CPU batch; None without dynamic tables or when the
+        lookup adds ids that are not in the batch (``uses_extra_items``). `HostIdRouter` uses
+        it to exchange the ids between ranks before the step."""
+        if self.dynamic_collection is None or self.uses_extra_items:
+            return None
+        if not batch.is_on_cpu:
+            raise ValueError("dynamic_host_ids takes the CPU batch (before it is moved)")
+        _, parts = self._lookup_features(batch, None, batch.user_ids.device)
+        dyn = [k for k in self.embedding_features if k in self.dynamic_features]
+        return dyn, {k: parts[k].host_values for k in dyn if parts[k].host_values is not None}
+
     def lookup(
         self, batch: Batch | None, extra_ids: torch.Tensor | None = None
     ) -> dict[str, JaggedTensor]:
@@ -352,7 +365,13 @@ class GenerativeRecommender(nn.Module):
             if static:
                 out.update(static_lookup(static))
             host_ids = {k: known[k] for k in dyn if k in known}
-            out.update(self.dynamic_collection(_make_kjt(dyn, parts, b), host_ids=host_ids))
+            kwargs = {}
+            route = getattr(batch, "dynamic_route", None) if extra_ids is None else None
+            if route is not None:  # the ids' exchange between ranks, made ahead of the step
+                kwargs["route"] = route
+            out.update(
+                self.dynamic_collection(_make_kjt(dyn, parts, b), host_ids=host_ids, **kwargs)
+            )
         if self.table_dim == self.hidden_size:
             return out
         return {

@@ -26,7 +26,7 @@ from hstu.data.batch import Batch
 from hstu.data.loader import BatchIterator, PrefetchIterator, linear_cost_coefficient
 from hstu.data.registry import build_samples, load_sequence_data
 from hstu.embeddings import apply_sparse_optimizer
-from hstu.embeddings.sharding import merge_collection_dumps
+from hstu.embeddings.sharding import HostIdRouter, merge_collection_dumps
 from hstu.models.base import GenerativeRecommender
 from hstu.models.builder import build_model
 from hstu.modules.metrics import RankingMetrics, RetrievalEvaluator, ks_from_metric_names
@@ -197,6 +197,11 @@ class Trainer:
         self.tb = MetricLogger(str(self.run_dir), enabled=self.info.is_main)
         # Python GC at fixed steps on every rank (active inside fit() and the benchmarks' loops)
         self.gc = StepGC(t.gc_interval)
+        # sharded dynamic tables: the ids of training batch i+1 go to their owner ranks (gloo,
+        # background thread) while step i runs; the same decision on every rank (config only)
+        self.id_router = HostIdRouter.for_model(self.core, self.device) if t.route_ids_ahead else None
+        if self.id_router is not None:
+            self.train_iter.set_lookahead(self.id_router.attach)
         self.step = 0
         if t.ckpt_load_dir:
             self._load_checkpoint(t.ckpt_load_dir)
@@ -640,6 +645,8 @@ class Trainer:
 
     def close(self) -> None:
         self.train_iter.close()
+        if self.id_router is not None:
+            self.id_router.close()
         self.tb.close()
         cleanup(self.info)
 

@@ -454,8 +454,9 @@ def test_silu_kernel_selection_and_gradient_rows():
 @pytest.mark.skipif(not _gpu_ready(), reason="needs CUDA and the compiled HSTU attention kernel")
 @pytest.mark.parametrize("recompute", [(False, False), (True, True)])
 def test_fused_silu_kernel_vs_aten_path_cuda(recompute):
-    """bf16 autocast: the layer with the chunk-major SiLU kernels (selected: `_silu_ops` is not
-    None) vs the same layer on the aten SiLU path: output within 2e-2 abs + rel, every gradient
+    """bf16 autocast: the layer with the chunk-major SiLU and input LayerNorm kernels (selected:
+    `_silu_ops` / `_ln_ops` are not None) vs the same layer on the aten SiLU path and compiled
+    LayerNorm stages: output within 2e-2 abs + rel, every gradient
     within 1% relative L2 (the kernels differ from aten by at most a rounding step per element),
     and both within the unfused tolerances of the reference layer."""
     from hstu.modules import layer_norm_mul_dropout as lnmd
@@ -466,11 +467,13 @@ def test_fused_silu_kernel_vs_aten_path_cuda(recompute):
     ref, fused, attn, x, g = _cuda_layers_and_batch(heads, dim, recompute)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         assert fused_mod._silu_ops(x, heads * dim) is not None
+        assert fused_mod._ln_ops(x, x.shape[1]) is not None  # the input LayerNorm kernels too
         res_k = _run(fused, x, attn, g)
         fused.zero_grad()
         fused_mod.set_elementwise_kernels(False)
         try:
             assert fused_mod._silu_ops(x, heads * dim) is None
+            assert fused_mod._ln_ops(x, x.shape[1]) is None
             res_a = _run(fused, x, attn, g)
         finally:
             fused_mod.set_elementwise_kernels(True)
@@ -531,3 +534,43 @@ def test_fused_cast_kernel_path_cpu_autocast(monkeypatch):
             torch.testing.assert_close(g_k[name], g_a[name], atol=5e-2, rtol=1e-2)
         else:
             torch.testing.assert_close(g_k[name], g_a[name], atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("recompute", [(False, False), (True, False)])
+def test_fused_input_layernorm_kernel_path_cpu_autocast(monkeypatch, recompute):
+    """The ln_fwd / ln_bwd code path of the fused layer (fp32 residual stream, bf16 matmuls), run
+    on CPU under bf16 autocast with the ops' twins: the backward hands them the fp32 output
+    gradient as aligned [T, D] rows (a contiguous copy of a column-major one) and the [T] row
+    statistics; output and every gradient match the stage path's (the same fp32 math in another
+    op order: within 1e-5)."""
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+
+    seen = []
+
+    def bwd_twin(dn, x, mean, rstd, w, dres):
+        seen.append((dn.dtype, mean.shape, dres.dtype, dres.is_contiguous()))
+        return lnmd.reference_ln_bwd(dn, x, mean, rstd, w, dres)
+
+    attn = _layout([7, 1, 12], targets=[2, 0, 3])
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(20, HIDDEN, generator=gen)
+    g = torch.randn(HIDDEN, 20, generator=gen).t()  # column-major
+    results = []
+    for use_op in (False, True):
+        if use_op:
+            monkeypatch.setattr(
+                fused_mod, "_ln_ops", lambda x, hidden: (lnmd.reference_ln_fwd, bwd_twin)
+            )
+        _, fused = _pair(recompute=recompute)
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fused(xi, attn)
+        out.backward(g)
+        grads = {n: p.grad.clone() for n, p in fused.named_parameters()}
+        results.append((out.detach(), grads, xi.grad.clone()))
+    assert seen == [(torch.bfloat16, (20,), torch.float32, True)]
+    (out_a, g_a, dx_a), (out_k, g_k, dx_k) = results
+    torch.testing.assert_close(out_k, out_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx_k, dx_a, atol=1e-5, rtol=1e-5)
+    for name in g_a:
+        torch.testing.assert_close(g_k[name], g_a[name], atol=1e-4, rtol=1e-4, msg=name)

@@ -445,3 +445,103 @@ def test_cast_colsum_meta_and_input_errors_cuda():
         op(torch.randn(64, 6, device="cuda").t(), torch.bfloat16)
     with pytest.raises(ValueError, match="16-byte aligned"):
         op(torch.randn(6 * 64 + 1, device="cuda")[1:].view(6, 64), torch.bfloat16)
+
+
+# ---- input LayerNorm of the fp32 residual stream ---------------------------------------------
+
+
+def test_ln_twins_match_autograd_cpu():
+    """reference_ln_bwd (with the residual gradient added) equals autograd through LayerNorm; the
+    forward twin's statistics are LayerNorm's."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(29, 48, generator=gen, dtype=torch.float64).float().requires_grad_(True)
+    w, b = torch.randn(48, generator=gen), torch.randn(48, generator=gen)
+    dn, dres = torch.randn(29, 48, generator=gen), torch.randn(29, 48, generator=gen)
+    n, mean, rstd = lnmd.reference_ln_fwd(x, w, b, 1e-6, torch.float32)
+    assert mean.shape == (29,) and rstd.shape == (29,)
+    wr, br = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    n_auto = torch.nn.functional.layer_norm(x, (48,), wr, br, 1e-6)
+    torch.testing.assert_close(n, n_auto.detach(), atol=1e-5, rtol=1e-5)
+    ((n_auto * dn).sum() + (x * dres).sum()).backward()
+    dx, dw, db = lnmd.reference_ln_bwd(dn, x.detach(), mean, rstd, w, dres)
+    torch.testing.assert_close(dx, x.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dw, wr.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(db, br.grad, atol=1e-4, rtol=1e-4)
+    n16, _, _ = lnmd.reference_ln_fwd(x, w, b, 1e-6, torch.bfloat16)
+    assert n16.dtype == torch.bfloat16 and torch.equal(n16, n.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"2-D \[T, D\]"):
+        lnmd.reference_ln_fwd(x[0], w, b, 1e-6, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,d,stride", [(1, 8, 8), (37, 24, 32), (1000, 1024, 1024),
+                                        (4099, 1032, 1040), (3, 8192, 8192), (0, 64, 64)])  # fmt: skip
+@pytest.mark.gpu
+@needs_kernel
+def test_ln_kernels_match_twins_cuda(dtype, t, d, stride):
+    """Forward: n within one rounding step of the twin's (fp32 statistics summed in another
+    order), mean/rstd within 1e-5; backward (strided x, dn and dres; T = 0; the widest row):
+    dx within 1e-4 of the twin relative to its scale, d weight / d bias within 1e-4 relative
+    to sum |terms| (fp32 additions in another order)."""
+    gen = torch.Generator().manual_seed(t + d)
+    x = (torch.randn(t, stride, generator=gen) * 2 + 0.5).cuda()[:, :d]
+    w = (torch.randn(d, generator=gen) * 0.5 + 1).cuda()
+    b = (torch.randn(d, generator=gen) * 0.1).cuda()
+    dn = torch.randn(t, stride, generator=gen).to(dtype).cuda()[:, :d]
+    dres = torch.randn(t, stride, generator=gen).cuda()[:, :d]
+    n, mean, rstd = torch.ops.hstu_lnmd.ln_fwd(x, w, b, 1e-6, dtype)
+    n_r, mean_r, rstd_r = lnmd.reference_ln_fwd(x, w, b, 1e-6, dtype)
+    assert n.shape == (t, d) and n.dtype == dtype and n.is_contiguous()
+    assert mean.shape == (t,) and rstd.dtype == torch.float32
+    step = 2**-7 if dtype == torch.bfloat16 else 2**-10  # one rounding step, relative
+    torch.testing.assert_close(n.float(), n_r.float(), atol=step, rtol=step)
+    torch.testing.assert_close(mean, mean_r, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rstd, rstd_r, atol=1e-5, rtol=1e-5)
+    dx, dw, db = torch.ops.hstu_lnmd.ln_bwd(dn, x, mean_r, rstd_r, w, dres)
+    dx_r, dw_r, db_r = lnmd.reference_ln_bwd(dn, x, mean_r, rstd_r, w, dres)
+    assert dx.shape == (t, d) and dx.dtype == torch.float32 and dx.is_contiguous()
+    scale = float(dx_r.abs().max()) if t else 1.0
+    torch.testing.assert_close(dx, dx_r, atol=1e-4 * scale, rtol=1e-4)
+    xhat = ((x.double() - mean_r.double()[:, None]) * rstd_r.double()[:, None]).abs()
+    g = dn.double().abs()
+    assert bool(((dw.double() - dw_r.double()).abs() <= 1e-4 * (g * xhat).sum(0) + 1e-5).all())
+    assert bool(((db.double() - db_r.double()).abs() <= 1e-4 * g.sum(0) + 1e-5).all())
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_ln_kernels_meta_and_input_errors_cuda():
+    ops = torch.ops.hstu_lnmd
+    n, m, r = ops.ln_fwd(
+        torch.empty(7, 64, device="meta"), torch.empty(64, device="meta"),
+        torch.empty(64, device="meta"), 1e-6, torch.bfloat16,
+    )  # fmt: skip
+    assert n.shape == (7, 64) and n.dtype == torch.bfloat16 and m.shape == (7,) == r.shape
+    dx, dw, db = ops.ln_bwd(
+        torch.empty(7, 64, device="meta", dtype=torch.bfloat16), torch.empty(7, 64, device="meta"),
+        torch.empty(7, device="meta"), torch.empty(7, device="meta"),
+        torch.empty(64, device="meta"), torch.empty(7, 64, device="meta"),
+    )  # fmt: skip
+    assert dx.shape == (7, 64) and dx.dtype == torch.float32 and dw.shape == (64,) == db.shape
+    x = torch.randn(6, 64, device="cuda")
+    w, b = torch.ones(64, device="cuda"), torch.zeros(64, device="cuda")
+    with pytest.raises(TypeError, match="must be float32"):
+        ops.ln_fwd(x.half(), w, b, 1e-6, torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        ops.ln_fwd(x, w, b, 1e-6, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ops.ln_fwd(x[:, :60].contiguous(), w[:60], b[:60], 1e-6, torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        ops.ln_fwd(torch.randn(64, 6, device="cuda").t(), w, b, 1e-6, torch.bfloat16)
+    with pytest.raises(ValueError, match="eps"):
+        ops.ln_fwd(x, w, b, 0.0, torch.bfloat16)
+    _, mean, rstd = ops.ln_fwd(x, w, b, 1e-6, torch.bfloat16)
+    dn = torch.randn(6, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dres has shape"):
+        ops.ln_bwd(dn, x, mean, rstd, w, x[:5])
+    with pytest.raises(TypeError, match="dn must be bfloat16 or float16"):
+        ops.ln_bwd(dn.float(), x, mean, rstd, w, x)
+    with pytest.raises(TypeError, match="dres must be float32"):
+        ops.ln_bwd(dn, x, mean, rstd, w, x.half())
+    with pytest.raises(ValueError, match="mean must be a contiguous 1-D"):
+        ops.ln_bwd(dn, x, mean[:5], rstd, w, x)

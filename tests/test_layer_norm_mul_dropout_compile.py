@@ -100,11 +100,12 @@ def test_compiles_for_sm80(name: str, tmp_path: Path):
         assert len(spills) == (4 if name == "silu.cu" else 2), spills
         assert all(" 0 bytes spill stores" in ln for ln in spills), spills
     if name.startswith("instantiations/"):
-        # 12 kernels per dtype: forward and backward for 6 row layouts; only the widest backward
-        # (cols > 4096, 8 chunks per thread) may spill registers
+        # 24 kernels per dtype: forward and backward of the gating step and of the input
+        # LayerNorm for 6 row layouts each; only the two widest backwards (cols > 4096, 8 chunks
+        # per thread) may spill registers
         spills = [ln for ln in proc.stderr.splitlines() if "spill stores" in ln]
-        assert len(spills) == 12
-        assert sum(" 0 bytes spill stores" not in ln for ln in spills) <= 1, proc.stderr
+        assert len(spills) == 24
+        assert sum(" 0 bytes spill stores" not in ln for ln in spills) <= 2, proc.stderr
 
 
 def _host_compiler() -> str | None:

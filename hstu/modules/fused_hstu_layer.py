@@ -39,9 +39,16 @@ Attention backward: on CUDA with the compiled kernel the op's own backward
 `HSTU_FORCE_REFERENCE_ATTENTION=1`) the attention forward is replayed under autograd on detached
 leaves and differentiated with `torch.autograd.grad`.
 
-The input LayerNorm (+ cast), its backward (+ residual gradient) and, with the compiled gate, the
-gating stages are pure functions (`_stage_*`), torch.compiled on CUDA (HSTU_FUSED_LAYER_COMPILE=0
-or `set_stage_compile(False)`: eager) and eager on CPU.
+Input LayerNorm: with an fp32 residual stream (contiguous, hidden a multiple of 8) and the
+same switch on, its forward (LayerNorm + cast to the matmul dtype + row statistics) and its
+backward (+ the residual gradient, + d weight / d bias) are one kernel each
+(`torch.ops.hstu_lnmd.ln_fwd` / `ln_bwd`). Each call costs ~0.03 ms of host time against
+~0.3 ms for a torch.compiled region (guards + generated wrapper), which matters when the host
+bounds the step (docs/multi_gpu.md).
+
+The input LayerNorm (+ cast) where its kernels do not run, its backward (+ residual gradient)
+and, with the compiled gate, the gating stages are pure functions (`_stage_*`), torch.compiled on
+CUDA (HSTU_FUSED_LAYER_COMPILE=0 or `set_stage_compile(False)`: eager) and eager on CPU.
 """
 
 from __future__ import annotations
@@ -116,6 +123,8 @@ class _LayerSpec:
     silu_ops: tuple[Callable, Callable] | None = None
     # cast_colsum op for the incoming fp32 gradient (cast + output bias gradient), else None
     cast_op: Callable | None = None
+    # (ln_fwd, ln_bwd) ops of the input LayerNorm kernels (fp32 residual stream), else None
+    ln_ops: tuple[Callable, Callable] | None = None
 
 
 def _layer_norm_fwd(
@@ -327,6 +336,23 @@ def _cast_op(x: torch.Tensor, hidden: int):
     return _elementwise_ops(x, "cast_colsum")
 
 
+# HSTU_FUSED_LN_KERNEL=0: the input LayerNorm stays on the torch.compiled stages (A/B runs)
+_LN_KERNEL_ENV = os.environ.get("HSTU_FUSED_LN_KERNEL", "1") != "0"
+
+
+def _ln_ops(x: torch.Tensor, hidden: int):
+    """(ln_fwd, ln_bwd) when the input LayerNorm kernels run this call (`_elementwise_ops`
+    conditions, HSTU_FUSED_LN_KERNEL not 0, a contiguous fp32 residual stream, hidden a multiple
+    of 8 up to lnmd.MAX_DIM), else None (the torch.compiled stages run)."""
+    if not _LN_KERNEL_ENV or x.dtype != torch.float32 or hidden % 8 or hidden > lnmd.MAX_DIM:
+        return None
+    if not x.is_contiguous():
+        return None
+    fwd = _elementwise_ops(x, "ln_fwd")
+    bwd = None if fwd is None else _elementwise_ops(x, "ln_bwd")
+    return None if bwd is None else (fwd, bwd)
+
+
 def set_stage_compile(enabled: bool) -> None:
     """Turn torch.compile of the elementwise stages on CUDA on or off (benchmarks, debugging)."""
     _compile_state["enabled"] = bool(enabled)
@@ -442,7 +468,11 @@ class _FusedHSTUFunction(torch.autograd.Function):
             t = x.shape[0]
             hd = spec.num_heads * spec.head_dim
             shape = (t, spec.num_heads, spec.head_dim)
-            n_c, mean1, rstd1 = _stage("pre_norm", dev, x, w_in, b_in, spec.eps, cdtype)
+            if spec.ln_ops is not None:
+                n_c, mean1, rstd1 = spec.ln_ops[0](x, w_in.float(), b_in.float(), spec.eps, cdtype)
+                mean1, rstd1 = mean1.view(-1, 1), rstd1.view(-1, 1)
+            else:
+                n_c, mean1, rstd1 = _stage("pre_norm", dev, x, w_in, b_in, spec.eps, cdtype)
             # cast once; backward reuses the casts (no-ops when the weights are already cdtype)
             w_uvqk_c, w_out_c = w_uvqk.to(cdtype), w_out.to(cdtype)
             z = F.linear(n_c, w_uvqk_c, b_uvqk.to(cdtype))
@@ -542,7 +572,15 @@ class _FusedHSTUFunction(torch.autograd.Function):
             del dz
 
             # input LayerNorm and the residual
-            dx, d_w_in, d_b_in = _stage("in_norm_bwd", dev, dn, x, mean1, rstd1, w_in, dout)
+            if spec.ln_ops is not None:
+                dres = dout
+                if dres.dtype != torch.float32 or not dres.is_contiguous():
+                    dres = dres.float().contiguous()  # e.g. the expanded gradient of a sum()
+                dx, d_w_in, d_b_in = spec.ln_ops[1](
+                    dn, x, mean1.view(-1), rstd1.view(-1), w_in.float(), dres
+                )
+            else:
+                dx, d_w_in, d_b_in = _stage("in_norm_bwd", dev, dn, x, mean1, rstd1, w_in, dout)
         return (
             dx,
             d_w_in.to(w_in.dtype),
@@ -649,6 +687,7 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
         gate_ops=_gate_ops(layer.gate_kernel, x, layer.num_heads * layer.head_dim),
         silu_ops=_silu_ops(x, layer.num_heads * layer.head_dim),
         cast_op=_cast_op(x, layer.hidden_size),
+        ln_ops=_ln_ops(x, layer.hidden_size),
     )
     return _FusedHSTUFunction.apply(
         x,

@@ -56,6 +56,8 @@ __all__ = [
     "reference_bwd",
     "reference_cast_colsum",
     "reference_fwd",
+    "reference_ln_bwd",
+    "reference_ln_fwd",
     "reference_silu_chunk_major",
     "reference_silu_chunk_major_backward",
     "supports",
@@ -250,6 +252,37 @@ def reference_cast_colsum(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Te
     if x.dim() != 2:
         raise ValueError(f"cast_colsum: x must be 2-D [T, D]; got shape {tuple(x.shape)}")
     return x.to(dtype), x.float().sum(0)
+
+
+def reference_ln_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch twin of torch.ops.hstu_lnmd.ln_fwd: (LayerNorm(x) in fp32 cast to ``dtype``,
+    mean [T], rstd [T])."""
+    if x.dim() != 2:
+        raise ValueError(f"ln_fwd: x must be 2-D [T, D]; got shape {tuple(x.shape)}")
+    out, mean, rstd = torch.native_layer_norm(
+        x.float(), (x.shape[1],), weight.float(), bias.float(), eps
+    )
+    return out.to(dtype), mean.reshape(-1), rstd.reshape(-1)
+
+
+def reference_ln_bwd(
+    dn: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    dres: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch twin of torch.ops.hstu_lnmd.ln_bwd, in fp32: (dres + the LayerNorm backward of
+    dn, d weight, d bias)."""
+    mean, rstd = mean.reshape(-1, 1), rstd.reshape(-1, 1)
+    xhat = (x.float() - mean) * rstd
+    g = dn.float()
+    gx = g * weight.float()
+    dx = rstd * (gx - gx.mean(-1, keepdim=True) - xhat * (gx * xhat).mean(-1, keepdim=True))
+    return dres.float() + dx, (g * xhat).sum(0), g.sum(0)
 
 
 class _LayerNormMulDropout(torch.autograd.Function):

@@ -19,6 +19,14 @@
 // [4*hd] column sums of dz when bias_grad, else an empty tensor. All 16-bit tensors: last dim
 // contiguous, 16-byte aligned.
 //
+//   ln_fwd(x, weight, bias, eps, dtype) -> (n, mean, rstd)
+//   ln_bwd(dn, x, mean, rstd, weight, dres) -> (dx, dweight, dbias)
+//
+// The HSTU layer's input LayerNorm on the fp32 residual stream x [T, D]: n = LayerNorm(x) in
+// dtype (bf16/fp16); backward from dn (n's gradient, bf16/fp16) plus dres, the fp32 gradient
+// reaching x through the residual connection: dx = dres + LayerNorm backward (fp32). x, dres:
+// fp32, last dim contiguous, row stride a multiple of 8, 16-byte aligned; D as for fwd.
+//
 //   cast_colsum(x, dtype) -> (y, colsum)
 //
 // x: fp32 [T, D], D a multiple of 8 (last dim contiguous, row stride a multiple of 8, 16-byte
@@ -218,6 +226,119 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
   return {dx, du, partials.select(1, 0).sum(0), partials.select(1, 1).sum(0), y};
 }
 
+// A [T, D] fp32 tensor of the input LayerNorm (x or dres), shaped like x.
+void check_f32_rows(const Tensor& t, const char* name, const Tensor& x) {
+  const std::string n(name);
+  LNMD_VALUE(t.is_cuda(), n + " must be a CUDA tensor; got device " + t.device().str());
+  LNMD_VALUE(t.device() == x.device(), n + " is on " + t.device().str() + " but x is on " +
+                                           x.device().str());
+  LNMD_TYPE(t.scalar_type() == at::kFloat, n + " must be float32 (the residual stream); got " +
+                                               dtype_of(t));
+  LNMD_VALUE(t.dim() == 2, n + " must be 2-D [T, D]; got shape " + shape_of(t));
+  LNMD_VALUE(t.size(0) == x.size(0) && t.size(1) == x.size(1),
+             n + " has shape " + shape_of(t) + " but x has " + shape_of(x));
+  if (t.size(0) == 0) return;
+  LNMD_VALUE(t.stride(1) == 1, n + " must have a contiguous last dim (stride 1); got stride " +
+                                   std::to_string(t.stride(1)) + " (call .contiguous())");
+  LNMD_VALUE(t.size(0) == 1 || (t.stride(0) >= t.size(1) && t.stride(0) % 8 == 0),
+             n + " row stride must be >= D and a multiple of 8 elements; got " +
+                 std::to_string(t.stride(0)) + " (call .contiguous())");
+  LNMD_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+             n + " must start 16-byte aligned (call .contiguous())");
+}
+
+std::tuple<Tensor, Tensor, Tensor> ln_fwd_cuda(const Tensor& x, const Tensor& weight,
+                                               const Tensor& bias, double eps,
+                                               c10::ScalarType dtype) {
+  check_f32_rows(x, "x", x);
+  check_width(x);
+  check_vec(weight, "weight", x.size(1), x);
+  check_vec(bias, "bias", x.size(1), x);
+  LNMD_TYPE(dtype == at::kBFloat16 || dtype == at::kHalf,
+            std::string("ln_fwd: dtype must be bfloat16 or float16; got ") + c10::toString(dtype));
+  LNMD_VALUE(std::isfinite(eps) && eps > 0.0, "eps must be finite and > 0; got " +
+                                                  std::to_string(eps));
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t t = x.size(0);
+  auto n = at::empty({t, x.size(1)}, x.options().dtype(dtype));
+  auto mean = at::empty({t}, x.options());
+  auto rstd = at::empty({t}, x.options());
+  if (t == 0) return {n, mean, rstd};
+  lnmd::LnFwdParams prm;
+  prm.x = x.data_ptr<float>();
+  prm.x_stride = x.stride(0);
+  prm.weight = weight.data_ptr<float>();
+  prm.bias = bias.data_ptr<float>();
+  prm.n = n.data_ptr();
+  prm.mean = mean.data_ptr<float>();
+  prm.rstd = rstd.data_ptr<float>();
+  prm.rows = t;
+  prm.cols = static_cast<int>(x.size(1));
+  prm.eps = static_cast<float>(eps);
+  lnmd::launch_ln_fwd(dtype_enum(n), prm, num_sms(x), at::cuda::getCurrentCUDAStream());
+  check_launch();
+  return {n, mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor> ln_bwd_cuda(const Tensor& dn, const Tensor& x,
+                                               const Tensor& mean, const Tensor& rstd,
+                                               const Tensor& weight, const Tensor& dres) {
+  check_f32_rows(x, "x", x);
+  check_f32_rows(dres, "dres", x);
+  LNMD_TYPE(dn.scalar_type() == at::kBFloat16 || dn.scalar_type() == at::kHalf,
+            "dn must be bfloat16 or float16; got " + dtype_of(dn));
+  check_rows(dn, "dn", dn);
+  LNMD_VALUE(dn.device() == x.device(), "dn is on " + dn.device().str() + " but x is on " +
+                                            x.device().str());
+  LNMD_VALUE(dn.size(0) == x.size(0) && dn.size(1) == x.size(1),
+             "dn has shape " + shape_of(dn) + " but x has " + shape_of(x));
+  check_width(x);
+  check_vec(weight, "weight", x.size(1), x);
+  check_vec(mean, "mean", x.size(0), x);
+  check_vec(rstd, "rstd", x.size(0), x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t t = x.size(0);
+  const int cols = static_cast<int>(x.size(1));
+  auto dx = at::empty({t, cols}, x.options());
+  if (t == 0) return {dx, at::zeros({cols}, weight.options()), at::zeros({cols}, weight.options())};
+  const lnmd::DType dt = dtype_enum(dn);
+  const int grid = lnmd::ln_bwd_grid(dt, cols, t, num_sms(x));
+  auto partials = at::empty({grid, 2, cols}, x.options());
+  lnmd::LnBwdParams prm;
+  prm.dn = dn.data_ptr();
+  prm.dn_stride = dn.stride(0);
+  prm.x = x.data_ptr<float>();
+  prm.x_stride = x.stride(0);
+  prm.dres = dres.data_ptr<float>();
+  prm.dres_stride = dres.stride(0);
+  prm.weight = weight.data_ptr<float>();
+  prm.mean = mean.data_ptr<float>();
+  prm.rstd = rstd.data_ptr<float>();
+  prm.dx = dx.data_ptr<float>();
+  prm.partials = partials.data_ptr<float>();
+  prm.rows = t;
+  prm.cols = cols;
+  lnmd::launch_ln_bwd(dt, prm, grid, at::cuda::getCurrentCUDAStream());
+  check_launch();
+  return {dx, partials.select(1, 0).sum(0), partials.select(1, 1).sum(0)};
+}
+
+std::tuple<Tensor, Tensor, Tensor> ln_fwd_meta(const Tensor& x, const Tensor& weight,
+                                               const Tensor& bias, double eps,
+                                               c10::ScalarType dtype) {
+  const auto t = x.sym_size(0);
+  return {at::empty_symint(x.sym_sizes(), x.options().dtype(dtype)),
+          at::empty_symint({t}, x.options().dtype(at::kFloat)),
+          at::empty_symint({t}, x.options().dtype(at::kFloat))};
+}
+
+std::tuple<Tensor, Tensor, Tensor> ln_bwd_meta(const Tensor& dn, const Tensor& x,
+                                               const Tensor& mean, const Tensor& rstd,
+                                               const Tensor& weight, const Tensor& dres) {
+  return {at::empty_symint(x.sym_sizes(), x.options().dtype(at::kFloat)),
+          at::empty_like(weight), at::empty_like(weight)};
+}
+
 // A 2-D 16-bit tensor the SiLU kernels read with 16-byte vectors (shape checked by the caller).
 void check_silu_rows(const Tensor& t, const char* name, const Tensor& z) {
   const std::string n(name);
@@ -393,6 +514,10 @@ TORCH_LIBRARY(hstu_lnmd, m) {
   m.def("silu_chunk_major_backward(Tensor du, Tensor dv, Tensor dq, Tensor dk, Tensor z, "
         "bool bias_grad) -> (Tensor, Tensor)");
   m.def("cast_colsum(Tensor x, ScalarType dtype) -> (Tensor, Tensor)");
+  m.def("ln_fwd(Tensor x, Tensor weight, Tensor bias, float eps, ScalarType dtype) -> "
+        "(Tensor, Tensor, Tensor)");
+  m.def("ln_bwd(Tensor dn, Tensor x, Tensor mean, Tensor rstd, Tensor weight, Tensor dres) -> "
+        "(Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hstu_lnmd, CUDA, m) {
@@ -401,6 +526,8 @@ TORCH_LIBRARY_IMPL(hstu_lnmd, CUDA, m) {
   m.impl("silu_chunk_major", &silu_fwd_cuda);
   m.impl("silu_chunk_major_backward", &silu_bwd_cuda);
   m.impl("cast_colsum", &cast_colsum_cuda);
+  m.impl("ln_fwd", &ln_fwd_cuda);
+  m.impl("ln_bwd", &ln_bwd_cuda);
 }
 
 TORCH_LIBRARY_IMPL(hstu_lnmd, Meta, m) {
@@ -409,6 +536,8 @@ TORCH_LIBRARY_IMPL(hstu_lnmd, Meta, m) {
   m.impl("silu_chunk_major", &silu_fwd_meta);
   m.impl("silu_chunk_major_backward", &silu_bwd_meta);
   m.impl("cast_colsum", &cast_colsum_meta);
+  m.impl("ln_fwd", &ln_fwd_meta);
+  m.impl("ln_bwd", &ln_bwd_meta);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

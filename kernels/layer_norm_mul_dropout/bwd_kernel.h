@@ -96,48 +96,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p) {
     }
   }
 
-  // Per-block d weight / d bias: row groups 1.. hand their sums to group 0 through shared memory.
-  float* out = p.partials + static_cast<int64_t>(blockIdx.x) * 2 * p.cols;
-  if constexpr (Tr::RPB > 1) {
-    if (group > 0) {
-      float* mine = part_smem + static_cast<int64_t>(group - 1) * 2 * p.cols;
-#pragma unroll
-      for (int i = 0; i < Tr::ITERS; ++i) {
-        const int c = tid + i * Tr::TPR;
-        if (c >= nchunks) continue;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          mine[c * 8 + j] = dw[i][j];
-          mine[p.cols + c * 8 + j] = db[i][j];
-        }
-      }
-    }
-    __syncthreads();
-    if (group > 0) return;
-#pragma unroll
-    for (int i = 0; i < Tr::ITERS; ++i) {
-      const int c = tid + i * Tr::TPR;
-      if (c >= nchunks) continue;
-      for (int g = 0; g < Tr::RPB - 1; ++g) {
-        const float* other = part_smem + static_cast<int64_t>(g) * 2 * p.cols;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          dw[i][j] += other[c * 8 + j];
-          db[i][j] += other[p.cols + c * 8 + j];
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < Tr::ITERS; ++i) {
-    const int c = tid + i * Tr::TPR;
-    if (c >= nchunks) continue;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      out[c * 8 + j] = dw[i][j];
-      out[p.cols + c * 8 + j] = db[i][j];
-    }
-  }
+  write_weight_partials<Tr>(dw, db, p.partials, p.cols, part_smem, group, tid);
 }
 
 }  // namespace lnmd

@@ -115,4 +115,56 @@ __device__ __forceinline__ float2 group_sum2(float2 v, float2* smem /* [kThreads
   }
 }
 
+// Per-block d weight / d bias of a backward kernel: the row groups 1.. hand their register sums
+// to group 0 through shared memory (`part_smem`, [(RPB - 1), 2, cols]), which writes the block's
+// [2, cols] partial (row 0: d weight, row 1: d bias). Every thread of the block must call it.
+template <typename Tr>
+__device__ __forceinline__ void write_weight_partials(float (&dw)[Tr::ITERS][8],
+                                                      float (&db)[Tr::ITERS][8], float* partials,
+                                                      int cols, float* part_smem, int group,
+                                                      int tid) {
+  const int nchunks = cols / 8;
+  float* out = partials + static_cast<int64_t>(blockIdx.x) * 2 * cols;
+  if constexpr (Tr::RPB > 1) {
+    if (group > 0) {
+      float* mine = part_smem + static_cast<int64_t>(group - 1) * 2 * cols;
+#pragma unroll
+      for (int i = 0; i < Tr::ITERS; ++i) {
+        const int c = tid + i * Tr::TPR;
+        if (c >= nchunks) continue;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          mine[c * 8 + j] = dw[i][j];
+          mine[cols + c * 8 + j] = db[i][j];
+        }
+      }
+    }
+    __syncthreads();
+    if (group > 0) return;
+#pragma unroll
+    for (int i = 0; i < Tr::ITERS; ++i) {
+      const int c = tid + i * Tr::TPR;
+      if (c >= nchunks) continue;
+      for (int g = 0; g < Tr::RPB - 1; ++g) {
+        const float* other = part_smem + static_cast<int64_t>(g) * 2 * cols;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          dw[i][j] += other[c * 8 + j];
+          db[i][j] += other[cols + c * 8 + j];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < Tr::ITERS; ++i) {
+    const int c = tid + i * Tr::TPR;
+    if (c >= nchunks) continue;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      out[c * 8 + j] = dw[i][j];
+      out[cols + c * 8 + j] = db[i][j];
+    }
+  }
+}
+
 }  // namespace lnmd

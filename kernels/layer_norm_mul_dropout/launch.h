@@ -32,6 +32,11 @@ int bwd_grid(DType dtype, int cols, int64_t rows, int num_sms);
 void launch_fwd(DType dtype, const FwdParams& p, int num_sms, cudaStream_t stream);
 void launch_bwd(DType dtype, const BwdParams& p, int grid, cudaStream_t stream);
 
+// The input LayerNorm of the fp32 residual stream (ln_kernel.h); dtype: the 16-bit n / dn.
+int ln_bwd_grid(DType dtype, int cols, int64_t rows, int num_sms);
+void launch_ln_fwd(DType dtype, const LnFwdParams& p, int num_sms, cudaStream_t stream);
+void launch_ln_bwd(DType dtype, const LnBwdParams& p, int grid, cudaStream_t stream);
+
 // Chunk-major SiLU of the uvqk projection and its backward (silu.cu). silu_bwd_grid: the
 // number of block rows the backward launches (api.cpp sizes the bias partials [grid, 4 * hd]).
 int silu_bwd_grid(DType dtype, int hd, int64_t rows, int num_sms);
@@ -50,5 +55,11 @@ template <typename T>
 int grid_bwd(int cols, int64_t rows, int num_sms);
 template <typename T>
 void run_bwd(const BwdParams& p, int grid, cudaStream_t stream);
+template <typename T>
+void run_ln_fwd(const LnFwdParams& p, int num_sms, cudaStream_t stream);
+template <typename T>
+int grid_ln_bwd(int cols, int64_t rows, int num_sms);
+template <typename T>
+void run_ln_bwd(const LnBwdParams& p, int grid, cudaStream_t stream);
 
 }  // namespace lnmd

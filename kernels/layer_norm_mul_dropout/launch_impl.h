@@ -6,6 +6,7 @@
 #include "bwd_kernel.h"
 #include "fwd_kernel.h"
 #include "launch.h"
+#include "ln_kernel.h"
 
 namespace lnmd {
 
@@ -75,6 +76,37 @@ void run_bwd(const BwdParams& p, int grid, cudaStream_t stream) {
   dispatch_shape(p.cols, [&](auto tr) {
     using Tr = decltype(tr);
     bwd_kernel<T, Tr><<<grid, kThreads, smem_bwd(p.cols, Tr::RPB), stream>>>(p);
+  });
+}
+
+template <typename T>
+void run_ln_fwd(const LnFwdParams& p, int num_sms, cudaStream_t stream) {
+  if (p.rows == 0) return;
+  dispatch_shape(p.cols, [&](auto tr) {
+    using Tr = decltype(tr);
+    static const int per_sm = blocks_per_sm(ln_fwd_kernel<T, Tr>, 0);
+    ln_fwd_kernel<T, Tr><<<grid_for(per_sm, p.rows, Tr::RPB, num_sms), kThreads, 0, stream>>>(p);
+  });
+}
+
+template <typename T>
+int grid_ln_bwd(int cols, int64_t rows, int num_sms) {
+  if (rows == 0) return 0;
+  int grid = 0;
+  dispatch_shape(cols, [&](auto tr) {
+    using Tr = decltype(tr);
+    static const int per_sm = blocks_per_sm(ln_bwd_kernel<T, Tr>, max_smem_bwd<Tr>());
+    grid = grid_for(per_sm, rows, Tr::RPB, num_sms);
+  });
+  return grid;
+}
+
+template <typename T>
+void run_ln_bwd(const LnBwdParams& p, int grid, cudaStream_t stream) {
+  if (p.rows == 0 || grid == 0) return;
+  dispatch_shape(p.cols, [&](auto tr) {
+    using Tr = decltype(tr);
+    ln_bwd_kernel<T, Tr><<<grid, kThreads, smem_bwd(p.cols, Tr::RPB), stream>>>(p);
   });
 }
 

@@ -58,6 +58,38 @@ struct BwdParams {
   Dropout dropout;
 };
 
+// The input LayerNorm on the fp32 residual stream (ln_kernel.h). x, dres: fp32 [rows, cols],
+// last dim contiguous, row stride a multiple of 8 elements, 16-byte aligned; dn: 16-bit, same
+// rules. n (16-bit) and dx (fp32) are contiguous [rows, cols].
+struct LnFwdParams {
+  const float* x = nullptr;
+  int64_t x_stride = 0;
+  const float* weight = nullptr;
+  const float* bias = nullptr;
+  void* n = nullptr;       // [rows, cols]
+  float* mean = nullptr;   // [rows]
+  float* rstd = nullptr;   // [rows]
+  int64_t rows = 0;
+  int cols = 0;
+  float eps = 1e-6f;
+};
+
+struct LnBwdParams {
+  const void* dn = nullptr;
+  int64_t dn_stride = 0;
+  const float* x = nullptr;
+  int64_t x_stride = 0;
+  const float* dres = nullptr;  // gradient reaching x through the residual connection
+  int64_t dres_stride = 0;
+  const float* weight = nullptr;
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
+  float* dx = nullptr;          // [rows, cols]
+  float* partials = nullptr;    // [grid, 2, cols]: per-block d weight (row 0) and d bias (row 1)
+  int64_t rows = 0;
+  int cols = 0;
+};
+
 // SiLU of the uvqk projection, chunk-major (silu_kernel.h). z: [rows, 4 * hd] 16-bit, last dim
 // contiguous, row stride a multiple of 8 elements, 16-byte aligned; hd a multiple of 8.
 struct SiluFwdParams {

@@ -137,6 +137,40 @@ inline int smem_budget() {
   return v;
 }
 
+// L2 size of the current device in bytes (cached per device; 0 if unknown).
+inline int l2_cache_bytes() {
+  static int cached[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
+  if (cached[dev] == 0) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrL2CacheSize, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    cached[dev] = v;
+  }
+  return cached[dev];
+}
+
+// (sequence, head) pairs per dispatch group of the backward (bwd_tile_of): as many as keep
+// their Q, dO and fp32 dQ accumulator rows (max_seqlen x D x (2 x 2 + 4) bytes each) within half
+// the L2, at least one. HSTU_ATTN_PAIR_GROUP=<n> overrides it (a value >= B x H gives the order
+// of one group over the whole batch, as before, for comparisons).
+template <int D>
+inline int bwd_pair_group(HstuParams const& p) {
+  const int pairs = p.batch * p.heads;
+  if (const char* e = std::getenv("HSTU_ATTN_PAIR_GROUP")) {
+    const long g = std::strtol(e, nullptr, 10);
+    if (g > 0) return int(g < pairs ? g : pairs);
+  }
+  const int64_t per_pair = int64_t(p.max_seqlen) * D * 8;
+  const int64_t budget = int64_t(l2_cache_bytes()) / 2;
+  int64_t g = per_pair > 0 ? budget / per_pair : pairs;
+  if (g < 1) g = 1;
+  return int(g < pairs ? g : pairs);
+}
+
 template <typename Kt, bool kTwoPerSm = false>
 cudaError_t launch_hstu_fwd_kernel(HstuParams& p, cudaStream_t stream) {
   auto kernel = &hstu_fwd_kernel<Kt>;
@@ -167,12 +201,13 @@ cudaError_t launch_hstu_bwd_kernel(HstuParams& p, cudaStream_t stream) {
   static bool ready[kMaxDevices] = {};
   cudaError_t err = prepare_kernel(kernel, smem, ready);
   if (err != cudaSuccess) return err;
-  dim3 grid(p.batch, p.heads, (p.max_seqlen + Kt::kBlockN - 1) / Kt::kBlockN);
-  if (grid.z > 0 && p.batch > 0 && p.heads > 0) {
-    kernel<<<grid, Kt::kNThreads, smem, stream>>>(p);
-    err = cudaGetLastError();
-  }
-  return err;
+  const int64_t n_blocks = (p.max_seqlen + Kt::kBlockN - 1) / Kt::kBlockN;
+  const int64_t ctas = n_blocks * p.batch * p.heads;
+  if (ctas <= 0) return cudaSuccess;
+  if (ctas > int64_t(0x7fffffff)) return cudaErrorInvalidConfiguration;
+  p.pair_group = bwd_pair_group<Kt::kHeadDim>(p);
+  kernel<<<dim3(unsigned(ctas)), Kt::kNThreads, smem, stream>>>(p);
+  return cudaGetLastError();
 }
 
 // The largest of the (dtype, head dim)'s backward configurations that the smem budget allows.

@@ -42,6 +42,8 @@ struct HstuParams {
   int window_size = 0;
   float alpha = 1.f;      // multiplies <q, k> before SiLU
   float inv_scale = 1.f;  // 1 / scaling_seqlen, multiplies SiLU(.)
+  // Backward grid order: (sequence, head) pairs per dispatch group (launch.h, bwd_tile_of).
+  int pair_group = 1;
   bool causal = true;
   bool deterministic = false;
   DType dtype = DType::kBf16;

@@ -47,7 +47,12 @@ SHAPES = {
 }
 
 # Environment variables that change which kernel configuration runs (kernels/hstu_attention).
-KERNEL_ENV = ("HSTU_ATTN_MAX_SMEM", "HSTU_ATTN_DQ_CONVERT", "HSTU_ATTN_PAIR_GROUP")
+KERNEL_ENV = (
+    "HSTU_ATTN_MAX_SMEM",
+    "HSTU_ATTN_DQ_CONVERT",
+    "HSTU_ATTN_PAIR_GROUP",
+    "HSTU_ATTN_LAST_GROUP",
+)
 
 
 def make_inputs(b: int, h: int, d: int, n: int, targets: int, contexts: int, device="cuda"):

@@ -35,12 +35,15 @@ step() {
         python3 setup.py build_ext --inplace ;;
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests ;;
     attn) python3 scripts/bench_attention.py --graph --iters 20 --ref-iters 3 --out "$out/attn.jsonl" ;;
-    attn-ab)  # backward dispatch order: one group over the whole batch (before) vs L2-sized groups
-      for g in 1000000 default; do
-        if [ "$g" = default ]; then unset HSTU_ATTN_PAIR_GROUP; else export HSTU_ATTN_PAIR_GROUP=$g; fi
+    attn-ab)  # dispatch order: one group over the whole batch (before), L2-sized groups with a
+      # last group of one size (1), the default (last group sized for the tail)
+      for g in 1000000,1000000 default,1 default,default; do
+        unset HSTU_ATTN_PAIR_GROUP HSTU_ATTN_LAST_GROUP
+        [ "${g%,*}" = default ] || export HSTU_ATTN_PAIR_GROUP=${g%,*}
+        [ "${g#*,}" = default ] || export HSTU_ATTN_LAST_GROUP=${g#*,}
         python3 scripts/bench_attention.py --graph --iters 20 --no-ref --out "$out/attn_ab.jsonl"
       done
-      unset HSTU_ATTN_PAIR_GROUP ;;
+      unset HSTU_ATTN_PAIR_GROUP HSTU_ATTN_LAST_GROUP ;;
     layer) python3 scripts/bench_layer.py ;;
     e2e)
       python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --steps 30 \

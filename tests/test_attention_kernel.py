@@ -206,30 +206,36 @@ def test_deterministic_backward_is_bitwise_reproducible(
 
 
 @pytest.mark.parametrize("d", [64, 256])
-def test_backward_pair_groups_give_identical_gradients(d: int, monkeypatch) -> None:
-    """The backward's CTA order (pairs per dispatch group, HSTU_ATTN_PAIR_GROUP; default sized by
-    the L2) covers every (key block, sequence, head) tile once whatever the group size, including
-    a last group that takes a remainder: deterministic gradients are bitwise equal across group
-    sizes, and match the reference."""
+def test_grid_orders_give_identical_results(d: int, monkeypatch) -> None:
+    """The CTA order of both kernels (pairs per dispatch group, HSTU_ATTN_PAIR_GROUP, and the
+    last group's size, HSTU_ATTN_LAST_GROUP; by default sized from the L2 and the GPU's CTA slots)
+    covers every (block, sequence, head) tile once whatever the sizes, including a last group that
+    takes a remainder: outputs and deterministic gradients are bitwise equal across group sizes,
+    and match the reference."""
     lengths = [700, 0, 1, 513, 129]  # 5 sequences x 3 heads = 15 pairs
     kw = _mask_kwargs(dict(ctx=[3, 0, 0, 6, 1], tgt=[50, 0, 1, 40, 10]), lengths)
     q, k, v, do, offsets = _batch(lengths, 3, d, torch.bfloat16, seed=5)
     grads = {}
-    for group in (None, "1", "2", "4", "7", "15", "1000"):
-        if group is None:
-            monkeypatch.delenv("HSTU_ATTN_PAIR_GROUP", raising=False)
-        else:
-            monkeypatch.setenv("HSTU_ATTN_PAIR_GROUP", group)
+    settings = [(None, None), ("1", None), ("2", "1"), ("4", "6"), ("7", None), ("15", None)]
+    settings += [("1000", None), ("1", "15"), ("3", "100")]
+    for group, last in settings:
+        for name, val in (("HSTU_ATTN_PAIR_GROUP", group), ("HSTU_ATTN_LAST_GROUP", last)):
+            if val is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, val)
         qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
         out = cuda_attention.hstu_attention_cuda(qq, kk, vv, offsets, 700, deterministic=True, **kw)
         out.backward(do)
-        grads[group] = (qq.grad, kk.grad, vv.grad)
-    for group, g in grads.items():
-        for name, a, b in zip(("dq", "dk", "dv"), grads[None], g):
-            assert torch.equal(a, b), f"{name} differs with HSTU_ATTN_PAIR_GROUP={group}"
+        grads[(group, last)] = (out.detach(), qq.grad, kk.grad, vv.grad)
+    for setting, g in grads.items():
+        for name, a, b in zip(("out", "dq", "dk", "dv"), grads[(None, None)], g):
+            assert torch.equal(a, b), f"{name} differs with (group, last group) = {setting}"
     qr, kr, vr = (x.detach().float().requires_grad_() for x in (q, k, v))
     reference.hstu_attention(qr, kr, vr, offsets, 700, **kw).backward(do.float())
-    for name, g, gr in zip(("dq", "dk", "dv"), grads[None], (qr.grad, kr.grad, vr.grad)):
+    for name, g, gr in zip(
+        ("dq", "dk", "dv"), grads[(None, None)][1:], (qr.grad, kr.grad, vr.grad)
+    ):
         err = _max_rel_err(g, gr)
         assert err <= BWD_TOL[torch.bfloat16], f"{name} rel err {err:.3e}"
 

@@ -29,7 +29,7 @@ namespace {
 
 using at::Tensor;
 constexpr int kMinBlockM = 64;  // smallest backward query tile (dQ semaphore rows)
-constexpr int64_t kMaxSeqLen = int64_t(65535) * 64;  // grid z: blocks of >= 64 tokens
+constexpr int64_t kMaxSeqLen = int64_t(65535) * 64;  // at most 65535 blocks of >= 64 tokens
 
 // Error messages are assembled here with std::to_string (no iostreams): on the lent GPU machine
 // TORCH_CHECK messages that stream an integer crashed the process instead of raising.
@@ -308,11 +308,16 @@ hstu::HstuParams make_params(const Tensor& q, const Checked& c, int64_t max_seql
   p.batch = c.batch;
   p.heads = int(q.size(1));
   p.head_dim = int(q.size(2));
-  // Grid size: only as many query/key blocks as the longest sequence needs. The block index is
-  // the grid's z dimension (at most 65535 blocks of >= 64 tokens).
+  // Grid size: only as many query/key blocks as the longest sequence needs, at most 65535 per
+  // sequence, and one 1-D grid of B x H x blocks CTAs (launch.h), which must fit in int32.
   HSTU_CHECK_VALUE(c.max_len <= kMaxSeqLen, "hstu_attention: the CUDA kernel supports sequences of "
               "at most ", kMaxSeqLen, " tokens; the longest here has ", c.max_len,
               " (split it, or use hstu.ops.reference)");
+  const int64_t ctas = int64_t(c.batch) * q.size(1) * ((c.max_len + kMinBlockM - 1) / kMinBlockM);
+  HSTU_CHECK_VALUE(ctas <= int64_t(std::numeric_limits<int>::max()),
+              "hstu_attention: batch ", c.batch, " x heads ", q.size(1), " x ",
+              (c.max_len + kMinBlockM - 1) / kMinBlockM, " blocks of the longest sequence is more "
+              "CTAs than one launch takes (2^31 - 1); split the batch");
   p.max_seqlen = int(std::min<int64_t>(max_seqlen, c.max_len));
   p.total = int(q.size(0));
   p.target_group_size = int(std::min<int64_t>(target_group_size, std::numeric_limits<int>::max()));

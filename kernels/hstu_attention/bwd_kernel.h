@@ -54,27 +54,6 @@ __device__ __forceinline__ int atomic_add_release(int* ptr, int v) {
   return old;
 }
 
-// The tile of CTA x of the backward's 1-D grid (pairs * n_blocks CTAs, pair = h * batch + b).
-// Pairs form groups of `group` (the last group also takes the remainder); a group's CTAs are
-// dispatched together, key block major: key block 0 of every pair of the group, then key block 1,
-// and so on. Every key-block CTA of a pair walks (nearly) all of its query blocks, so the pair's
-// Q, dO and dQ accumulator rows are read and reduced into by all of them: a group small enough
-// for those to stay in L2 (launch.h sizes it) turns most of that traffic into L2 hits, where a
-// single group over the whole batch (the order before, group = pairs) streamed it from DRAM.
-__device__ __forceinline__ void bwd_tile_of(int x, int batch, int heads, int group, int n_blocks,
-                                            int& n_block, int& bidb, int& bidh) {
-  const int pairs = batch * heads;
-  const int groups = max(1, pairs / group);
-  const int g = min(x / (group * n_blocks), groups - 1);
-  const int first = g * group;
-  const int size = g == groups - 1 ? pairs - first : group;
-  const int local = x - first * n_blocks;
-  n_block = local / size;
-  const int pair = first + local % size;
-  bidh = pair / batch;
-  bidb = pair % batch;
-}
-
 template <typename Kt>
 __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     hstu_bwd_kernel(const __grid_constant__ HstuParams p) {
@@ -86,13 +65,12 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   constexpr int kQdOElems = int(size(typename Kt::SmemLayoutQdO{}));
   extern __shared__ __align__(1024) char smem_[];
 
-  // 1-D grid over (key block, sequence, head) in groups of p.pair_group (sequence, head) pairs
-  // (bwd_tile_of); inside a group key block 0 (the most query blocks under a causal mask) of each
-  // pair is dispatched first. Deterministic mode relies on key block n - 1 of a pair being
-  // dispatched before key block n.
+  // 1-D grid over (key block, sequence, head) in dispatch groups of (sequence, head) pairs
+  // (grid_tile_of): inside a group key block 0 (the most query blocks under a causal mask) of
+  // each pair goes first, the lightest blocks last. Deterministic mode relies on key block n - 1
+  // of a pair being dispatched before key block n.
   int n_block, bidb, bidh;
-  bwd_tile_of(int(blockIdx.x), p.batch, p.heads, p.pair_group,
-              (p.max_seqlen + kBlockN - 1) / kBlockN, n_block, bidb, bidh);
+  grid_tile_of(p, int(blockIdx.x), (p.max_seqlen + kBlockN - 1) / kBlockN, n_block, bidb, bidh);
   const int tidx = threadIdx.x;
   const int seq_start = p.cu_seqlens[bidb];
   const int L = p.cu_seqlens[bidb + 1] - seq_start;

@@ -36,13 +36,14 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   constexpr int kHeadDim = Kt::kHeadDim;
   extern __shared__ __align__(1024) char smem_[];
 
-  // Grid (B, H, query blocks): the query block is the slowest-varying index, so CTAs are
-  // dispatched heaviest first across the whole batch (a short tail): block 0 (it holds the
-  // contextual rows, which see the whole history), then the last block down to block 1 (causal
-  // work shrinks with m).
-  const int m_block = blockIdx.z == 0 ? 0 : int(gridDim.z) - int(blockIdx.z);
-  const int bidb = blockIdx.x;
-  const int bidh = blockIdx.y;
+  // 1-D grid over (query block, sequence, head) in dispatch groups of (sequence, head) pairs
+  // (grid_tile_of); inside a group CTAs go heaviest first: block 0 (it holds the contextual rows,
+  // which see the whole history), then the last block down to block 1 (causal work shrinks
+  // with m).
+  const int n_m_blocks = (p.max_seqlen + kBlockM - 1) / kBlockM;
+  int order, bidb, bidh;
+  grid_tile_of(p, int(blockIdx.x), n_m_blocks, order, bidb, bidh);
+  const int m_block = order == 0 ? 0 : n_m_blocks - order;
   const int tidx = threadIdx.x;
   const int seq_start = p.cu_seqlens[bidb];
   const int L = p.cu_seqlens[bidb + 1] - seq_start;

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <type_traits>
 
@@ -84,16 +85,17 @@ struct BwdConfig<T, 256> {
 // (kernel, device) since these driver calls cost microseconds on every launch otherwise.
 constexpr int kMaxDevices = 64;
 
-// `ready` must be distinct per kernel: all kernels share one function-pointer type.
-// max_shared: ask for the largest shared-memory carveout (for kernels meant to fit two CTAs per
-// SM; otherwise the driver may size the carveout for one).
+// `slots` must be distinct per kernel (all kernels share one function-pointer type): per device,
+// how many CTAs of the kernel the whole GPU holds at once (SMs x resident CTAs per SM), 0 until
+// prepared. max_shared: ask for the largest shared-memory carveout (for kernels meant to fit two
+// CTAs per SM; otherwise the driver may size the carveout for one).
 template <typename Kernel>
-inline cudaError_t prepare_kernel(Kernel kernel, int smem, bool (&ready)[kMaxDevices],
+inline cudaError_t prepare_kernel(Kernel kernel, int threads, int smem, int (&slots)[kMaxDevices],
                                   bool max_shared = false) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
-  if (dev >= 0 && dev < kMaxDevices && ready[dev]) return cudaSuccess;
+  if (dev >= 0 && dev < kMaxDevices && slots[dev] > 0) return cudaSuccess;
   cudaFuncAttributes attr;
   err = cudaFuncGetAttributes(&attr, kernel);
   if (err != cudaSuccess) return err;
@@ -104,8 +106,21 @@ inline cudaError_t prepare_kernel(Kernel kernel, int smem, bool (&ready)[kMaxDev
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                int(cudaSharedmemCarveoutMaxShared));
   }
-  if (err == cudaSuccess && dev >= 0 && dev < kMaxDevices) ready[dev] = true;
+  int per_sm = 0, sms = 0;
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+  }
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err == cudaSuccess && dev >= 0 && dev < kMaxDevices) {
+    slots[dev] = per_sm * sms > 0 ? per_sm * sms : 1;
+  }
   return err;
+}
+
+inline int current_slots(int const (&slots)[kMaxDevices]) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 1;
+  return slots[dev] > 0 ? slots[dev] : 1;
 }
 
 // Largest dynamic shared memory a block may opt into on the current device (cached per device).
@@ -153,34 +168,50 @@ inline int l2_cache_bytes() {
   return cached[dev];
 }
 
-// (sequence, head) pairs per dispatch group of the backward (bwd_tile_of): as many as keep
-// their Q, dO and fp32 dQ accumulator rows (max_seqlen x D x (2 x 2 + 4) bytes each) within half
-// the L2, at least one. HSTU_ATTN_PAIR_GROUP=<n> overrides it (a value >= B x H gives the order
-// of one group over the whole batch, as before, for comparisons).
-template <int D>
-inline int bwd_pair_group(HstuParams const& p) {
-  const int pairs = p.batch * p.heads;
-  if (const char* e = std::getenv("HSTU_ATTN_PAIR_GROUP")) {
-    const long g = std::strtol(e, nullptr, 10);
-    if (g > 0) return int(g < pairs ? g : pairs);
-  }
-  const int64_t per_pair = int64_t(p.max_seqlen) * D * 8;
-  const int64_t budget = int64_t(l2_cache_bytes()) / 2;
-  int64_t g = per_pair > 0 ? budget / per_pair : pairs;
-  if (g < 1) g = 1;
-  return int(g < pairs ? g : pairs);
+// Dispatch groups of the 1-D grids (grid_tile_of in utils.h) for n_blocks CTAs per (sequence,
+// head) pair, each pair's CTAs streaming per_pair bytes of rows that stay in L2 while the group
+// runs:
+//  - pairs per group: as many as keep those rows within half the L2, at least one;
+//  - the last group (which also takes the remainder) holds at least 2 x slots / n_blocks pairs:
+//    a pair's work is ~n_blocks x its heaviest CTA / 2, so the last group's work per slot is then
+//    at least one heaviest CTA, and its heaviest CTAs, dispatched first, end with the rest.
+// HSTU_ATTN_PAIR_GROUP=<n> and HSTU_ATTN_LAST_GROUP=<n> override the two sizes (a value >= B x H
+// gives one group over the whole batch: the dispatch order before the groups, for comparisons).
+// Returns the grid size (0: nothing to launch, -1: too many CTAs for a 1-D grid).
+inline int64_t set_grid_order(HstuParams& p, int64_t n_blocks, int64_t per_pair, int slots) {
+  const int64_t pairs = int64_t(p.batch) * p.heads;
+  const int64_t ctas = n_blocks * pairs;
+  if (ctas <= 0) return 0;
+  if (ctas > int64_t(0x7fffffff)) return -1;
+  auto env = [](const char* name) -> int64_t {
+    const char* e = std::getenv(name);
+    return e ? std::strtol(e, nullptr, 10) : 0;
+  };
+  int64_t group = env("HSTU_ATTN_PAIR_GROUP");
+  if (group <= 0) group = per_pair > 0 ? int64_t(l2_cache_bytes()) / 2 / per_pair : pairs;
+  group = std::min(std::max<int64_t>(group, 1), pairs);
+  int64_t last = env("HSTU_ATTN_LAST_GROUP");
+  if (last <= 0) last = (2 * int64_t(slots) + n_blocks - 1) / n_blocks;
+  last = std::min(std::max(last, group), pairs);
+  p.pair_group = int(group);
+  p.last_group_first = int((pairs - last) / group * group);
+  return ctas;
 }
 
 template <typename Kt, bool kTwoPerSm = false>
 cudaError_t launch_hstu_fwd_kernel(HstuParams& p, cudaStream_t stream) {
   auto kernel = &hstu_fwd_kernel<Kt>;
   constexpr int smem = Kt::kSmemSize;
-  static bool ready[kMaxDevices] = {};
-  cudaError_t err = prepare_kernel(kernel, smem, ready, kTwoPerSm);
+  static int slots[kMaxDevices] = {};
+  cudaError_t err = prepare_kernel(kernel, Kt::kNThreads, smem, slots, kTwoPerSm);
   if (err != cudaSuccess) return err;
-  dim3 grid(p.batch, p.heads, (p.max_seqlen + Kt::kBlockM - 1) / Kt::kBlockM);
-  if (grid.z == 0 || p.batch == 0 || p.heads == 0) return cudaSuccess;
-  kernel<<<grid, Kt::kNThreads, smem, stream>>>(p);
+  // Each CTA streams its pair's K and V rows.
+  const int64_t ctas = set_grid_order(p, (p.max_seqlen + Kt::kBlockM - 1) / Kt::kBlockM,
+                                      int64_t(p.max_seqlen) * Kt::kHeadDim * 2 * sizeof(typename Kt::Element),
+                                      current_slots(slots));
+  if (ctas == 0) return cudaSuccess;
+  if (ctas < 0) return cudaErrorInvalidConfiguration;
+  kernel<<<dim3(unsigned(ctas)), Kt::kNThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -198,14 +229,16 @@ template <typename Kt>
 cudaError_t launch_hstu_bwd_kernel(HstuParams& p, cudaStream_t stream) {
   auto kernel = &hstu_bwd_kernel<Kt>;
   constexpr int smem = Kt::kSmemSize;
-  static bool ready[kMaxDevices] = {};
-  cudaError_t err = prepare_kernel(kernel, smem, ready);
+  static int slots[kMaxDevices] = {};
+  cudaError_t err = prepare_kernel(kernel, Kt::kNThreads, smem, slots);
   if (err != cudaSuccess) return err;
-  const int64_t n_blocks = (p.max_seqlen + Kt::kBlockN - 1) / Kt::kBlockN;
-  const int64_t ctas = n_blocks * p.batch * p.heads;
-  if (ctas <= 0) return cudaSuccess;
-  if (ctas > int64_t(0x7fffffff)) return cudaErrorInvalidConfiguration;
-  p.pair_group = bwd_pair_group<Kt::kHeadDim>(p);
+  // Each CTA streams its pair's Q and dO rows and reduces into its fp32 dQ accumulator rows.
+  const int64_t ctas = set_grid_order(
+      p, (p.max_seqlen + Kt::kBlockN - 1) / Kt::kBlockN,
+      int64_t(p.max_seqlen) * Kt::kHeadDim * (2 * sizeof(typename Kt::Element) + sizeof(float)),
+      current_slots(slots));
+  if (ctas == 0) return cudaSuccess;
+  if (ctas < 0) return cudaErrorInvalidConfiguration;
   kernel<<<dim3(unsigned(ctas)), Kt::kNThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -42,8 +42,10 @@ struct HstuParams {
   int window_size = 0;
   float alpha = 1.f;      // multiplies <q, k> before SiLU
   float inv_scale = 1.f;  // 1 / scaling_seqlen, multiplies SiLU(.)
-  // Backward grid order: (sequence, head) pairs per dispatch group (launch.h, bwd_tile_of).
+  // Grid order (grid_tile_of in utils.h, sized in launch.h): (sequence, head) pairs per dispatch
+  // group, and the first pair of the last group (which takes the remaining pairs).
   int pair_group = 1;
+  int last_group_first = 0;
   bool causal = true;
   bool deterministic = false;
   DType dtype = DType::kBf16;

@@ -7,9 +7,38 @@
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
 
+#include "params.h"
+
 namespace hstu {
 
 using namespace cute;
+
+// The tile of CTA x of a 1-D grid over (block, sequence, head), pair = h * batch + b. Pairs form
+// dispatch groups of p.pair_group, then one last group of the pairs from p.last_group_first on;
+// a group's CTAs are dispatched together, block-order major: order index 0 of every pair of the
+// group, then 1, and so on (the kernels map order indices heaviest block first). Every CTA of a
+// pair streams (nearly) all of that pair's rows of the other side (K/V in the forward; Q, dO and
+// the dQ accumulator in the backward), so a group small enough for those to stay in L2 (launch.h
+// sizes it) reads them from DRAM about once; a single group over the whole batch streamed them
+// from DRAM over and over. The last group is large enough that its heaviest CTAs, dispatched
+// first, still finish with the rest of the grid.
+__device__ __forceinline__ void grid_tile_of(HstuParams const& p, int x, int n_blocks,
+                                             int& order, int& bidb, int& bidh) {
+  const int pairs = p.batch * p.heads;
+  int first, size;
+  if (x < p.last_group_first * n_blocks) {
+    first = x / (p.pair_group * n_blocks) * p.pair_group;
+    size = p.pair_group;
+  } else {
+    first = p.last_group_first;
+    size = pairs - first;
+  }
+  const int local = x - first * n_blocks;
+  order = local / size;
+  const int pair = first + local % size;
+  bidh = pair / p.batch;
+  bidb = pair % p.batch;
+}
 
 // One MUFU op: tanh.approx.f32 (max rel. error ~2^-11), the cheapest route to a sigmoid:
 // sigmoid(x) = 0.5 * (1 + tanh(x / 2)), silu(x) = x * sigmoid(x).

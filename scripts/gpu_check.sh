@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh ncu-bwd256             # Nsight Compute sections of the d256 backward
 #
 # Steps: build (all kernels, HSTU_CUDA_ARCH_LIST default "8.0;9.0"), tests (pytest -m gpu),
-# attn (scripts/bench_attention.py --graph, JSON lines), attn-ab (no reference; backward order A/B), layer (scripts/bench_layer.py),
+# attn (scripts/bench_attention.py --graph, JSON lines), attn-ab (no reference; dispatch order A/B), attn-fwd256 (d256 forward tiles A/B), layer (scripts/bench_layer.py),
 # e2e (scripts/bench_e2e.py, 1 GPU, the docs/benchmarks.md command), ncu-bwd256 / ncu-fwd256
 # (one launch of the long_d256 kernel under ncu). Every step runs even if an earlier one failed;
 # the exit code is the number of failed steps.
@@ -44,6 +44,13 @@ step() {
         python3 scripts/bench_attention.py --graph --iters 20 --no-ref --out "$out/attn_ab.jsonl"
       done
       unset HSTU_ATTN_PAIR_GROUP HSTU_ATTN_LAST_GROUP ;;
+    attn-fwd256)  # d256 forward: 16-row warps (HSTU_ATTN_MAX_SMEM=200000) vs the 2 x 2 warp grid
+      for m in 200000 default; do
+        if [ "$m" = default ]; then unset HSTU_ATTN_MAX_SMEM; else export HSTU_ATTN_MAX_SMEM=$m; fi
+        python3 scripts/bench_attention.py --graph --iters 30 --no-ref --shapes long_d256 \
+          --out "$out/attn_fwd256.jsonl"
+      done
+      unset HSTU_ATTN_MAX_SMEM ;;
     layer) python3 scripts/bench_layer.py ;;
     e2e)
       python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --steps 30 \

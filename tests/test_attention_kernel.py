@@ -151,13 +151,16 @@ def test_all_sequences_empty_or_no_tokens() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
-    "smem", ["device", "229375", "166912"], ids=["device_smem", "208k_smem", "a100_smem"]
+    "smem",
+    ["device", "229375", "200000", "166912"],
+    ids=["device_smem", "208k_smem", "195k_smem", "a100_smem"],
 )
 def test_d256_backward_every_tile_config(smem: str, dtype: torch.dtype, monkeypatch) -> None:
     """d256 picks 128x64 tiles with the dP-first schedule when the device lets a block use 224 KB
     of shared memory (H100/H200), 64x64 with double-buffered Q/dO at 208 KB, single-buffered ones
     otherwise (A100: 163 KB); HSTU_ATTN_MAX_SMEM caps the budget, so all three run here. The
-    forward runs 64-row CTAs (two per SM) from 192 KB and 128-row CTAs below: both run here."""
+    forward runs 64-row CTAs (two per SM) with a 2 x 2 warp grid and P through shared memory from
+    208 KB, with 16-row warps from 192 KB, and 128-row CTAs below: all three run here."""
     if smem == "device":
         monkeypatch.delenv("HSTU_ATTN_MAX_SMEM", raising=False)
     else:

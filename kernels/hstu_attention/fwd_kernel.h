@@ -74,6 +74,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   Tensor sV = make_tensor(sK.data() + size(sK), typename Kt::SmemLayoutKV{});
   Tensor sVt = make_tensor(sV.data(), typename Kt::SmemLayoutVt{});
   Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Kt::SmemLayoutVtNoSwizzle{});
+  Tensor sP = make_tensor(sV.data() + size(sV), typename Kt::SmemLayoutP{});  // kPSmem only
 
   typename Kt::GmemTiledCopyLoad gmem_tiled_copy;
   auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
@@ -108,6 +109,15 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
   Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
 
+  // kPSmem: P goes registers -> sP, then sP -> registers as the A operand of P V.
+  auto smem_tiled_copy_Pw = make_tiled_copy_C(typename Kt::SmemCopyAtomR2S{}, tiled_mma);
+  auto smem_thr_copy_Pw = smem_tiled_copy_Pw.get_thread_slice(tidx);
+  Tensor tPsP = smem_thr_copy_Pw.partition_D(sP);
+  auto smem_tiled_copy_P = make_tiled_copy_A(typename Kt::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_P = smem_tiled_copy_P.get_thread_slice(tidx);
+  Tensor tOsP = smem_thr_copy_P.partition_S(sP);
+  Tensor tOrPs = thr_mma.partition_fragment_A(sP);
+
   Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
   copy_rows_zfill(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, L - m0);
@@ -134,17 +144,24 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       acc_s(i) = fmaf(hs, tanh_approx(x * half_alpha), hs);
     }
     if (!mk.tile_full(m0, m1, n0, n0 + kBlockN)) apply_mask(mk, tScS, m0, n0, acc_s);
+    Tensor rP = convert_fragment<Element>(acc_s);
+    // sP is free: every warp passed this iteration's first barrier after the previous P V.
+    if constexpr (Kt::kPSmem) copy(smem_tiled_copy_Pw, smem_thr_copy_Pw.retile_S(rP), tPsP);
     cute::cp_async_wait<0>();
-    __syncthreads();
+    __syncthreads();  // V landed; every warp is done reading sK (and, kPSmem, wrote its P)
     int next = n_block - 1;
     while (next >= n_lo && empty(next)) --next;
     if (next >= n_lo) {
       load_kv(k_ptr, tKsK, next);
       cute::cp_async_fence();
     }
-    Tensor rP = convert_fragment<Element>(acc_s);
-    Tensor tOrP = make_tensor(rP.data(), acc_layout_as_A(rP.layout()));
-    gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+    if constexpr (Kt::kPSmem) {
+      gemm_ss_lean(acc_o, tOrPs, tOrVt, tOsP, tOsVt, tiled_mma, smem_tiled_copy_P,
+                   smem_tiled_copy_V, smem_thr_copy_P, smem_thr_copy_V);
+    } else {
+      Tensor tOrP = make_tensor(rP.data(), acc_layout_as_A(rP.layout()));
+      gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+    }
     n_block = next;
   }
 

@@ -58,8 +58,13 @@ struct BaseTraits {
   using SmemCopyAtomR2S = Copy_Atom<UniversalCopy<uint32_t>, Element>;
 };
 
-// Forward: kBlockM query rows per CTA, kBlockN keys per step, warps stacked along M.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+// Forward: kBlockM query rows per CTA, kBlockN keys per step. kWarpsN == 1: warps stacked along
+// M (16 rows each), P stays in registers as the A operand of P V. kWarpsN > 1 (kPSmem): warps in a
+// kWarpsM x kWarpsN grid for both GEMMs, so each warp's S tile is wider than 16 rows and reads
+// fewer K bytes per MAC; P then goes through shared memory (sP), since a warp's P rows span the
+// S tiles of the kWarpsN warps beside it.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_,
+          int kWarpsN_ = 1>
 struct FwdTraits : BaseTraits<Element_, kHeadDim_, kNWarps_ * 32> {
   using Base = BaseTraits<Element_, kHeadDim_, kNWarps_ * 32>;
   using Element = typename Base::Element;
@@ -67,10 +72,14 @@ struct FwdTraits : BaseTraits<Element_, kHeadDim_, kNWarps_ * 32> {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kNWarps = kNWarps_;
-  static_assert(kBlockM % (16 * kNWarps) == 0);
+  static constexpr int kWarpsN = kWarpsN_;
+  static constexpr int kWarpsM = kNWarps / kWarpsN;
+  static constexpr bool kPSmem = kWarpsN > 1;
+  static_assert(kNWarps % kWarpsN == 0 && kBlockM % (16 * kWarpsM) == 0);
+  static_assert(kBlockN % (16 * kWarpsN) == 0);
 
-  using TiledMma = TiledMMA<typename Base::MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>,
-                            Tile<Int<16 * kNWarps>, _16, _16>>;
+  using TiledMma = TiledMMA<typename Base::MmaAtom, Layout<Shape<Int<kWarpsM>, Int<kWarpsN>, _1>>,
+                            Tile<Int<16 * kWarpsM>, Int<16 * kWarpsN>, _16>>;
 
   using SmemLayoutQ = decltype(tile_to_shape(typename Base::SmemLayoutAtomQKV{},
                                              Shape<Int<kBlockM>, Int<kHeadDim>>{}));
@@ -80,10 +89,13 @@ struct FwdTraits : BaseTraits<Element_, kHeadDim_, kNWarps_ * 32> {
   using SmemLayoutVt = decltype(composition(
       SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
   using SmemLayoutVtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
+  using SmemLayoutP = decltype(tile_to_shape(typename SmemAtom<kBlockN >= 64 ? 64 : 32>::type{},
+                                             Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
   static constexpr int kSmemQ = int(size(SmemLayoutQ{})) * sizeof(Element);
   static constexpr int kSmemKV = int(size(SmemLayoutKV{})) * sizeof(Element);
-  static constexpr int kSmemSize = kSmemQ + 2 * kSmemKV;
+  static constexpr int kSmemP = kPSmem ? int(size(SmemLayoutP{})) * sizeof(Element) : 0;
+  static constexpr int kSmemSize = kSmemQ + 2 * kSmemKV + kSmemP;
   static_assert(kBlockM % Base::kGmemRowsPerPass == 0 && kBlockN % Base::kGmemRowsPerPass == 0);
 };
 

@@ -24,24 +24,31 @@ template <typename T>
 struct FwdConfig<T, 32> {
   using type = FwdTraits<T, 32, 128, 128, 4>;
   using two_per_sm = type;
+  using two_per_sm_psmem = type;
 };
 template <typename T>
 struct FwdConfig<T, 64> {
   using type = FwdTraits<T, 64, 128, 128, 4>;
   using two_per_sm = type;
+  using two_per_sm_psmem = type;
 };
 template <typename T>
 struct FwdConfig<T, 128> {
   using type = FwdTraits<T, 128, 128, 64, 4>;
   using two_per_sm = type;
+  using two_per_sm_psmem = type;
 };
 template <typename T>
 struct FwdConfig<T, 256> {
   using type = FwdTraits<T, 256, 128, 64, 8>;  // 128 KB: one CTA of 8 warps per SM
-  // H100/H200: 64 query rows over 4 warps (the same 16-row warp tiles), 96 KB, so two CTAs share
-  // an SM and one's barriers and SiLU phases overlap the other's MMAs (the d128 forward runs
-  // this way). K/V are loaded from L2 twice as often per MAC.
+  // 64 query rows over 4 warps (the same 16-row warp tiles), 96 KB, so two CTAs share an SM and
+  // one's barriers and SiLU phases overlap the other's MMAs (the d128 forward runs this way).
+  // K/V are loaded from L2 twice as often per MAC.
   using two_per_sm = FwdTraits<T, 256, 64, 64, 4>;
+  // H100/H200 (2 x 104 KB): the same CTA with its 4 warps in a 2 x 2 grid: 32 x 32 S tiles and
+  // 32 x 128 O tiles per warp read ~28% fewer shared-memory bytes per MAC than 16-row warps
+  // (16 x 64 S, 16 x 256 O), for an 8 KB P buffer.
+  using two_per_sm_psmem = FwdTraits<T, 256, 64, 64, 4, 2>;
 };
 
 // Backward tiles (kBlockM, kBlockN, warps, warp layouts of S/dP, dK/dV, dQ, double-buffered
@@ -219,6 +226,10 @@ template <typename T, int D>
 cudaError_t run_hstu_fwd(HstuParams& p, cudaStream_t stream) {
   using One = typename FwdConfig<T, D>::type;
   using Two = typename FwdConfig<T, D>::two_per_sm;
+  using TwoP = typename FwdConfig<T, D>::two_per_sm_psmem;
+  if constexpr (!std::is_same_v<Two, TwoP>) {
+    if (smem_budget() >= 2 * TwoP::kSmemSize) return launch_hstu_fwd_kernel<TwoP, true>(p, stream);
+  }
   if constexpr (!std::is_same_v<One, Two>) {
     if (smem_budget() >= 2 * Two::kSmemSize) return launch_hstu_fwd_kernel<Two, true>(p, stream);
   }

@@ -8,7 +8,7 @@
 # Steps: build (all kernels, HSTU_CUDA_ARCH_LIST default "8.0;9.0"), tests (pytest -m gpu),
 # attn (scripts/bench_attention.py --graph, JSON lines), attn-ab (no reference; dispatch order A/B), attn-fwd256 (d256 forward tiles A/B), layer (scripts/bench_layer.py),
 # e2e (scripts/bench_e2e.py, 1 GPU, the docs/benchmarks.md command), ncu-bwd256 / ncu-fwd256
-# (one launch of the long_d256 kernel under ncu). Every step runs even if an earlier one failed;
+# (one launch of the long_d256 kernel under ncu), ncu-bwd128 (long_d128), dq-convert-ab. Every step runs even if an earlier one failed;
 # the exit code is the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,12 +18,13 @@ export PYTHONUNBUFFERED=1 HSTU_ALLOW_NON_A100=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 failed=0
 
-ncu_kernel() {  # $1: kernel name regex, $2: launches to skip
+ncu_kernel() {  # $1: kernel name regex, $2: launches to skip, $3: shape
   ncu --kernel-name "regex:$1" --launch-skip "$2" --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section LaunchStats \
     --section Occupancy --section SourceCounters \
-    python3 scripts/bench_attention.py --shapes long_d256 --iters 2 --no-ref
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 scripts/bench_attention.py --shapes "$3" --iters 2 --no-ref
 }
 
 step() {
@@ -56,8 +57,14 @@ step() {
       python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --steps 30 \
         --paths compiled --bindings "EmbeddingArgs.item_capacity=2000000" \
         "EmbeddingArgs.user_capacity=1000000" "TrainerArgs.peak_tflops=989" ;;
-    ncu-bwd256) ncu_kernel hstu_bwd_kernel 2 ;;
-    ncu-fwd256) ncu_kernel hstu_fwd_kernel 2 ;;
+    ncu-bwd256) ncu_kernel hstu_bwd_kernel 2 long_d256 ;;
+    ncu-fwd256) ncu_kernel hstu_fwd_kernel 2 long_d256 ;;
+    ncu-bwd128) ncu_kernel hstu_bwd_kernel 2 long_d128 ;;
+    dq-convert-ab)  # dQ converted by the separate kernel (default) vs inside the backward
+      for c in kernel bwd; do
+        HSTU_ATTN_DQ_CONVERT=$c python3 scripts/bench_attention.py --graph --iters 20 --no-ref \
+          --shapes long_d128,long_d256 --out "$out/dq_convert_ab.jsonl"
+      done ;;
     *) echo "unknown step $name" >&2; return 2 ;;
   esac > >(tee "$out/$name.log") 2>&1
   local rc=$?

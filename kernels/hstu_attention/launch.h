@@ -87,11 +87,28 @@ struct BwdConfig<T, 256> {
   using huge_smem = BwdTraits<T, 256, 128, 64, 8, 4, 2, 4, false, 4, false, true>;
 };
 
+constexpr int kMaxDevices = 64;
+
+// A device attribute of the current device (cached per device; 0 if it cannot be read).
+template <cudaDeviceAttr kAttr>
+inline int device_attribute() {
+  static int cached[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
+  if (cached[dev] == 0) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, kAttr, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    cached[dev] = v;
+  }
+  return cached[dev];
+}
+
 // Checks that the extension has code for the current GPU (else cudaErrorNoKernelImageForDevice /
 // cudaErrorInvalidDeviceFunction) and raises the kernel's dynamic smem limit; done once per
 // (kernel, device) since these driver calls cost microseconds on every launch otherwise.
-constexpr int kMaxDevices = 64;
-
 // `slots` must be distinct per kernel (all kernels share one function-pointer type): per device,
 // how many CTAs of the kernel the whole GPU holds at once (SMs x resident CTAs per SM), 0 until
 // prepared. max_shared: ask for the largest shared-memory carveout (for kernels meant to fit two
@@ -113,11 +130,11 @@ inline cudaError_t prepare_kernel(Kernel kernel, int threads, int smem, int (&sl
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                int(cudaSharedmemCarveoutMaxShared));
   }
-  int per_sm = 0, sms = 0;
+  int per_sm = 0;
   if (err == cudaSuccess) {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
   }
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int sms = device_attribute<cudaDevAttrMultiProcessorCount>();
   if (err == cudaSuccess && dev >= 0 && dev < kMaxDevices) {
     slots[dev] = per_sm * sms > 0 ? per_sm * sms : 1;
   }
@@ -130,20 +147,9 @@ inline int current_slots(int const (&slots)[kMaxDevices]) {
   return slots[dev] > 0 ? slots[dev] : 1;
 }
 
-// Largest dynamic shared memory a block may opt into on the current device (cached per device).
+// Largest dynamic shared memory a block may opt into on the current device.
 inline int max_smem_optin() {
-  static int cached[kMaxDevices] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
-  if (cached[dev] == 0) {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return 0;
-    }
-    cached[dev] = v;
-  }
-  return cached[dev];
+  return device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
 }
 
 // Shared memory the kernels may plan with per block: the device's opt-in limit, capped by the
@@ -157,22 +163,6 @@ inline int smem_budget() {
     if (cap > 0 && cap < v) v = int(cap);
   }
   return v;
-}
-
-// L2 size of the current device in bytes (cached per device; 0 if unknown).
-inline int l2_cache_bytes() {
-  static int cached[kMaxDevices] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
-  if (cached[dev] == 0) {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrL2CacheSize, dev) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return 0;
-    }
-    cached[dev] = v;
-  }
-  return cached[dev];
 }
 
 // Dispatch groups of the 1-D grids (grid_tile_of in utils.h) for n_blocks CTAs per (sequence,
@@ -195,7 +185,10 @@ inline int64_t set_grid_order(HstuParams& p, int64_t n_blocks, int64_t per_pair,
     return e ? std::strtol(e, nullptr, 10) : 0;
   };
   int64_t group = env("HSTU_ATTN_PAIR_GROUP");
-  if (group <= 0) group = per_pair > 0 ? int64_t(l2_cache_bytes()) / 2 / per_pair : pairs;
+  if (group <= 0) {
+    const int64_t l2 = device_attribute<cudaDevAttrL2CacheSize>();
+    group = per_pair > 0 ? l2 / 2 / per_pair : pairs;
+  }
   group = std::min(std::max<int64_t>(group, 1), pairs);
   int64_t last = env("HSTU_ATTN_LAST_GROUP");
   if (last <= 0) last = (2 * int64_t(slots) + n_blocks - 1) / n_blocks;
@@ -213,9 +206,10 @@ cudaError_t launch_hstu_fwd_kernel(HstuParams& p, cudaStream_t stream) {
   cudaError_t err = prepare_kernel(kernel, Kt::kNThreads, smem, slots, kTwoPerSm);
   if (err != cudaSuccess) return err;
   // Each CTA streams its pair's K and V rows.
-  const int64_t ctas = set_grid_order(p, (p.max_seqlen + Kt::kBlockM - 1) / Kt::kBlockM,
-                                      int64_t(p.max_seqlen) * Kt::kHeadDim * 2 * sizeof(typename Kt::Element),
-                                      current_slots(slots));
+  const int64_t ctas = set_grid_order(
+      p, (p.max_seqlen + Kt::kBlockM - 1) / Kt::kBlockM,
+      int64_t(p.max_seqlen) * Kt::kHeadDim * 2 * sizeof(typename Kt::Element),
+      current_slots(slots));
   if (ctas == 0) return cudaSuccess;
   if (ctas < 0) return cudaErrorInvalidConfiguration;
   kernel<<<dim3(unsigned(ctas)), Kt::kNThreads, smem, stream>>>(p);

@@ -199,7 +199,9 @@ class Trainer:
         self.gc = StepGC(t.gc_interval)
         # sharded dynamic tables: the ids of training batch i+1 go to their owner ranks (gloo,
         # background thread) while step i runs; the same decision on every rank (config only)
-        self.id_router = HostIdRouter.for_model(self.core, self.device) if t.route_ids_ahead else None
+        self.id_router = (
+            HostIdRouter.for_model(self.core, self.device) if t.route_ids_ahead else None
+        )
         if self.id_router is not None:
             self.train_iter.set_lookahead(self.id_router.attach)
         self.step = 0

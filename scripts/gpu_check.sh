@@ -6,10 +6,11 @@
 #   bash scripts/gpu_check.sh ncu-bwd256             # Nsight Compute sections of the d256 backward
 #
 # Steps: build (all kernels, HSTU_CUDA_ARCH_LIST default "8.0;9.0"), tests (pytest -m gpu),
-# attn (scripts/bench_attention.py --graph, JSON lines), attn-ab (no reference; dispatch order A/B), attn-fwd256 (d256 forward tiles A/B), layer (scripts/bench_layer.py),
-# e2e (scripts/bench_e2e.py, 1 GPU, the docs/benchmarks.md command), ncu-bwd256 / ncu-fwd256
-# (one launch of the long_d256 kernel under ncu), ncu-bwd128 (long_d128), dq-convert-ab. Every step runs even if an earlier one failed;
-# the exit code is the number of failed steps.
+# attn (scripts/bench_attention.py --graph, JSON lines), layer (scripts/bench_layer.py), e2e
+# (scripts/bench_e2e.py, 1 GPU, the docs/benchmarks.md command); A/B runs of one build (no
+# reference): attn-ab (dispatch order), attn-fwd256 (d256 forward tiles), dq-convert-ab (where dQ
+# is converted); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute).
+# Every step runs even if an earlier one failed; the exit code is the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_logs}
@@ -27,6 +28,15 @@ ncu_kernel() {  # $1: kernel name regex, $2: launches to skip, $3: shape
     python3 scripts/bench_attention.py --shapes "$3" --iters 2 --no-ref
 }
 
+# bench_ab NAME ARGS...: the attention benchmark without the reference, appended to
+# $out/NAME.jsonl; `VAR=value bench_ab ...` sets a kernel-selection variable for that run alone
+# (the rows record it, so the runs of one file can be told apart).
+bench_ab() {
+  local name=$1
+  shift
+  python3 scripts/bench_attention.py --graph --no-ref --out "$out/$name.jsonl" "$@"
+}
+
 step() {
   local name=$1
   local t0=$SECONDS
@@ -35,23 +45,16 @@ step() {
       HSTU_CUDA_ARCH_LIST=${HSTU_CUDA_ARCH_LIST:-"8.0;9.0"} MAX_JOBS=${MAX_JOBS:-16} \
         python3 setup.py build_ext --inplace ;;
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests ;;
-    attn) python3 scripts/bench_attention.py --graph --iters 20 --ref-iters 3 --out "$out/attn.jsonl" ;;
-    attn-ab)  # dispatch order: one group over the whole batch (before), L2-sized groups with a
-      # last group of one size (1), the default (last group sized for the tail)
-      for g in 1000000,1000000 default,1 default,default; do
-        unset HSTU_ATTN_PAIR_GROUP HSTU_ATTN_LAST_GROUP
-        [ "${g%,*}" = default ] || export HSTU_ATTN_PAIR_GROUP=${g%,*}
-        [ "${g#*,}" = default ] || export HSTU_ATTN_LAST_GROUP=${g#*,}
-        python3 scripts/bench_attention.py --graph --iters 20 --no-ref --out "$out/attn_ab.jsonl"
-      done
-      unset HSTU_ATTN_PAIR_GROUP HSTU_ATTN_LAST_GROUP ;;
-    attn-fwd256)  # d256 forward: 16-row warps (HSTU_ATTN_MAX_SMEM=200000) vs the 2 x 2 warp grid
-      for m in 200000 default; do
-        if [ "$m" = default ]; then unset HSTU_ATTN_MAX_SMEM; else export HSTU_ATTN_MAX_SMEM=$m; fi
-        python3 scripts/bench_attention.py --graph --iters 30 --no-ref --shapes long_d256 \
-          --out "$out/attn_fwd256.jsonl"
-      done
-      unset HSTU_ATTN_MAX_SMEM ;;
+    attn)
+      python3 scripts/bench_attention.py --graph --iters 20 --ref-iters 3 --out "$out/attn.jsonl" ;;
+    attn-ab)  # one group over the whole batch (the old order), L2-sized groups with a last
+      # group of the remainder only, the default (last group sized for the tail)
+      HSTU_ATTN_PAIR_GROUP=1000000 HSTU_ATTN_LAST_GROUP=1000000 bench_ab attn_ab --iters 20
+      HSTU_ATTN_LAST_GROUP=1 bench_ab attn_ab --iters 20
+      bench_ab attn_ab --iters 20 ;;
+    attn-fwd256)  # d256 forward: 16-row warps (a 195 KB budget) vs the 2 x 2 warp grid
+      HSTU_ATTN_MAX_SMEM=200000 bench_ab attn_fwd256 --iters 30 --shapes long_d256
+      bench_ab attn_fwd256 --iters 30 --shapes long_d256 ;;
     layer) python3 scripts/bench_layer.py ;;
     e2e)
       python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --steps 30 \
@@ -62,8 +65,7 @@ step() {
     ncu-bwd128) ncu_kernel hstu_bwd_kernel 2 long_d128 ;;
     dq-convert-ab)  # dQ converted by the separate kernel (default) vs inside the backward
       for c in kernel bwd; do
-        HSTU_ATTN_DQ_CONVERT=$c python3 scripts/bench_attention.py --graph --iters 20 --no-ref \
-          --shapes long_d128,long_d256 --out "$out/dq_convert_ab.jsonl"
+        HSTU_ATTN_DQ_CONVERT=$c bench_ab dq_convert_ab --iters 20 --shapes long_d128,long_d256
       done ;;
     *) echo "unknown step $name" >&2; return 2 ;;
   esac > >(tee "$out/$name.log") 2>&1

@@ -10,8 +10,8 @@
 //                                                 a semaphore)
 // Two schedules: S first with dQ before dK (Q/dO double-buffered, or single-buffered with the
 // next dO/Q loaded as soon as the GEMMs reading them are done), and kDPFirst (single-buffered:
-// dP, S, dV, dK, dQ, so both loads overlap MMAs; d256 on 224 KB). With HstuParams::dq_counter the
-// last key block to reduce into a query block also converts it to dq.
+// dP, S, dV, dK, dQ, so both loads overlap MMAs; d128, and d256 on 224 KB). With
+// HstuParams::dq_counter the last key block to reduce into a query block also converts it to dq.
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -109,7 +109,8 @@ struct FwdTraits : BaseTraits<Element_, kHeadDim_, kNWarps_ * 32> {
 // kDPFirst (single-buffered Q/dO only): per query block dP = dO V^T runs before S = Q K^T and
 // the GEMMs go dV, dK, dQ, so that the next dO streams in during dK + dQ and the next Q during
 // dQ + the next dP: one Q/dO buffer each, with the loads still hidden behind MMAs. This frees
-// the shared memory for a 128-row query tile at d256 on the H100.
+// the shared memory for a 128-row query tile at d256 on the H100; at d128 it is the schedule
+// whose prefetching GEMMs fit 255 registers without spills (ptxas, sm_80 and sm_90).
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_,
           int AtomLayoutMSdP_, int AtomLayoutNdKV_, int AtomLayoutMdQ_, bool kDoubleBuffer_,
           int kDQChunks_ = 1, bool kLeanGemms_ = false, bool kDPFirst_ = false>

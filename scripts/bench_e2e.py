@@ -96,6 +96,12 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         '"profile" row: GPU kernel time vs step time per step and the top kernels',
     )
     p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument(
+        "--profile-stack",
+        action="store_true",
+        help="with --profile: also record Python call stacks (python_function events in the "
+        "trace: which Python code issues the host work; slows the profiled steps)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.profile_steps < 1:
         p.error("--steps and --profile-steps must be >= 1, --warmup >= 0")
@@ -289,7 +295,7 @@ def _profile(trainer, args: argparse.Namespace, path: str) -> dict:
         acts.append(ProfilerActivity.CUDA)
     n = args.profile_steps
     _sync(trainer)
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=args.profile_stack) as prof:
         start = time.perf_counter()
         trainer._resolve([trainer._train_step_async() for _ in range(n)])
         _sync(trainer)
@@ -316,6 +322,7 @@ def _profile(trainer, args: argparse.Namespace, path: str) -> dict:
             idle += max(0.0, e["ts"] - end)
             end = max(end, e["ts"] + e["dur"])
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:10]
+    host = _host_ops(events)
     return {
         "trace": f"{raw}.gz",
         "steps": n,
@@ -323,7 +330,38 @@ def _profile(trainer, args: argparse.Namespace, path: str) -> dict:
         "kernel_ms_per_step": sum(per_name.values()) / 1e3 / n,
         "gpu_idle_ms_per_step_between_kernels": idle / 1e3 / n,
         "top_kernels_ms_per_step": [[name[:120], t / 1e3 / n] for name, t in top],
+        # host side: operators called from Python (not nested in another operator) per step,
+        # and the ones taking the most host time (inclusive of what they dispatch)
+        "host_ops_per_step": host["count"] / n,
+        "host_op_ms_per_step": host["total_us"] / 1e3 / n,
+        "top_host_ops_ms_per_step": [
+            [name[:80], t / 1e3 / n, c / n] for name, (t, c) in host["top"]
+        ],
     }
+
+
+def _host_ops(events: list) -> dict:
+    """Top-level CPU operators of a chrome trace: the `cpu_op` events not inside another one
+    on the same thread."""
+    by_thread: dict = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and "dur" in e:
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    count, total = 0, 0.0
+    per: dict[str, list] = {}
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        end = float("-inf")
+        for e in evs:
+            if e["ts"] >= end:  # not nested in the previous top-level operator
+                end = e["ts"] + e["dur"]
+                count += 1
+                total += e["dur"]
+                acc = per.setdefault(e["name"], [0.0, 0])
+                acc[0] += e["dur"]
+                acc[1] += 1
+    top = sorted(((k, (v[0], v[1])) for k, v in per.items()), key=lambda kv: -kv[1][0])[:15]
+    return {"count": count, "total_us": total, "top": top}
 
 
 def _sync(trainer) -> None:

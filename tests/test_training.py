@@ -160,6 +160,39 @@ def test_bad_inputs_are_clear_errors(tmp_path):
         run_training(_cfg("ranking", tmp_path, "TrainerArgs.train_batch_size=100000"))
 
 
+def test_single_process_trains_without_ddp(tmp_path, monkeypatch):
+    """One rank: the dense parameters are not under DDP (nothing to average, and its per-parameter
+    gradient copies cost host time every step); HSTU_SINGLE_PROCESS_DDP=1 puts them back under
+    DDP. Same losses, same state-dict keys (checkpoints load either way)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hstu.training.trainer import Trainer
+
+    common = [
+        "TrainerArgs.train_batch_size=16",
+        "TrainerArgs.eval_interval=0",
+        "TrainerArgs.max_train_iters=6",
+        "TrainerArgs.ckpt_save_interval=-1",
+        "NetworkArgs.hidden_dropout=0.0",
+    ]
+    losses, keys, under_ddp = {}, {}, {}
+    for ddp in ("0", "1"):
+        monkeypatch.setenv("HSTU_SINGLE_PROCESS_DDP", ddp)
+        trainer = Trainer(_cfg("ranking", tmp_path / ddp, *common), "cpu")
+        try:
+            under_ddp[ddp] = any(
+                isinstance(m, DistributedDataParallel) for m in trainer.model.modules()
+            )
+            keys[ddp] = sorted(trainer.model.state_dict())
+            losses[ddp] = [loss for _, loss in trainer.fit().losses]
+        finally:
+            trainer.close()
+    assert under_ddp == {"0": False, "1": True}
+    assert keys["0"] == keys["1"] and not any(k.startswith("module.") for k in keys["0"])
+    assert len(losses["0"]) == 6
+    np.testing.assert_allclose(losses["0"], losses["1"], rtol=1e-6)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo CPU equivalence test")
 def test_two_processes_match_one(tmp_path):
     curves = {}

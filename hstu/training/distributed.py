@@ -198,8 +198,30 @@ def install_torchrec_recat_cache() -> bool:
     return True
 
 
+def use_ddp(world_size: int) -> bool:
+    """Whether the dense parameters go under DDP: with more than one rank; with one only when
+    HSTU_SINGLE_PROCESS_DDP=1 (for comparisons). A single process has nothing to average, and DDP
+    still costs host time every step: a gradient copy (scaled by 1 / world size) into its bucket
+    per parameter, and the bucket all-reduces."""
+    return world_size > 1 or os.environ.get("HSTU_SINGLE_PROCESS_DDP", "") == "1"
+
+
+def _no_data_parallel():
+    """A torchrec DataParallelWrapper that leaves the unsharded modules unwrapped and only moves
+    them to the device, as DDP's wrapping would (state-dict keys are the same either way:
+    DistributedModelParallel strips DDP's "module." prefix)."""
+    from torchrec.distributed.model_parallel import DataParallelWrapper
+
+    class NoDataParallel(DataParallelWrapper):
+        def wrap(self, dmp, env, device: torch.device) -> None:
+            dmp.module.to(device)
+
+    return NoDataParallel()
+
+
 def wrap_model(model: nn.Module, info: DistInfo) -> nn.Module:
-    """Shards the model's torchrec tables with DistributedModelParallel (dense parts under DDP).
+    """Shards the model's torchrec tables with DistributedModelParallel (dense parts under DDP
+    when there are several ranks; see `use_ddp`).
 
     The planner places tables for this world size; on CPU it plans for host memory. Dynamic
     tables (`DynamicEmbeddingCollection`) go row-wise through `DynamicEmbeddingSharder`.
@@ -224,4 +246,7 @@ def wrap_model(model: nn.Module, info: DistInfo) -> nn.Module:
     topology = Topology(world_size=info.world_size, compute_device=info.device.type)
     planner = EmbeddingShardingPlanner(topology=topology)
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=info.device, plan=plan, sharders=sharders)
+    wrapper = None if use_ddp(info.world_size) else _no_data_parallel()
+    return DistributedModelParallel(
+        model, device=info.device, plan=plan, sharders=sharders, data_parallel_wrapper=wrapper
+    )

@@ -403,3 +403,11 @@ def test_help_shows_examples(capsys):
     out = capsys.readouterr().out
     assert "torchrun --nproc_per_node=8 scripts/pretrain_gr_retrieval.py" in out
     assert "--gin-bindings" in out and "HSTU_ALLOW_NON_A100=1" in out
+
+
+def test_failed_load_leaves_no_bindings_behind():
+    """A config that fails to load (here a bad value) clears gin's state: code that builds e.g.
+    NetworkArgs() afterwards in the same process gets the defaults, not the rejected binding."""
+    with pytest.raises(ConfigError, match="pad_tokens"):
+        load_config("ranking", [], ["NetworkArgs.pad_tokens='sometimes'"])
+    assert NetworkArgs().pad_tokens == "auto"

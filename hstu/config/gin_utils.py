@@ -434,6 +434,14 @@ def load_config(
     sources.extend(f"--gin-bindings {b!r}" for b in split)
 
     gin.clear_config()
+    try:
+        return _load(task, files, split, sources)
+    except BaseException:
+        gin.clear_config()  # a config that failed to load leaves no bindings behind
+        raise
+
+
+def _load(task: str, files: list[Path], split: list[str], sources: list[str]) -> RunConfig:
     seen: dict[str, str] = {}
     for path in files:
         if not path.is_file():

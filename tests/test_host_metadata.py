@@ -50,8 +50,9 @@ def _old_preprocess(pre: SequencePreprocessor, batch: Batch, contextual, items: 
     scaled = values * pre.item_scale if pre.item_scale != 1.0 else values
     tok = scaled + pre.position_embedding(pos_ids)
     actions = batch.features[ACTION_FEATURE].values().to(device)
-    bits = (actions.view(-1, 1) >> torch.arange(pre.num_action_bits, device=device)) & 1
-    action_tok = bits.to(values.dtype) @ pre.action_embedding + pre.history_embedding
+    # the action tokens as the module computes them (checked against the per-token product in
+    # test_action_tokens_match_per_token_product): this file checks the host metadata
+    action_tok = pre.action_tokens(actions, values.dtype) + pre.history_embedding
     tok = tok.index_put((is_hist.nonzero().squeeze(1),), action_tok, accumulate=True)
     x = values.new_zeros((num_tokens, pre.hidden_size))
     x = x.index_copy(0, dest, tok)
@@ -220,6 +221,29 @@ def test_preprocessor_gradients_equal_to_previous():
         grads.append([p.grad.clone() for p in pre.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n_bits", [1, 3, 8, 13])
+def test_action_tokens_match_per_token_product(n_bits):
+    """The action tokens from the table of bit combinations (or, above MAX_COMBO_BITS, the
+    direct product) equal bits(actions) @ action_embedding, forward and weight gradient; bits
+    above num_action_bits are ignored."""
+    from hstu.modules.preprocessor import MAX_COMBO_BITS
+
+    torch.manual_seed(n_bits)
+    pre = SequencePreprocessor(16, n_bits, 12, 0)
+    actions = torch.randint(0, 1 << 20, (300,))
+    weight = torch.randn(300, 16)
+    got = pre.action_tokens(actions, torch.float32)
+    (got * weight).sum().backward()
+    grad_got = pre.action_embedding.grad.clone()
+    pre.action_embedding.grad = None
+    bits = (actions.view(-1, 1) >> torch.arange(n_bits)) & 1
+    want = bits.float() @ pre.action_embedding
+    (want * weight).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad_got, pre.action_embedding.grad, rtol=1e-5, atol=1e-5)
+    assert (n_bits > MAX_COMBO_BITS) == (n_bits == 13)
 
 
 def test_host_lengths_rejects_inconsistent_batch():

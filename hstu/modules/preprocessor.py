@@ -105,6 +105,11 @@ def padded_token_count(t: int) -> int:
     return -(-t // grain) * grain
 
 
+# Action words with up to this many bits get their action tokens from a table of every bit
+# combination (SequencePreprocessor.action_tokens): 2^12 rows of D at most.
+MAX_COMBO_BITS = 12
+
+
 class SequencePreprocessor(nn.Module):
     def __init__(
         self,
@@ -136,6 +141,24 @@ class SequencePreprocessor(nn.Module):
         self.position_embedding = nn.Embedding(max_positions, hidden_size)
         nn.init.normal_(self.position_embedding.weight, std=position_init_std)
         self.dropout = nn.Dropout(dropout)
+
+    def action_tokens(self, actions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[N] action words -> [N, D]: the sum of the action_embedding rows of the word's low
+        num_action_bits set bits.
+
+        Up to MAX_COMBO_BITS bits, every bit combination's sum is computed once per step (a
+        [2^bits, bits] x [bits, D] product, the same shape every step) and gathered per token:
+        the direct [N, bits] x [bits, D] product has a new N every step, and on the H100 cuBLAS
+        spent up to ~4.5 ms of host time per step choosing a kernel for it (its weight gradient,
+        [bits, N] x [N, D], ~0.35 ms more)."""
+        n_bits = self.num_action_bits
+        shifts = torch.arange(n_bits, device=actions.device)
+        if n_bits > MAX_COMBO_BITS:
+            bits = (actions.view(-1, 1) >> shifts) & 1
+            return bits.to(dtype) @ self.action_embedding
+        combos = torch.arange(1 << n_bits, device=actions.device).view(-1, 1) >> shifts
+        sums = (combos & 1).to(dtype) @ self.action_embedding  # [2^bits, D]
+        return nn.functional.embedding(actions & ((1 << n_bits) - 1), sums)
 
     def forward(
         self,
@@ -200,8 +223,7 @@ class SequencePreprocessor(nn.Module):
         scaled = values * self.item_scale if self.item_scale != 1.0 else values
         tok = scaled + self.position_embedding(pos_ids)
         actions = batch.features[ACTION_FEATURE].values().to(device)
-        bits = (actions.view(-1, 1) >> torch.arange(self.num_action_bits, device=device)) & 1
-        action_tok = bits.to(values.dtype) @ self.action_embedding + self.history_embedding
+        action_tok = self.action_tokens(actions, values.dtype) + self.history_embedding
         tok = tok.index_put((hist_index,), action_tok, accumulate=True)
 
         pad = self.pad_tokens == "on" or (self.pad_tokens == "auto" and device.type == "cuda")

@@ -105,6 +105,8 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.profile_steps < 1:
         p.error("--steps and --profile-steps must be >= 1, --warmup >= 0")
+    if args.profile_stack and not args.profile:
+        p.error("--profile-stack needs --profile DIR (it adds Python stacks to that trace)")
     return args
 
 

@@ -51,15 +51,60 @@ def _run_bench(prof_dir: Path, *extra: str) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test of the profiling option")
 def test_bench_e2e_profile_writes_trace_and_summary(tmp_path):
     prof_dir = tmp_path / "prof"
-    proc = _run_bench(prof_dir, "--profile-steps", "2")
+    proc = _run_bench(prof_dir, "--profile-steps", "2", "--profile-stack")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     prof = rows[-1]["profile"]
     assert prof["steps"] == 2 and prof["step_ms_profiled"] > 0
     assert prof["kernel_ms_per_step"] == 0.0 and prof["top_kernels_ms_per_step"] == []
     trace = json.loads(gzip.open(prof["trace"]).read())
-    names = {e.get("name") for e in trace["traceEvents"]}
+    events = trace["traceEvents"]
+    names = {e.get("name") for e in events}
     assert any(str(n).startswith("aten::") for n in names)  # CPU ops were recorded
+    # --profile-stack: Python frames of the step are in the trace
+    assert any(
+        e.get("cat") == "python_function" and "trainer.py" in str(e.get("name")) for e in events
+    )
+    # host summary: top-level operators per step, their time, the largest first
+    assert prof["host_ops_per_step"] > 10 and prof["host_op_ms_per_step"] > 0
+    top = prof["top_host_ops_ms_per_step"]
+    assert 0 < len(top) <= 15 and all(len(t) == 3 for t in top)
+    assert [t[1] for t in top] == sorted((t[1] for t in top), reverse=True)
+    assert sum(t[1] for t in top) <= prof["host_op_ms_per_step"] + 1e-9
+
+
+def test_host_ops_counts_top_level_operators_per_thread():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from bench_e2e import _host_ops
+    finally:
+        sys.path.pop(0)
+
+    def op(name, ts, dur, tid=1):
+        return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+    events = [
+        op("aten::linear", 0, 10),
+        op("aten::addmm", 1, 8),  # nested in linear
+        op("aten::add", 12, 2),
+        op("aten::linear", 20, 6),
+        op("aten::mul", 0, 5, tid=2),  # another thread: top level there
+        {"cat": "kernel", "name": "k", "ts": 0, "dur": 100},
+    ]
+    host = _host_ops(events)
+    assert host["count"] == 4 and host["total_us"] == 23
+    assert host["top"][0] == ("aten::linear", (16, 2))
+
+
+def test_bench_e2e_profile_stack_needs_profile():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--profile-stack"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "--profile-stack needs --profile" in proc.stderr
 
 
 def test_bench_e2e_rejects_bad_step_counts():

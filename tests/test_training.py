@@ -193,6 +193,16 @@ def test_single_process_trains_without_ddp(tmp_path, monkeypatch):
     np.testing.assert_allclose(losses["0"], losses["1"], rtol=1e-6)
 
 
+def test_single_process_ddp_switch_rejects_other_values(monkeypatch):
+    from hstu.training.distributed import use_ddp
+
+    monkeypatch.setenv("HSTU_SINGLE_PROCESS_DDP", "yes")
+    with pytest.raises(ValueError, match="HSTU_SINGLE_PROCESS_DDP='yes'"):
+        use_ddp(1)
+    monkeypatch.setenv("HSTU_SINGLE_PROCESS_DDP", "0")
+    assert not use_ddp(1) and use_ddp(2)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo CPU equivalence test")
 def test_two_processes_match_one(tmp_path):
     curves = {}

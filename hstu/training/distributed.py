@@ -203,7 +203,13 @@ def use_ddp(world_size: int) -> bool:
     HSTU_SINGLE_PROCESS_DDP=1 (for comparisons). A single process has nothing to average, and DDP
     still costs host time every step: a gradient copy (scaled by 1 / world size) into its bucket
     per parameter, and the bucket all-reduces."""
-    return world_size > 1 or os.environ.get("HSTU_SINGLE_PROCESS_DDP", "") == "1"
+    value = os.environ.get("HSTU_SINGLE_PROCESS_DDP", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(
+            f"HSTU_SINGLE_PROCESS_DDP={value!r} is not supported: 1 (a single process trains "
+            "under DDP too), 0 or unset (it does not)"
+        )
+    return world_size > 1 or value == "1"
 
 
 def _no_data_parallel():

@@ -23,7 +23,7 @@ Cast-step variants, the backward's first step on an fp32 gradient [T, hidden] (c
 matmul dtype + the output bias gradient): "cast_op_cuda" (torch.ops.hstu_lnmd.cast_colsum, one
 pass) and "cast_op_aten" (`.to()` then a sum of the cast); rows add gbps.
 
-Lengths are randint(N // 2, N + 1) from seed 0 (DESIGN.md benchmarks). `ms_fwd_bwd` is the
+Lengths are randint(N // 2, N + 1) from seed 0 (docs/design.md benchmarks). `ms_fwd_bwd` is the
 median of --iters forward+backward calls after --warmup (CUDA events on GPU, perf_counter on
 CPU); `host_ms` the median CPU time to enqueue one forward+backward (no sync inside: on a GPU
 a layer is launch-bound when host_ms approaches ms_fwd_bwd). FLOPs as in `hstu.training.flops`

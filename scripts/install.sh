@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-command set-up: installs hstu with the torch / fbgemm-gpu / torchrec trio that loads together
-# on this machine (DESIGN.md "Dependencies") and, on a CUDA machine, builds the compiled kernels.
+# on this machine (docs/design.md "Dependencies") and, on a CUDA machine, builds the compiled kernels.
 #   bash scripts/install.sh          # runtime
 #   bash scripts/install.sh --dev    # + pytest, ruff, CUTLASS headers (kernel compile checks)
 # CPU machine : torch==2.13.0 (CPU) + fbgemm-gpu-cpu==1.8.0 + torchrec==1.8.0 (--no-deps)

@@ -38,7 +38,7 @@ def test_ranking_shapes_and_loss_value():
 
 def test_ranking_candidates_do_not_see_each_other():
     """Target tokens attend only to history (+ themselves): changing one candidate's item must not
-    change another candidate's logits (DESIGN.md target mask with target_group_size=1)."""
+    change another candidate's logits (docs/design.md target mask with target_group_size=1)."""
     _, _, splits, model = _setup("ranking")
     model.eval()
     idx = [i for i in range(len(splits.eval)) if splits.eval.collate([i]).num_candidates[0] >= 3][

@@ -1,4 +1,4 @@
-"""The PyTorch reference HSTU attention against a brute-force per-pair loop of DESIGN.md's rules.
+"""The PyTorch reference HSTU attention against a brute-force per-pair loop of docs/design.md's rules.
 
 The loop spells out every mask rule literally (ids, causal, target groups, window, contextual
 rows) so that the reference, the oracle of the CUDA kernel tests, is itself checked on CPU.

@@ -22,7 +22,7 @@ from hstu.ops.reference import hstu_attention, hstu_attention_mask
 
 
 def _pair_ok(i: int, j: int, n: int, c: int, t: int, g: int, w: int) -> bool:
-    """DESIGN.md's mask for one pair, written out literally (independent of the reference)."""
+    """docs/design.md's mask for one pair, written out literally (independent of the reference)."""
     h = n - t
     pid = (lambda p: max(p - c + 1, 0)) if c > 0 else (lambda p: p)
     ok = i == j or pid(i) > pid(j)

@@ -30,7 +30,7 @@ __all__ = [
     "TrainerArgs",
 ]
 
-# Datasets with a converter (DESIGN.md "Data flow"). dataset_name is not limited to these: any
+# Datasets with a converter (docs/design.md "Data flow"). dataset_name is not limited to these: any
 # plain name whose files were prepared under data/<name>/ (or DatasetArgs.dataset_path) loads.
 SUPPORTED_DATASETS: tuple[str, ...] = (
     "synthetic",

@@ -1,4 +1,4 @@
-"""The fused HSTU layer: one autograd Function with a hand-written backward (DESIGN.md).
+"""The fused HSTU layer: one autograd Function with a hand-written backward (docs/design.md).
 
     n = LayerNorm(x); z = n @ W_uvqk^T + b; u, v, q, k = split(SiLU(z)); a = attention(q, k, v)
     y = dropout(LayerNorm(a) * u); x_out = x + y @ W_o^T + b_o

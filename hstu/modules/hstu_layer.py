@@ -1,4 +1,4 @@
-"""The HSTU layer (DESIGN.md "Fused HSTU layer") and a stack of them, on jagged [T, D] tokens.
+"""The HSTU layer (docs/design.md "Fused HSTU layer") and a stack of them, on jagged [T, D] tokens.
 
 n = LayerNorm(x); u, v, q, k = split(SiLU(n @ W_uvqk + b)); a = attention(q, k, v)
 y = dropout(LayerNorm(a) * u); x_out = x + y @ W_o

@@ -1,7 +1,7 @@
 """The one HSTU attention entry point the models call.
 
 CUDA tensors go to the compiled CUTLASS kernel (`hstu.ops.cuda_attention`); CPU tensors use the
-PyTorch reference (CPU development mode only, see DESIGN.md "Hardware policy"). The reference is
+PyTorch reference (CPU development mode only, see docs/design.md "Hardware policy"). The reference is
 not a selectable backend on GPU: a CUDA call without a built kernel is an error that says how to
 build it.
 

@@ -1,7 +1,7 @@
 """Pure-PyTorch reference twins of the compiled ops.
 
 These are the test oracles for the CUDA kernels and the CPU development-mode implementation.
-They are deliberately simple (padded dense math) and follow DESIGN.md exactly.
+They are deliberately simple (padded dense math) and follow docs/design.md exactly.
 
 HSTU attention, for query i and key j of one sequence of length L with c leading contextual
 tokens and t trailing targets (H = L - t history tokens, ids id(p) = max(p - c + 1, 0) if c > 0
@@ -113,7 +113,7 @@ def hstu_attention_mask(
     window_size: int = 0,
     causal: bool = True,
 ) -> torch.Tensor:
-    """Dense validity mask [B, N, N] (N = max_seqlen) of the DESIGN.md rules; False off-sequence."""
+    """Dense validity mask [B, N, N] (N = max_seqlen) of the docs/design.md rules; False off-sequence."""
     device = lengths.device
     lengths = lengths.long()
     b = lengths.numel()

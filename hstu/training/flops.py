@@ -6,7 +6,7 @@ T = sum_b L_b tokens, D = hidden_size, H heads of width d, so H*d = HD):
 - linears, forward: uvqk projection 2 * T * D * 4HD, output projection 2 * T * HD * D,
   i.e. 10 * T * D * HD; backward = 2 x forward (grad of the input and of the weight).
 - attention, forward: sum_b H * L_b^2 * (d_qk + d_v), the causal half of 2 * L^2 per score
-  matmul (QK^T and attn @ V), counted the FlashAttention way as in the DESIGN.md benchmarks;
+  matmul (QK^T and attn @ V), counted the FlashAttention way as in the docs/design.md benchmarks;
   backward = 2.5 x forward. Contextual/target masks and local windows are not discounted.
 
 Not counted: embeddings, LayerNorms, SiLU, gating, dropout, the preprocessor, the ranking MLP

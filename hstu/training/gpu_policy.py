@@ -1,7 +1,7 @@
 """Hardware policy: A100 (SM 8.0) only, with an explicit development override.
 
 Both launchers call :func:`check_gpu` at the very start of ``main()`` on every rank, before
-loading data or building models (DESIGN.md "Hardware policy"). Without the override anything
+loading data or building models (docs/design.md "Hardware policy"). Without the override anything
 but an A100 raises ``RuntimeError``; with ``--allow-non-a100`` or ``HSTU_ALLOW_NON_A100=1`` a
 non-A100 CUDA GPU runs with a loud warning and a machine without CUDA runs the CPU development
 mode (PyTorch reference ops, gloo backend).
@@ -69,7 +69,7 @@ class DeviceMode:
 
 
 def refusal_message(name: str, sm: str) -> str:
-    """The exact refusal text of DESIGN.md for a detected device."""
+    """The exact refusal text of docs/design.md for a detected device."""
     return (
         f"This code is optimized for A100 GPU (SM 8.0) only. Detected {name} (SM {sm}). "
         "Please use an A100 GPU."
@@ -107,7 +107,7 @@ def check_gpu(allow_non_a100: bool = False, local_rank: int | None = None) -> De
 
     ``allow_non_a100`` (``--allow-non-a100``) or ``HSTU_ALLOW_NON_A100=1`` turns a refusal into
     a warning. ``local_rank`` defaults to ``$LOCAL_RANK`` (set by torchrun) or 0.
-    Raises ``RuntimeError`` with the DESIGN.md message when the device is refused.
+    Raises ``RuntimeError`` with the message of docs/design.md when the device is refused.
     """
     allow = bool(allow_non_a100) or allow_non_a100_from_env()
     rank = _local_rank() if local_rank is None else int(local_rank)

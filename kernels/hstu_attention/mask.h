@@ -1,4 +1,4 @@
-// The HSTU mask rules of DESIGN.md in one place: per element (valid) and per tile (empty / full).
+// The HSTU mask rules of docs/design.md in one place: per element (valid) and per tile (empty / full).
 //
 // For one sequence of length L with c leading contextual tokens and t trailing targets
 // (H = L - t history tokens), ids id(p) = max(p - c + 1, 0) if c > 0 else p, group
@@ -45,7 +45,7 @@ struct SeqMask {
     return c > 0 ? lim + c - 1 : lim;
   }
 
-  // The keys row i (< L) sees, as two half-open intervals [lo1, hi1) U [lo2, hi2) (DESIGN.md rules
+  // The keys row i (< L) sees, as two half-open intervals [lo1, hi1) U [lo2, hi2) (docs/design.md rules
   // solved per row): contextual rows see the history [0, H); other history rows [key_lo, i];
   // target rows the history [key_lo, H) plus their own group's targets up to themselves.
   __host__ __device__ __forceinline__ void row_keys(int i, int& lo1, int& hi1, int& lo2, int& hi2) const {

@@ -36,15 +36,15 @@ def main() -> None:
                 "train_iter": trainer.train_iter.state_dict(),
                 "step": trainer.step,
             }
-            if trainer.core.dynamic_collection is not None:
-                loaded["dynamic_embeddings"] = trainer.core.dynamic_collection.dump()
+            if trainer.core.embeddings.dynamic_collection is not None:
+                loaded["dynamic_embeddings"] = trainer.core.embeddings.dynamic_collection.dump()
             torch.save(loaded, out / f"loaded_rank_{rank}.pt")
         result = trainer.fit()
     finally:
         trainer.close()
     if rank == 0:
         (out / "losses.json").write_text(json.dumps(result.losses))
-        (out / "info.json").write_text(json.dumps({"id_router": trainer.id_router is not None}))
+        (out / "info.json").write_text(json.dumps({"input_dist_ahead": trainer.pipeline.ahead}))
 
 
 if __name__ == "__main__":

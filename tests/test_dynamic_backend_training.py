@@ -48,14 +48,14 @@ def test_dynamic_backend_builds_item_and_user_tables(tmp_path):
     cfg = _cfg(tmp_path, "EmbeddingArgs.item_capacity=1000")
     data = load_sequence_data(cfg.dataset, num_tasks=cfg.ranking.num_tasks)
     model = build_model(cfg, data)
-    assert isinstance(model.dynamic_collection, DynamicEmbeddingCollection)
-    caps = {c.name: c.capacity for c in model.dynamic_collection.embedding_configs()}
+    assert isinstance(model.embeddings.dynamic_collection, DynamicEmbeddingCollection)
+    caps = {c.name: c.capacity for c in model.embeddings.dynamic_collection.embedding_configs()}
     # item capacity from the binding; user_id: 0 -> twice the dataset's user vocabulary
     user_card = data.user_feature_cardinalities[list(data.user_feature_names).index("user_id")]
     assert caps == {"item_table": 1000, "ctx_user_id": 2 * user_card}
-    assert sorted(model.dynamic_features) == ["item_id", "user_id"]
+    assert sorted(model.embeddings.dynamic_features) == ["item_id", "user_id"]
     # the other contextual tables stay ordinary torchrec tables
-    static = {c.name for c in model.embedding_collection.embedding_configs()}
+    static = {c.name for c in model.embeddings.embedding_collection.embedding_configs()}
     assert static == {"ctx_segment", "ctx_age_group", "ctx_region"}
 
 
@@ -180,9 +180,13 @@ def test_dense_contextual_tables_with_dynamic_backend(tmp_path):
     cfg = _cfg(tmp_path / "m", dense)
     data = load_sequence_data(cfg.dataset, num_tasks=cfg.ranking.num_tasks)
     model = build_model(cfg, data)
-    assert model.embedding_collection is None
-    assert set(model.dense_tables.tables) == {"ctx_segment", "ctx_age_group", "ctx_region"}
-    assert sorted(model.dynamic_features) == ["item_id", "user_id"]
+    assert model.embeddings.embedding_collection is None
+    assert set(model.embeddings.dense_tables.tables) == {
+        "ctx_segment",
+        "ctx_age_group",
+        "ctx_region",
+    }
+    assert sorted(model.embeddings.dynamic_features) == ["item_id", "user_id"]
 
     full = run_training(
         _cfg(tmp_path / "a", dense, "TrainerArgs.max_train_iters=16", "TrainerArgs.log_interval=4")

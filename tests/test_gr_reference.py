@@ -26,8 +26,6 @@ from hstu.modules.softmax_attention import softmax_attention
 from hstu.ops.reference import hstu_attention
 from hstu.training.trainer import run_training
 
-ROOT = Path(__file__).resolve().parents[1]
-
 GR_BINDINGS = [
     "EmbeddingArgs.embedding_backend='dense'",
     "EmbeddingArgs.initializer='truncated_normal'",
@@ -147,12 +145,14 @@ _setup = small_model
 
 def test_gr_options_build_the_reference_model():
     cfg, data, splits, model = _setup("retrieval", *GR_BINDINGS)
-    assert model.embedding_collection is None and model.dense_tables is not None
-    assert [s.name for s in model.table_specs] == ["item_table"]  # no contextual tables
+    assert (
+        model.embeddings.embedding_collection is None and model.embeddings.dense_tables is not None
+    )
+    assert [s.name for s in model.embeddings.table_specs] == ["item_table"]  # no contextual tables
     assert model.encoder.final_norm is None
     assert all(layer.relative_bias is not None for layer in model.encoder.layers)
     # truncated normal rows: |w| <= 2 std
-    w = model.dense_tables.tables["item_table"].weight
+    w = model.embeddings.dense_tables.tables["item_table"].weight
     assert float(w.abs().max()) <= 2 * cfg.embedding.init_std + 1e-7
     # tokens: item * sqrt(d) + position (+ the action embedding of history tokens)
     batch = splits.eval.collate([0, 1])
@@ -172,7 +172,7 @@ def test_gr_options_build_the_reference_model():
     model.train()
     out = model(splits.train.collate(list(range(4))))
     out["loss"].backward()
-    assert model.dense_tables.tables["item_table"].weight.grad is not None
+    assert model.embeddings.dense_tables.tables["item_table"].weight.grad is not None
     for layer in model.encoder.layers:
         assert layer.relative_bias.weight.grad.abs().sum() > 0
 
@@ -200,7 +200,7 @@ def test_per_row_negatives_loss_matches_manual():
     ids = batch.features[ITEM_FEATURE].values()
     pos_ids = ids[src + 1]
     pos = F.normalize(item_emb[src + 1], dim=-1, eps=1e-6)
-    table = model.dense_tables.tables["item_table"].weight
+    table = model.embeddings.dense_tables.tables["item_table"].weight
     neg = F.normalize(table[sample.ids], dim=-1, eps=1e-6)  # [R, K, D]
     neg_logit = torch.einsum("rd,rkd->rk", q, neg) / model.temperature
     neg_logit = neg_logit.masked_fill(pos_ids.view(-1, 1) == sample.ids, float("-inf"))
@@ -215,7 +215,7 @@ def test_whole_corpus_and_unique_lookup_give_the_same_logits():
     g = torch.Generator().manual_seed(0)
     offsets = torch.randint(0, corpus.numel(), (9, 7), generator=g)
     q = F.normalize(torch.randn(9, model.hidden_size, generator=g), dim=-1)
-    table = model.dense_tables.tables["item_table"].weight.detach()
+    table = model.embeddings.dense_tables.tables["item_table"].weight.detach()
     whole = NegativeSample(corpus, corpus[offsets], offsets, whole_corpus=True)
     uniq, inverse = torch.unique(offsets, return_inverse=True)
     part = NegativeSample(corpus[uniq], corpus[offsets], inverse, whole_corpus=False)
@@ -263,23 +263,29 @@ SMALL = [
 ]
 
 
-def _cfg(task: str, tmp_path: Path, *extra: str):
-    return load_config(
-        task,
-        [],
-        SMALL + [f"TrainerArgs.log_dir='{tmp_path}'", "TrainerArgs.run_name='run'", *extra],
-    )
+@pytest.fixture
+def small_cfg(run_dir_bindings):
+    """``small_cfg(task, run_dir, *extra)``: the SMALL config writing its run under run_dir."""
+
+    def cfg(task: str, run_dir: Path, *extra: str):
+        return load_config(task, [], SMALL + run_dir_bindings(run_dir) + list(extra))
+
+    return cfg
 
 
-def test_dense_backend_trains_and_resumes_exactly(tmp_path):
+def test_dense_backend_trains_and_resumes_exactly(tmp_path, small_cfg):
     extra = [*GR_BINDINGS, "NetworkArgs.hidden_dropout=0.1"]
-    full = run_training(_cfg("retrieval", tmp_path / "a", "TrainerArgs.max_train_iters=16", *extra))
+    full = run_training(
+        small_cfg("retrieval", tmp_path / "a", "TrainerArgs.max_train_iters=16", *extra)
+    )
     losses = [loss for _, loss in full.losses]
     assert np.mean(losses[-4:]) < np.mean(losses[:4]), losses
-    first = run_training(_cfg("retrieval", tmp_path / "b", "TrainerArgs.max_train_iters=8", *extra))
+    first = run_training(
+        small_cfg("retrieval", tmp_path / "b", "TrainerArgs.max_train_iters=8", *extra)
+    )
     assert first.checkpoint_dir is not None
     resumed = run_training(
-        _cfg(
+        small_cfg(
             "retrieval",
             tmp_path / "c",
             "TrainerArgs.max_train_iters=16",
@@ -295,7 +301,7 @@ def test_dense_backend_trains_and_resumes_exactly(tmp_path):
     with pytest.raises(ValueError, match="embedding_backend='dense'"):
         try:
             run_training(
-                _cfg(
+                small_cfg(
                     "retrieval",
                     tmp_path / "d",
                     f"TrainerArgs.ckpt_load_dir='{first.checkpoint_dir}'",
@@ -308,14 +314,13 @@ def test_dense_backend_trains_and_resumes_exactly(tmp_path):
                 torch.distributed.destroy_process_group()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo CPU equivalence test")
-def test_dense_backend_two_processes_match_one(tmp_path):
+@pytest.mark.cpu_only
+def test_dense_backend_two_processes_match_one(tmp_path, run_dir_bindings):
     """Dense tables are replicated and all-reduced by DDP: 2 ranks train like 1."""
     curves = {}
     for nproc in (1, 2):
-        bindings = SMALL + [
-            f"TrainerArgs.log_dir='{tmp_path / str(nproc)}'",
-            "TrainerArgs.run_name='run'",
+        bindings = SMALL + run_dir_bindings(tmp_path / str(nproc))
+        bindings += [
             "TrainerArgs.max_train_iters=12",
             "TrainerArgs.ckpt_save_interval=-1",
             "NetworkArgs.hidden_dropout=0.0",
@@ -328,7 +333,6 @@ def test_dense_backend_two_processes_match_one(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gr_options_on_cuda_match_cpu_and_train_in_bf16():
     """The biased reference attention, dense tables and per-row negatives on the GPU: the eval
     query equals the CPU model's (fp32), and a bf16-autocast training step gives a finite loss
@@ -348,5 +352,5 @@ def test_gr_options_on_cuda_match_cpu_and_train_in_bf16():
         out = gpu(splits.train.collate(list(range(8))).to(torch.device("cuda")))
     out["loss"].backward()
     assert torch.isfinite(out["loss"])
-    assert gpu.dense_tables.tables["item_table"].weight.grad.abs().sum() > 0
+    assert gpu.embeddings.dense_tables.tables["item_table"].weight.grad.abs().sum() > 0
     assert all(layer.relative_bias.weight.grad.abs().sum() > 0 for layer in gpu.encoder.layers)

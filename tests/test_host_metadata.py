@@ -10,7 +10,8 @@ from test_models import _setup as models_setup
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
-from hstu.models.base import EXTRA_ITEM_FEATURE, gather_outputs
+from hstu.embeddings.stack import EXTRA_ITEM_FEATURE
+from hstu.models.base import gather_outputs
 from hstu.models.builder import build_model
 from hstu.models.ranking import label_bits
 from hstu.modules.hstu_layer import AttentionInputs
@@ -70,7 +71,8 @@ def _old_preprocess(pre: SequencePreprocessor, batch: Batch, contextual, items: 
 
 
 def _old_lookup(model, batch: Batch | None, extra_ids=None) -> dict[str, JaggedTensor]:
-    names = model.embedding_features
+    stack = model.embeddings
+    names = stack.features
     n_ctx = len(model.contextual_names)
     device = batch.user_ids.device if batch is not None else extra_ids.device
     if batch is not None:
@@ -93,22 +95,22 @@ def _old_lookup(model, batch: Batch | None, extra_ids=None) -> dict[str, JaggedT
         values = torch.cat([values.long(), extra])
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=names, values=values.long(), lengths=lengths)
     static_collection = (
-        model.dense_tables if model.dense_tables is not None else model.embedding_collection
+        stack.dense_tables if stack.dense_tables is not None else stack.embedding_collection
     )
-    if model.dynamic_collection is None:
+    if stack.dynamic_collection is None:
         out = static_collection(kjt)
     else:
         keys = kjt.keys()
-        dyn = [i for i, k in enumerate(keys) if k in model.dynamic_features]
-        static = [i for i, k in enumerate(keys) if k not in model.dynamic_features]
+        dyn = [i for i, k in enumerate(keys) if k in stack.dynamic_features]
+        static = [i for i, k in enumerate(keys) if k not in stack.dynamic_features]
         out = {}
         if static:
             kjt_static, kjt_dyn = kjt.permute(static + dyn).split([len(static), len(dyn)])
             out.update(static_collection(kjt_static))
         else:
             kjt_dyn = kjt
-        out.update(model.dynamic_collection(kjt_dyn))
-    if model.table_dim == model.hidden_size:
+        out.update(stack.dynamic_collection(kjt_dyn))
+    if stack.table_dim == model.hidden_size:
         return out
     return {
         k: JaggedTensor(values=jt.values()[:, : model.hidden_size], lengths=jt.lengths())
@@ -318,8 +320,8 @@ def test_ranking_forward_backward_bitwise_equal_to_previous(bindings):
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
             assert torch.equal(p.grad, q.grad), name
-    if model.dynamic_collection is not None:
-        a, b = model.dynamic_collection.dump(), ref.dynamic_collection.dump()
+    if model.embeddings.dynamic_collection is not None:
+        a, b = model.embeddings.dynamic_collection.dump(), ref.embeddings.dynamic_collection.dump()
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]), k
@@ -358,9 +360,9 @@ def test_lookup_kjt_carries_host_sizes():
     _, splits, model, _ = _setup("retrieval", "EmbeddingArgs.embedding_backend='dynamic'")
     batch = splits.train.collate(list(range(5))).to("cpu")
     extra = torch.tensor([3, 1, 4, 1, 5])
-    kjt = model._lookup_kjt(batch, extra, batch.user_ids.device)
+    kjt = model.embeddings.lookup_kjt(batch, extra)
     assert kjt._length_per_key is not None and kjt._offset_per_key is not None
-    assert kjt.keys() == model.embedding_features
+    assert kjt.keys() == model.embeddings.features
     n = [int(kjt[k].lengths().sum()) for k in kjt.keys()]
     assert kjt._length_per_key == n
     assert kjt[EXTRA_ITEM_FEATURE].values().tolist() == extra.tolist()

@@ -178,7 +178,7 @@ def test_ids_routed_ahead_give_the_losses_of_routing_in_the_step(tmp_path):
             out,
         )
         info = json.loads((out / "info.json").read_text())
-        assert info["id_router"] is ahead
+        assert info["input_dist_ahead"] is ahead
     assert len(runs[True]) == 8
     np.testing.assert_array_equal(runs[True], runs[False])
 

@@ -1,12 +1,13 @@
-"""GPU: the training forward reads nothing back from the GPU (issue 5/7 host<->device syncs).
+"""GPU: the training forward reads nothing back from the GPU (no host<->device syncs).
 
 One step of a shrunken synthetic_benchmark_ranking model (fused layers, compiled attention,
 dynamic item/user tables, bf16) runs its forward, from the model call to the loss, under
 ``torch.cuda.set_sync_debug_mode("error")``: any blocking device->host read or pageable copy
-raises. Nothing is scoped out on one GPU: the torchrec-sharded EmbeddingCollection of the small
-contextual tables used to sync in its input dist (a recat index tensor built on the device from a
-Python list each step); `install_torchrec_recat_cache` (hstu.training.distributed) now builds it
-once. The dynamic tables, including their inserts, must not sync.
+raises. Nothing is scoped out on one GPU: the input dist of the torchrec-sharded
+EmbeddingCollection of the small contextual tables would sync on a recat index tensor built on
+the device from a Python list each step, which `install_torchrec_recat_cache`
+(hstu.training.distributed) builds once instead. The dynamic tables, including their inserts,
+must not sync.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.usefixtures("compiled_attention", "dynamic_embedding_kernels"),
+]
 
 BINDINGS = [
     "TrainerArgs.train_batch_size=8",
@@ -47,18 +51,7 @@ def _sync_debug(mode):
         torch.cuda.set_sync_debug_mode(prev)
 
 
-@pytest.fixture(autouse=True)
-def _need_gpu_and_kernels():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from hstu.embeddings import cuda_table
-    from hstu.ops import compiled_attention_available
-
-    if not compiled_attention_available() or not cuda_table.available():
-        pytest.skip("compiled attention / dynamic embedding kernels not built")
-
-
-def test_training_forward_has_no_host_device_sync(tmp_path, monkeypatch):
+def test_training_forward_has_no_host_device_sync(tmp_path, monkeypatch, run_dir_bindings):
     from hstu.config.gin_utils import load_config
     from hstu.training.trainer import Trainer
 
@@ -66,7 +59,7 @@ def test_training_forward_has_no_host_device_sync(tmp_path, monkeypatch):
     cfg = load_config(
         "ranking",
         [ROOT / "configs" / "synthetic_benchmark_ranking.gin"],
-        BINDINGS + [f"TrainerArgs.log_dir='{tmp_path}'"],
+        BINDINGS + run_dir_bindings(tmp_path),
     )
     trainer = Trainer(cfg, "cuda")
     try:
@@ -89,9 +82,9 @@ def test_training_forward_has_no_host_device_sync(tmp_path, monkeypatch):
         attn = trainer.core.last_attention_inputs
         assert attn.host_seq_offsets is not None
         assert torch.equal(attn.host_seq_offsets, attn.seq_offsets.cpu())
-        tables = trainer.core.dynamic_collection.tables.values()
+        tables = trainer.core.embeddings.dynamic_collection.tables.values()
         assert all(t._padded_insert for t in tables)  # the compiled, sync-free insert path
-        stats = trainer.core.dynamic_collection.stats()
+        stats = trainer.core.embeddings.dynamic_collection.stats()
         assert stats["item_table/inserts"] > 0 and stats["item_table/lookups"] > 0
     finally:
         trainer.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -30,9 +29,6 @@ class Batch:
     global_counts: training batches from a `BatchIterator` given per-sample loss counts: (loss
       terms, samples) of the whole global batch, all ranks together, known without communication
       (the trainer then skips its per-step host all-reduce of the local counts).
-    dynamic_route: a `concurrent.futures.Future` of the exchange of this batch's dynamic-table
-      ids between ranks, started ahead of the step (`hstu.embeddings.sharding.HostIdRouter`),
-      or None; `to()` and `pin_memory()` keep it.
     host: for a batch moved off the CPU by `to()`, the CPU batch it was copied from. The models
       read lengths, offsets and counts from it instead of from the device tensors, so the forward
       needs no device->host copies (each one a host<->GPU sync). Never modify either side after
@@ -47,7 +43,6 @@ class Batch:
     target_item_ids: torch.Tensor | None = None
     global_counts: tuple[float, float] | None = field(default=None, compare=False)
     host: Batch | None = field(default=None, repr=False, compare=False)
-    dynamic_route: Any = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:

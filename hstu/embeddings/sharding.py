@@ -12,30 +12,32 @@ Two ways in, both next to ordinary torchrec tables in one DistributedModelParall
   dim] stand-in, places it row_wise, and DMP swaps in the sharded collection;
 - `shard_dynamic_embeddings(model)` before DMP: the collection becomes a (pre-sharded)
   torchrec ShardedModule, which DMP keeps as it is.
-The sharded collection does its own input/output dist with torch.distributed (synchronous
-all_to_alls) and holds no Parameter or buffer, so DDP and the dense optimizer never see the rows.
+The sharded collection implements torchrec's stages (input dist of the ids, local lookup,
+output dist of the rows) with torch.distributed and holds no Parameter or buffer, so DDP and the
+dense optimizer never see the rows.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import (
+    Awaitable,
     ModuleSharder,
+    NoWait,
     ShardedModule,
     ShardingEnv,
     ShardingType,
 )
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
+from hstu.comm import host_group
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
 from hstu.embeddings.dynamic_table import (
     DynamicEmbeddingCollection,
@@ -44,11 +46,10 @@ from hstu.embeddings.dynamic_table import (
     table_host_ids,
 )
 from hstu.embeddings.reference_table import owner_of
-from hstu.training.distributed import host_group
 
 __all__ = [
     "DynamicEmbeddingSharder",
-    "HostIdRouter",
+    "DynamicLookupContext",
     "ShardedDynamicEmbeddingCollection",
     "shard_dynamic_embeddings",
     "merge_collection_dumps",
@@ -109,72 +110,67 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
-class HostIdRouter:
-    """Makes the gloo exchange of a sharded collection's CPU ids for the *next* training batch
-    while the current step runs, on one background thread with a gloo group of its own.
+@dataclass
+class _TablePlan:
+    """One table's part of a lookup: its features among the lookup's keys, their ids (as given)
+    and value counts, the eviction scores if any, and the same ids on the CPU where known."""
 
-    Without it, `ShardedDynamicEmbeddingCollection.forward` exchanges the ids at the start of
-    every lookup: a host-to-host barrier where each rank's main thread waits for the slowest
-    rank's host, plus the hashing and sorting of the ids on the CPU. With it the main thread only
-    collects the finished exchange (`Future.result()`), and the ranks' hosts may drift apart by
-    up to a step without waiting for each other.
+    table: DynamicEmbeddingTable
+    features: list[str]
+    sizes: list[int]
+    ids: torch.Tensor
+    scores: torch.Tensor | None
+    host_ids: torch.Tensor | None
 
-    Every rank must `submit` the same sequence of batches (the trainer submits one per training
-    step, through `PrefetchIterator`'s lookahead), because each submission is one pair of
-    collectives on the router's group. ``group``: the ranks of the collection's group; the
-    router's gloo group is created here, so every rank must construct its router at the same
-    point (it is a collective call of the default group)."""
 
-    def __init__(
-        self,
-        collection: ShardedDynamicEmbeddingCollection,
-        device: torch.device,
-        batch_host_ids: Callable[[Any], tuple[list[str], dict[str, torch.Tensor]] | None],
-        ranks: list[int] | None = None,
-    ) -> None:
-        self.collection = collection
-        self.device = torch.device(device)
-        self._batch_host_ids = batch_host_ids
-        self.group = dist.new_group(ranks=ranks, backend="gloo")
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hstu-id-router")
+@dataclass
+class DynamicLookupContext:
+    """torchrec's per-call context of `ShardedDynamicEmbeddingCollection`: the lookup's plan
+    (set by `input_dist`, or by `plan` when the input dist was made ahead of the step) and the
+    KJT's per-feature lengths and offsets for the output."""
+
+    plans: list[_TablePlan] = field(default_factory=list)
+    jagged: dict[str, JaggedTensor] = field(default_factory=dict)
+    routes: list[_TableRoute] = field(default_factory=list)
+
+
+class _FutureAwaitable(Awaitable):
+    """torchrec Awaitable of a `concurrent.futures.Future` (an id exchange on the exchange
+    thread)."""
+
+    def __init__(self, future: Future) -> None:
+        super().__init__()
+        self._future = future
+
+    def _wait_impl(self):
+        return self._future.result()
+
+
+class _IdExchange:
+    """One background thread and a gloo group of its own on which a collection exchanges the CPU
+    ids of a *future* lookup between ranks (`input_dist(..., asynchronous=True)`), so that the
+    next batch's input distribution overlaps the current step. Creating it is a collective call
+    of the default group (every rank at the same point); every rank must then submit the same
+    sequence of lookups (each one is a pair of collectives on this group)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.group = dist.new_group(backend="gloo")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hstu-input-dist")
         self._cuda_ready = threading.Event()
 
-    @classmethod
-    def for_model(cls, model: nn.Module, device: torch.device) -> HostIdRouter | None:
-        """A router for ``model``'s sharded dynamic tables, or None where ahead-of-step routing
-        does not apply: one process, no sharded dynamic collection, a collection over a subgroup,
-        or a model whose lookup adds ids that are not in the batch (retrieval's sampled
-        negatives). The same answer on every rank (it depends on the configuration only)."""
-        coll = getattr(model, "dynamic_collection", None)
-        if not isinstance(coll, ShardedDynamicEmbeddingCollection) or coll.world_size == 1:
-            return None
-        if getattr(model, "uses_extra_items", False) or not hasattr(model, "dynamic_host_ids"):
-            return None
-        if coll._group is not None and coll._group is not dist.group.WORLD:
-            return None
-        return cls(coll, device, model.dynamic_host_ids)
+    def submit(self, fn, *args) -> Future:
+        return self._pool.submit(self._run, fn, args)
 
-    def submit(self, features: list[str], host_ids: dict[str, torch.Tensor]) -> Future:
-        """Starts the exchange for a lookup of ``features`` with these CPU ids; the future's
-        result goes to `forward(..., route=)` (None when some ids are not on the host)."""
-        return self._pool.submit(self._run, list(features), dict(host_ids))
-
-    def _run(self, features: list[str], host_ids: dict[str, torch.Tensor]):
-        pin = self.device.type == "cuda"
-        if pin and not self._cuda_ready.is_set():
+    def _run(self, fn, args):
+        if self.device.type == "cuda" and not self._cuda_ready.is_set():
             torch.cuda.set_device(self.device)  # page-locked buffers for this GPU's context
             self._cuda_ready.set()
-        return self.collection.route_on_host(features, host_ids, self.group, pin=pin)
-
-    def attach(self, batch) -> None:
-        """`PrefetchIterator` lookahead hook: starts the exchange of ``batch``'s ids (a CPU batch,
-        one step before the trainer takes it) and stores the future as ``batch.dynamic_route``."""
-        spec = self._batch_host_ids(batch)
-        batch.dynamic_route = None if spec is None else self.submit(*spec)
+        return fn(*args, group=self.group, pin=self.device.type == "cuda")
 
     def close(self) -> None:
-        """Waits for the submitted exchanges (the other ranks made the same submissions, so
-        they complete) and stops the thread."""
+        """Waits for the submitted exchanges (the other ranks made the same submissions, so they
+        complete) and stops the thread."""
         self._pool.shutdown(wait=True)
 
 
@@ -183,6 +179,13 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
     (capacity / world_size slots each). Same forward, stats, dump/load; `dump()` returns this
     rank's rows, `load()` takes the merged dumps of any number of ranks (`merge_collection_dumps`)
     and keeps the ids this rank owns. Every rank must call forward and backward together.
+
+    torchrec's three stages: `input_dist` sends every id to its owner (over gloo from the CPU
+    ids when every table's ids are known on the host, else over the device group), `compute`
+    looks the received ids up in the local shards, `output_dist` sends the rows back (autograd
+    sends the gradients to the owners, where the fused optimizer updates the rows). `forward`
+    runs the three; `forward(..., dist_input=)` takes an input dist made ahead of the step
+    (`input_dist(..., asynchronous=True)` on the exchange thread, see `SparseDistPipeline`).
 
     ``gradient_division=True`` divides the row gradients (summed over the ranks that looked an id
     up) by the world size, as torchrec does for its own sharded tables
@@ -206,6 +209,7 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         super().__init__(tables, device, backend=backend)
+        self._exchange: _IdExchange | None = None
 
     def _make_table(self, config: DynamicEmbeddingConfig) -> DynamicEmbeddingTable:
         return DynamicEmbeddingTable(
@@ -216,89 +220,186 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
             rank=self.rank,
         )
 
-    # torchrec's ShardedModule interface: forward() does input dist, lookup and output dist in
-    # one go (the all_to_alls are synchronous), so the split stages are not offered.
-    def create_context(self) -> None:
-        return None
-
     @property
     def unsharded_module_type(self) -> type[DynamicEmbeddingCollection]:
         return DynamicEmbeddingCollection
 
-    def input_dist(self, ctx, *input, **kwargs):  # noqa: A002
-        raise NotImplementedError("ShardedDynamicEmbeddingCollection runs through forward()")
+    # ---- input dist made ahead of the step -----------------------------------------------
+    def supports_async_input_dist(self) -> bool:
+        """Whether `enable_async_input_dist` applies: several ranks, all of the default group
+        (the exchange group is created over the default group). The same answer on every rank."""
+        return self.world_size > 1 and (self._group is None or self._group is dist.group.WORLD)
 
-    def compute(self, ctx, dist_input):
-        raise NotImplementedError("ShardedDynamicEmbeddingCollection runs through forward()")
+    def enable_async_input_dist(self) -> bool:
+        """Creates the exchange thread and its gloo group (a collective call: every rank at the
+        same point). Returns whether it applies (`supports_async_input_dist`)."""
+        if not self.supports_async_input_dist():
+            return False
+        if self._exchange is None:
+            self._exchange = _IdExchange(self.device)
+        return True
 
-    def output_dist(self, ctx, output):
-        raise NotImplementedError("ShardedDynamicEmbeddingCollection runs through forward()")
+    def close(self) -> None:
+        """Stops the exchange thread, if any (after its pending exchanges)."""
+        if self._exchange is not None:
+            self._exchange.close()
+            self._exchange = None
 
-    def _route(
+    # ---- torchrec's stages -----------------------------------------------------------------
+    def create_context(self) -> DynamicLookupContext:
+        return DynamicLookupContext()
+
+    def plan(
+        self, ctx: DynamicLookupContext, features: KeyedJaggedTensor, host_ids=None
+    ) -> DynamicLookupContext:
+        """Fills ``ctx`` with the lookup of ``features`` (each table's ids, counts and scores;
+        ``host_ids``: feature -> the same ids on the CPU, where known)."""
+        jts = features.to_dict()
+        unknown = [f for f in jts if f not in self._feature_to_table]
+        if unknown:
+            raise ValueError(
+                f"features {unknown} have no dynamic table; configured: {self.feature_names()}"
+            )
+        ctx.jagged = jts
+        ctx.plans = []
+        names = list(jts)
+        for table, hid in zip(self.tables.values(), self._table_host_ids(names, host_ids)):
+            # Every rank routes every table (an absent feature sends zero ids): the collectives
+            # must line up across ranks.
+            feats = [f for f in table.config.feature_names if f in jts]
+            for f in feats:
+                if jts[f].values().dtype not in (torch.int32, torch.int64):
+                    raise TypeError(
+                        f"feature {f!r}: ids must be int32/int64, got {jts[f].values().dtype}"
+                    )
+            vals = [jts[f].values().to(torch.int64) for f in feats]
+            ids = torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
+            scores = None
+            if table.config.eviction_policy == "custom" and feats:
+                ws = [jts[f].weights_or_none() for f in feats]
+                if all(w is not None for w in ws):
+                    scores = torch.cat(ws)
+            sizes = [v.numel() for v in vals]
+            ctx.plans.append(_TablePlan(table, feats, sizes, ids, scores, hid))
+        return ctx
+
+    def input_dist(  # type: ignore[override]
         self,
-        table: DynamicEmbeddingTable,
-        ids: torch.Tensor,
-        scores,
-        host_ids: torch.Tensor | None = None,
-        routed: _TableRoute | None = None,
-    ):
-        """Looks ``ids`` up in their owners' shards. ``routed``: this table's share of an
-        exchange of the CPU ids over gloo (`forward` exchanges every table's ids at once, or a
-        `HostIdRouter` did it ahead of the step); None routes the ids over the device group."""
-        w = self.world_size
-        ids = ids.to(self.device)
-        if w == 1:  # every id is local: no collective to line up
-            return table(ids, scores, host_ids=host_ids)
-        if routed is not None:
-            # ids, counts and the permutations come from the CPU ids: no device->host read, and
-            # no hashing or sorting of the ids on the device
-            send, recv, recv_host = routed.send, routed.recv, routed.recv_ids
-            recv_ids = _to_device(recv_host, self.device)
-            inv = _to_device(routed.inverse, self.device)
-            order = _to_device(routed.order, self.device) if scores is not None else None
-        else:
-            owner = owner_of(ids, w)
-            order = torch.argsort(owner, stable=True)
-            inv = None
-            send_counts = torch.bincount(owner, minlength=w)
-            recv_counts = torch.empty_like(send_counts)
-            dist.all_to_all_single(recv_counts, send_counts, group=self._group)
-            send, recv = send_counts.tolist(), recv_counts.tolist()
-            recv_ids = ids.new_empty(sum(recv))
-            dist.all_to_all_single(recv_ids, ids[order], recv, send, group=self._group)
-            recv_host = None
-        recv_scores = None
-        if scores is not None:
-            s = scores.to(self.device, torch.float64)[order]
-            recv_scores = s.new_empty(sum(recv))
-            dist.all_to_all_single(recv_scores, s, recv, send, group=self._group)
-        local = table(recv_ids, recv_scores, host_ids=recv_host)
-        grad_scale = 1.0 / w if self.gradient_division else 1.0
-        rows = _AllToAllRows.apply(local, send, recv, self._group, grad_scale)
-        if inv is None:
-            inv = torch.empty_like(order)
-            inv[order] = torch.arange(order.numel(), device=order.device)
-        return rows.index_select(0, inv)
+        ctx: DynamicLookupContext,
+        features: KeyedJaggedTensor,
+        host_ids: dict[str, torch.Tensor] | None = None,
+        *,
+        asynchronous: bool = False,
+    ) -> Awaitable[Awaitable[list[_TableRoute]]]:
+        """Sends each id to its owner rank: one `_TableRoute` per table. With every table's
+        ids on the CPU (``host_ids``, every rank alike) the ids, counts and permutations come
+        from the CPU over gloo, all tables in one exchange (no device->host read); else each
+        table goes over the device group. ``asynchronous``: the gloo exchange runs on the
+        exchange thread (`enable_async_input_dist`) and the awaitable waits for it."""
+        self.plan(ctx, features, host_ids)
+        hids = [p.host_ids for p in ctx.plans]
+        if self.world_size > 1 and hids and all(h is not None for h in hids):
+            if asynchronous and self._exchange is not None:
+                return NoWait(_FutureAwaitable(self._exchange.submit(self._route_on_host, hids)))
+            ok, group = host_group(self._group)
+            if ok:
+                return NoWait(NoWait(self._route_on_host(hids, group=group)))
+        return NoWait(NoWait([self._route_on_device(p) for p in ctx.plans]))
 
-    def _route_ids_on_host(
+    def compute(
+        self, ctx: DynamicLookupContext, dist_input: list[_TableRoute]
+    ) -> list[torch.Tensor]:
+        """Looks the received ids up in this rank's shards: per table, [received, dim] rows."""
+        got = [int(p.ids.numel()) for p in ctx.plans]
+        if [r.count for r in dist_input] != got:
+            raise RuntimeError(
+                f"the input dist was made for {[r.count for r in dist_input]} ids per table, but "
+                f"the lookup has {got}: it belongs to another batch"
+            )
+        out = []
+        for p, r in zip(ctx.plans, dist_input):
+            if self.world_size == 1:  # every id is local
+                out.append(p.table(p.ids.to(self.device), p.scores, host_ids=p.host_ids))
+                continue
+            recv_scores = None
+            if p.scores is not None:
+                order = _to_device(r.order, self.device)
+                s = p.scores.to(self.device, torch.float64)[order]
+                recv_scores = s.new_empty(sum(r.recv))
+                dist.all_to_all_single(recv_scores, s, r.recv, r.send, group=self._group)
+            recv_ids = _to_device(r.recv_ids, self.device)
+            recv_host = r.recv_ids if r.recv_ids.device.type == "cpu" else None
+            out.append(p.table(recv_ids, recv_scores, host_ids=recv_host))
+        return out
+
+    def output_dist(
+        self, ctx: DynamicLookupContext, output: list[torch.Tensor]
+    ) -> Awaitable[dict[str, JaggedTensor]]:
+        """Sends the rows back to the ranks that asked (gradients go the other way in backward)
+        and puts them in the lookup's order, split per feature."""
+        out: dict[str, JaggedTensor] = {}
+        grad_scale = 1.0 / self.world_size if self.gradient_division else 1.0
+        for p, rows, r in zip(ctx.plans, output, ctx.routes):
+            if self.world_size > 1:
+                rows = _AllToAllRows.apply(rows, r.send, r.recv, self._group, grad_scale)
+                rows = rows.index_select(0, _to_device(r.inverse, self.device))
+            jts = ctx.jagged
+            for f, e in zip(p.features, torch.split(rows, p.sizes)):
+                out[f] = JaggedTensor(values=e, lengths=jts[f].lengths(), offsets=jts[f].offsets())
+        return NoWait(out)
+
+    def compute_and_output_dist(self, ctx: DynamicLookupContext, input: list[_TableRoute]):  # noqa: A002
+        ctx.routes = input
+        return self.output_dist(ctx, self.compute(ctx, input))
+
+    def forward(  # type: ignore[override]
+        self,
+        features: KeyedJaggedTensor,
+        host_ids: dict[str, torch.Tensor] | None = None,
+        dist_input: Awaitable | None = None,
+    ) -> dict[str, JaggedTensor]:
+        """The three stages. ``host_ids``: feature -> the same ids on the CPU; every rank must
+        pass them for the same tables (or none): they decide whether the ids route over gloo or
+        the device group. ``dist_input``: the `input_dist` already made for exactly these
+        features and ids (ahead of the step); every rank must pass one or none."""
+        ctx = self.create_context()
+        if dist_input is None:
+            dist_input = self.input_dist(ctx, features, host_ids)
+        else:
+            self.plan(ctx, features, host_ids)
+        routes = dist_input.wait().wait()
+        return self.compute_and_output_dist(ctx, routes).wait()
+
+    # ---- routing -------------------------------------------------------------------------
+    def _route_on_device(self, p: _TablePlan) -> _TableRoute:
+        """One table's ids to their owners over the device group (counts read back)."""
+        ids = p.ids.to(self.device)
+        if self.world_size == 1:
+            empty = torch.empty(0, dtype=torch.int64)
+            return _TableRoute(ids.numel(), [ids.numel()], [ids.numel()], ids, empty, empty)
+        w = self.world_size
+        owner = owner_of(ids, w)
+        order = torch.argsort(owner, stable=True)
+        send_counts = torch.bincount(owner, minlength=w)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self._group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        recv_ids = ids.new_empty(sum(recv))
+        dist.all_to_all_single(recv_ids, ids[order], recv, send, group=self._group)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return _TableRoute(ids.numel(), send, recv, recv_ids, order, inverse)
+
+    def _route_on_host(
         self,
         host_ids: list[torch.Tensor],
         group: dist.ProcessGroup | None = None,
         pin: bool = False,
-    ) -> list[_TableRoute] | None:
-        """Sends each table's CPU ids to their owners over a gloo group (``group``, default the
-        host twin of this collection's group), all tables in one exchange of counts and one of
-        ids (each collective waits for every rank's host): per table, in the order of the device
-        route (by owner, stable), a `_TableRoute`; None when no gloo group spans this
-        collection's ranks. ``pin``: the received ids and permutations in page-locked memory."""
-        if group is None:
-            ok, group = host_group(self._group)
-            if not ok:
-                return None
-        if any(h.device.type != "cpu" for h in host_ids):
-            # (the "host" ids were moved to the GPU, e.g. by DDP's input scattering when passed
-            # as a plain argument: the device route is exact)
-            return None
+    ) -> list[_TableRoute]:
+        """Sends each table's CPU ids to their owners over the gloo ``group``, all tables in one
+        exchange of counts and one of ids (each collective waits for every rank's host): per
+        table, in the order of the device route (by owner, stable), a `_TableRoute`. ``pin``:
+        the received ids and permutations in page-locked memory."""
         w, nt = self.world_size, len(host_ids)
         host_ids = [h.to(torch.int64) for h in host_ids]
         owners = [owner_of(h, w) for h in host_ids]
@@ -339,89 +440,17 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         self, features: list[str], host_ids: dict[str, torch.Tensor] | None
     ) -> list[torch.Tensor | None]:
         """Per table (collection order), the CPU ids of its features among ``features`` (the
-        lookup's keys) in the order of the device ids: None where some are not known; an empty
-        tensor for a table with no feature here (its route must still match the other ranks')."""
+        lookup's keys) in the order of the device ids: None where some are not known (or the
+        "host" ids are not on the CPU); an empty tensor for a table with no feature here (its
+        route must still match the other ranks')."""
         out = []
         for table in self.tables.values():
             feats = [f for f in table.config.feature_names if f in features]
             if feats:
-                out.append(table_host_ids(host_ids, feats))
+                hid = table_host_ids(host_ids, feats)
+                out.append(hid if hid is None or hid.device.type == "cpu" else None)
             else:
                 out.append(None if host_ids is None else torch.empty(0, dtype=torch.int64))
-        return out
-
-    def route_on_host(
-        self,
-        features: list[str],
-        host_ids: dict[str, torch.Tensor],
-        group: dist.ProcessGroup,
-        pin: bool = False,
-    ) -> list[_TableRoute] | None:
-        """The gloo exchange `forward` makes for a lookup of ``features`` with these CPU ids,
-        made now (by `HostIdRouter`, ahead of the step): pass the result to `forward(...,
-        route=)`. None when some table's ids are not all known on the host (then the forward
-        routes over the device group, on every rank alike)."""
-        hids = self._table_host_ids(features, host_ids)
-        if self.world_size == 1 or not hids or any(h is None for h in hids):
-            return None
-        return self._route_ids_on_host(hids, group=group, pin=pin)
-
-    def forward(
-        self,
-        features: KeyedJaggedTensor,
-        host_ids: dict[str, torch.Tensor] | None = None,
-        route: Future | list[_TableRoute] | None = None,
-    ) -> dict[str, JaggedTensor]:
-        """``host_ids``: feature -> the same ids on the CPU. Every rank must pass them for the
-        same tables (or none): they decide whether the ids route over gloo or the device group.
-        ``route``: the exchange `route_on_host` (or a `HostIdRouter` future) already made for
-        exactly these features and ids; every rank must pass one or none.
-        """
-        jts = features.to_dict()
-        unknown = [f for f in jts if f not in self._feature_to_table]
-        if unknown:
-            raise ValueError(
-                f"features {unknown} have no dynamic table; configured: {self.feature_names()}"
-            )
-        plans = []
-        for table in self.tables.values():
-            # Every rank routes every table (an absent feature sends zero ids): the collectives
-            # must line up across ranks.
-            feats = [f for f in table.config.feature_names if f in jts]
-            for f in feats:
-                if jts[f].values().dtype not in (torch.int32, torch.int64):
-                    raise TypeError(
-                        f"feature {f!r}: ids must be int32/int64, got {jts[f].values().dtype}"
-                    )
-            vals = [jts[f].values().to(torch.int64) for f in feats]
-            ids = torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
-            scores = None
-            if table.config.eviction_policy == "custom" and feats:
-                ws = [jts[f].weights_or_none() for f in feats]
-                if all(w is not None for w in ws):
-                    scores = torch.cat(ws)
-            plans.append([table, feats, vals, ids, scores, None])
-        for plan, hid in zip(plans, self._table_host_ids(list(jts), host_ids)):
-            plan[5] = hid
-        # exchanged ahead of the step (None when the ids were not all on the host: the same on
-        # every rank, which then all route here)
-        routed = route.result() if isinstance(route, Future) else route
-        if routed is not None:
-            got = [int(p[3].numel()) for p in plans]
-            if [r.count for r in routed] != got:
-                raise RuntimeError(
-                    f"the id route made ahead of this step was made for {[r.count for r in routed]}"
-                    f" ids per table, but the lookup has {got}: it belongs to another batch"
-                )
-        elif self.world_size > 1 and plans and all(p[5] is not None for p in plans):
-            # with CPU ids for every table, one gloo exchange routes them all (else every table
-            # goes over the device group: the same choice on every rank, so collectives line up)
-            routed = self._route_ids_on_host([p[5] for p in plans])
-        out: dict[str, JaggedTensor] = {}
-        for i, (table, feats, vals, ids, scores, hid) in enumerate(plans):
-            emb = self._route(table, ids, scores, hid, None if routed is None else routed[i])
-            for f, e in zip(feats, torch.split(emb, [v.numel() for v in vals])):
-                out[f] = JaggedTensor(values=e, lengths=jts[f].lengths(), offsets=jts[f].offsets())
         return out
 
     def global_stats(self) -> dict[str, float]:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hstu.config.args import NetworkArgs
 from hstu.data.batch import Batch
-from hstu.models.base import FeatureInfo, GenerativeRecommender, gather_outputs
+from hstu.data.features import FeatureInfo
+from hstu.embeddings.stack import EmbeddingStack, SparseInput
+from hstu.models.base import GenerativeRecommender, gather_outputs
 from hstu.modules.heads import MLPHead
 from hstu.modules.preprocessor import padded_token_count
 
@@ -25,14 +28,15 @@ class RankingGR(GenerativeRecommender):
     def __init__(
         self,
         info: FeatureInfo,
+        net: NetworkArgs,
+        embeddings: EmbeddingStack,
         *,
         num_tasks: int,
         head_hidden: list[int],
         head_dropout: float = 0.0,
         task_weights: list[float] | None = None,
-        **kwargs,
     ) -> None:
-        super().__init__(info, **kwargs)
+        super().__init__(info, net, embeddings)
         self.num_tasks = num_tasks
         self.head = MLPHead(self.hidden_size, list(head_hidden), num_tasks, head_dropout)
         weights = torch.tensor(task_weights if task_weights else [1.0] * num_tasks)
@@ -43,13 +47,16 @@ class RankingGR(GenerativeRecommender):
         self.register_buffer("task_weights", weights, persistent=False)
 
     def forward(
-        self, batch: Batch, loss_normalizer: float | None = None
+        self,
+        batch: Batch,
+        loss_normalizer: float | None = None,
+        sparse_input: SparseInput | None = None,
     ) -> dict[str, torch.Tensor]:
         """Returns logits [N_cand, T], labels, per-task losses and the loss: task-weighted BCE
         summed over tasks and candidates, divided by ``loss_normalizer`` (default: the number of
         candidates here; the trainer passes global count / world size so that data-parallel
         gradient averaging gives exactly the global mean)."""
-        y, layout, _, _ = self.encode(batch)
+        y, layout, _, _ = self.encode(batch, sparse_input=sparse_input)
         index = layout.candidate_index
         n_cand = index.numel()
         if y.shape[0] > layout.num_tokens and n_cand > 0:

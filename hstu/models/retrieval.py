@@ -7,13 +7,14 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from hstu.config.args import NEGATIVE_SAMPLING, NetworkArgs
 from hstu.data.batch import Batch
-from hstu.models.base import EXTRA_ITEM_FEATURE, FeatureInfo, GenerativeRecommender, gather_outputs
+from hstu.data.features import FeatureInfo
+from hstu.embeddings.stack import EXTRA_ITEM_FEATURE, EmbeddingStack, SparseInput
+from hstu.models.base import GenerativeRecommender, gather_outputs
 from hstu.modules.preprocessor import host_lengths, item_values, segment_ranges
 
 __all__ = ["RetrievalGR", "NEGATIVE_SAMPLING", "NegativeSample"]
-
-NEGATIVE_SAMPLING = ("random", "in_batch", "mixed")
 
 
 class NegativeSample(NamedTuple):
@@ -45,14 +46,15 @@ class RetrievalGR(GenerativeRecommender):
     def __init__(
         self,
         info: FeatureInfo,
+        net: NetworkArgs,
+        embeddings: EmbeddingStack,
         *,
         item_corpus: torch.Tensor,
         num_negatives: int = 128,
         temperature: float = 0.05,
         negative_sampling: str = "random",
-        **kwargs,
     ) -> None:
-        super().__init__(info, **kwargs)
+        super().__init__(info, net, embeddings)
         if negative_sampling not in NEGATIVE_SAMPLING:
             raise ValueError(
                 f"RetrievalArgs.negative_sampling={negative_sampling!r} is not supported: "
@@ -94,7 +96,10 @@ class RetrievalGR(GenerativeRecommender):
             return torch.einsum("rd,rkd->rk", q, neg[sample.index])
 
     def forward(
-        self, batch: Batch, loss_normalizer: float | None = None
+        self,
+        batch: Batch,
+        loss_normalizer: float | None = None,
+        sparse_input: SparseInput | None = None,
     ) -> dict[str, torch.Tensor]:
         """Training: sampled-softmax loss over every (position -> next item) pair.
 
@@ -108,7 +113,7 @@ class RetrievalGR(GenerativeRecommender):
         if self.training:
             sampled = self._sample_negatives(rows)
         y, layout, item_emb, neg_emb = self.encode(
-            batch, sampled.lookup_ids if sampled is not None else None
+            batch, sampled.lookup_ids if sampled is not None else None, sparse_input
         )
         ids = item_values(batch).to(y.device)
         out: dict[str, torch.Tensor] = {"num_tokens": torch.tensor(layout.num_tokens)}

@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hstu.comm import all_reduce_sum_host, host_group
+from hstu.embeddings.stack import EmbeddingStack
+
 __all__ = [
     "DistInfo",
     "init_distributed",
@@ -98,46 +101,6 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
-    return t.tolist()
-
-
-# (default group it was made for, gloo group over the same ranks)
-_HOST_GROUP: tuple[object, object] | None = None
-
-
-def _host_group():
-    """A gloo group over the same ranks for host-side sums (created once per default group,
-    collectively).
-
-    Sums of host numbers (loss-term counts, FLOPs) go through it, so they never enqueue work
-    on the GPU stream nor wait for it: the training step stays free of host<->device syncs.
-    """
-    global _HOST_GROUP
-    if dist.get_backend() == "gloo":
-        return None  # the default group is already host-side
-    world = dist.group.WORLD
-    if _HOST_GROUP is None or _HOST_GROUP[0] is not world:
-        _HOST_GROUP = (world, dist.new_group(backend="gloo"))
-    return _HOST_GROUP[1]
-
-
-def host_group(group: dist.ProcessGroup | None = None) -> tuple[bool, dist.ProcessGroup | None]:
-    """(available, gloo group) for host-side collectives over the ranks of ``group`` (None: the
-    default group). Returns ``(True, None)`` when ``group`` is the default group and already
-    gloo, ``(False, None)`` for a device subgroup (no gloo twin is kept for subgroups)."""
-    if dist.get_backend(group) == "gloo":
-        return True, group
-    if group is None or group is dist.group.WORLD:
-        return True, _host_group()
-    return False, None
-
-
-def all_reduce_sum_host(values: list[float]) -> list[float]:
-    """Sums a few host floats over all ranks without touching the GPU (gloo group)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [float(v) for v in values]
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=_host_group())
     return t.tolist()
 
 
@@ -225,19 +188,16 @@ def _no_data_parallel():
     return NoDataParallel()
 
 
-def wrap_model(model: nn.Module, info: DistInfo) -> nn.Module:
-    """Shards the model's torchrec tables with DistributedModelParallel (dense parts under DDP
-    when there are several ranks; see `use_ddp`).
+def wrap_model(model: nn.Module, info: DistInfo, embeddings: EmbeddingStack) -> nn.Module:
+    """Shards the model's tables with DistributedModelParallel (dense parts under DDP when there
+    are several ranks; see `use_ddp`).
 
-    The planner places tables for this world size; on CPU it plans for host memory. Dynamic
-    tables (`DynamicEmbeddingCollection`) go row-wise through `DynamicEmbeddingSharder`.
+    The planner places tables for this world size; on CPU it plans for host memory. The sharders
+    come from the model's `EmbeddingStack` (torchrec tables and dynamic tables side by side).
     """
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.comm_ops import get_gradient_division
-    from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-
-    from hstu.embeddings.sharding import DynamicEmbeddingSharder
 
     install_torchrec_recat_cache()
 
@@ -245,10 +205,7 @@ def wrap_model(model: nn.Module, info: DistInfo) -> nn.Module:
     # scales each rank's loss for DDP's gradient averaging; torchrec divides its tables' summed
     # gradients by the world size to match (comm_ops.GRADIENT_DIVISION), and so do dynamic tables:
     # every table sees the global-batch gradient at any world size.
-    sharders = [
-        EmbeddingCollectionSharder(),
-        DynamicEmbeddingSharder(gradient_division=get_gradient_division()),
-    ]
+    sharders = embeddings.sharders(gradient_division=get_gradient_division())
     topology = Topology(world_size=info.world_size, compute_device=info.device.type)
     planner = EmbeddingShardingPlanner(topology=topology)
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)

@@ -207,3 +207,38 @@ def restore_into(target: Any, sources: Sequence[Any], where: str = "state") -> A
 def unexpected_keys(target: Mapping[str, Any], source: Mapping[str, Any]) -> list[str]:
     """Top-level keys the checkpoint has and this run's state lacks."""
     return sorted(set(source) - set(target))
+
+
+# model entries renamed since checkpoint files were first written (old prefix -> new prefix):
+# the tables moved from the model into its EmbeddingStack (``model.embeddings``)
+_RENAMED_PREFIXES = {
+    "embedding_collection.": "embeddings.embedding_collection.",
+    "dense_tables.": "embeddings.dense_tables.",
+}
+
+
+def _renamed(name: str) -> str:
+    for old, new in _RENAMED_PREFIXES.items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def upgrade_state_keys(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A rank file's state with the model and fused-optimizer entries of older files under their
+    current names (state keys, and the parameter names in optimizer param groups). Other entries
+    are returned as they are; current files come back unchanged."""
+
+    def rename(obj: Any) -> Any:
+        if isinstance(obj, dict):  # (OrderedDict included: state dicts keep their type)
+            pairs = [(_renamed(k) if isinstance(k, str) else k, rename(v)) for k, v in obj.items()]
+            return type(obj)(pairs)
+        if isinstance(obj, list):
+            return [_renamed(v) if isinstance(v, str) else rename(v) for v in obj]
+        return obj
+
+    out = dict(state)
+    for key in ("model", "fused_optimizer"):
+        if key in out:
+            out[key] = rename(out[key])
+    return out

@@ -25,8 +25,6 @@ from hstu.config.gin_utils import RunConfig
 from hstu.data.batch import Batch
 from hstu.data.loader import BatchIterator, PrefetchIterator, linear_cost_coefficient
 from hstu.data.registry import build_samples, load_sequence_data
-from hstu.embeddings import apply_sparse_optimizer
-from hstu.embeddings.sharding import HostIdRouter, merge_collection_dumps
 from hstu.models.base import GenerativeRecommender
 from hstu.models.builder import build_model
 from hstu.modules.metrics import RankingMetrics, RetrievalEvaluator, ks_from_metric_names
@@ -44,7 +42,13 @@ from hstu.training.flops import StackShape, peak_tflops_for, step_flops
 from hstu.training.gc_control import StepGC
 from hstu.training.logger import MetricLogger
 from hstu.training.optim import build_dense_optimizer, build_lr_scheduler, clip_grad_norm
-from hstu.training.reshard import restore_into, to_portable, unexpected_keys
+from hstu.training.pipeline import SparseDistPipeline
+from hstu.training.reshard import (
+    restore_into,
+    to_portable,
+    unexpected_keys,
+    upgrade_state_keys,
+)
 
 __all__ = ["TrainResult", "Trainer", "run_training"]
 
@@ -159,20 +163,14 @@ class Trainer:
         model = build_model(
             cfg, self.data, dynamic_device="meta" if self.device.type == "cuda" else "cpu"
         )
-        sparse_lr = cfg.embedding.sparse_learning_rate or cfg.optimizer.learning_rate
-        if model.embedding_collection is not None:
-            apply_sparse_optimizer(
-                model.embedding_collection,
-                cfg.embedding.sparse_optimizer_str,
-                sparse_lr,
-                device_type=self.device.type,
-            )
-        self.model = wrap_model(model, self.info)
+        model.embeddings.configure_sparse_optimizer(self.device.type)
+        self.model = wrap_model(model, self.info, model.embeddings)
         self.core: GenerativeRecommender = self.model.module
+        self.embeddings = self.core.embeddings
         dense = [
             p
             for n, p in self.model.named_parameters()
-            if "embedding_collection" not in n and p.requires_grad
+            if p.requires_grad and not self.embeddings.is_sparse_parameter(n)
         ]
         self.num_dense_params = sum(p.numel() for p in dense)
         self.dense_params = dense
@@ -199,11 +197,9 @@ class Trainer:
         self.gc = StepGC(t.gc_interval)
         # sharded dynamic tables: the ids of training batch i+1 go to their owner ranks (gloo,
         # background thread) while step i runs; the same decision on every rank (config only)
-        self.id_router = (
-            HostIdRouter.for_model(self.core, self.device) if t.route_ids_ahead else None
+        self.pipeline = SparseDistPipeline(
+            self.train_iter, self.embeddings, ahead=t.route_ids_ahead
         )
-        if self.id_router is not None:
-            self.train_iter.set_lookahead(self.id_router.attach)
         self.step = 0
         if t.ckpt_load_dir:
             self._load_checkpoint(t.ckpt_load_dir)
@@ -226,12 +222,11 @@ class Trainer:
             "fused_optimizer": to_portable(self.model.fused_optimizer.state_dict()),
             "dense_optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "train_iter": self.train_iter.state_dict(),
+            "train_iter": self.pipeline.state_dict(),
             "rng": capture_rng_state(),
         }
-        if self.core.dynamic_collection is not None:
-            # dynamic rows live outside state_dict(): this rank's rows + optimizer state
-            state["dynamic_embeddings"] = self.core.dynamic_collection.dump()
+        # table state outside state_dict() (dynamic rows + their optimizer state)
+        state.update(self.embeddings.checkpoint_state())
         return state
 
     def save_checkpoint(self) -> Path:
@@ -243,8 +238,7 @@ class Trainer:
             extra_meta={
                 "task": self.cfg.task,
                 "dataset": self.cfg.dataset.dataset_name,
-                "embedding_backend": self.cfg.embedding.embedding_backend,
-                "contextual_tables": self.cfg.embedding.contextual_tables,
+                **self.embeddings.checkpoint_meta(),
             },
         )
         if self.info.is_main:
@@ -272,27 +266,13 @@ class Trainer:
                 f"size; resume it with --nproc_per_node={saved_ws} and save again (the new "
                 f"format loads on any number of processes)"
             )
-        saved_dynamic = "dynamic_embeddings" in state
-        # table layout settings the checkpoint records (absent in files older than 2026-11-22)
-        for name in ("embedding_backend", "contextual_tables"):
-            saved_value = meta.get("extra_meta", {}).get(name)
-            current = getattr(self.cfg.embedding, name)
-            if saved_value is not None and saved_value != current:
-                raise ValueError(
-                    f"checkpoint {load_dir} was written with EmbeddingArgs.{name}="
-                    f"'{saved_value}' but this run uses '{current}'; the tables are stored "
-                    f"differently, so resume with --gin-bindings "
-                    f"\"EmbeddingArgs.{name}='{saved_value}'\""
-                )
-        if saved_dynamic != (self.core.dynamic_collection is not None):
-            saved = "dynamic" if saved_dynamic else "torchrec"
-            raise ValueError(
-                f"checkpoint {load_dir} was written with EmbeddingArgs.embedding_backend="
-                f"'{saved}' but this run uses '{self.cfg.embedding.embedding_backend}'; resume "
-                f"with --gin-bindings \"EmbeddingArgs.embedding_backend='{saved}'\""
-            )
+        self.embeddings.check_checkpoint(
+            meta.get("extra_meta", {}), state, f"checkpoint {load_dir}"
+        )
         # authoritative copy first: this rank's own file, or rank 0's when re-sharding
         sources = Checkpointer.load_all_ranks(meta["path"], mmap=True) if resharded else [state]
+        # files written before the tables moved into model.embeddings name them one level up
+        sources = [upgrade_state_keys(s) for s in sources]
         current = self.model.state_dict()
         extra = unexpected_keys(current, sources[0]["model"])
         if extra:
@@ -303,11 +283,7 @@ class Trainer:
         where = f"checkpoint {meta['path']}"
         model_state = restore_into(current, [s["model"] for s in sources], f"{where} model")
         self.model.load_state_dict(model_state)
-        if saved_dynamic:
-            dumps = [s["dynamic_embeddings"] for s in sources]
-            self.core.dynamic_collection.load(
-                merge_collection_dumps(dumps) if len(dumps) > 1 else dumps[0]
-            )
+        self.embeddings.load_checkpoint_state(sources)
         fused = restore_into(
             self.model.fused_optimizer.state_dict(),
             [s["fused_optimizer"] for s in sources],
@@ -321,7 +297,7 @@ class Trainer:
         for group, flags in zip(self.optimizer.param_groups, impl):
             group.update(flags)
         self.scheduler.load_state_dict(sources[0]["scheduler"])
-        self.train_iter.load_state_dict(sources[0]["train_iter"])
+        self.pipeline.load_state_dict(sources[0]["train_iter"])
         self._restore_rng(state["rng"], resharded, int(step))
         self.step = int(step)
         if self.info.is_main:
@@ -367,7 +343,9 @@ class Trainer:
         norm and attention lengths stay on the device until `_resolve`."""
         self.gc.step()
         self.model.train()
-        host_batch = next(self.train_iter)  # pinned already on GPU (PrefetchIterator)
+        # pinned already on GPU (PrefetchIterator); sparse_input: its embedding input dist,
+        # started during the previous step (SparseDistPipeline)
+        host_batch, sparse_input = next(self.pipeline)
         if host_batch.global_counts is not None:
             # known from the global batch on every rank: no per-step host collective (it would
             # make every rank's host wait for the slowest one at the start of each step)
@@ -382,7 +360,7 @@ class Trainer:
             batch = host_batch.to(self.device)
         normalizer = max(global_count, 1.0) / self.info.world_size
         with record_function("hstu/forward"), self._autocast():
-            out = self.model(batch, loss_normalizer=normalizer)
+            out = self.model(batch, loss_normalizer=normalizer, sparse_input=sparse_input)
         with record_function("hstu/backward"):
             out["loss"].backward()
         attn = self.core.last_attention_inputs
@@ -443,13 +421,9 @@ class Trainer:
         return out
 
     def _embedding_stats(self) -> dict[str, float]:
-        """`embeddings/<table>/<stat>` of the dynamic tables (summed over ranks when sharded;
-        collective then, so every rank calls it)."""
-        coll = self.core.dynamic_collection
-        if coll is None:
-            return {}
-        stats = coll.global_stats() if hasattr(coll, "global_stats") else coll.stats()
-        return {f"embeddings/{k}": float(v) for k, v in stats.items()}
+        """`embeddings/<table>/<stat>` (summed over ranks when sharded; collective then, so
+        every rank calls it)."""
+        return {f"embeddings/{k}": float(v) for k, v in self.embeddings.stats().items()}
 
     def _task_names(self) -> list[str]:
         names = list(self.data.action_names)[: self.cfg.ranking.num_tasks]
@@ -646,9 +620,7 @@ class Trainer:
         return out
 
     def close(self) -> None:
-        self.train_iter.close()
-        if self.id_router is not None:
-            self.id_router.close()
+        self.pipeline.close()
         self.tb.close()
         cleanup(self.info)
 

@@ -1,0 +1,442 @@
+"""`EmbeddingStack`: every embedding table of a model behind one module.
+
+The models ask it for embeddings (``stack(batch) -> {feature: JaggedTensor}``) and the trainer
+asks it for what a run needs of the tables (sharders, sparse optimizer, checkpoint state,
+statistics, the next batch's input dist); neither ever names a backend. It owns:
+
+- the tables, by `EmbeddingArgs.embedding_backend`:
+  ``torchrec``: one torchrec `EmbeddingCollection` (sharded by DistributedModelParallel, sparse
+  optimizer fused into its backward); ``dynamic``: the item and ``user_id`` tables as a
+  `DynamicEmbeddingCollection` (hash keyed, row-wise sharded by id), the other contextual tables
+  as torchrec tables or, with ``contextual_tables='dense'``, plain tables; ``dense``: plain
+  ``nn.Embedding`` tables trained by the dense optimizer and replicated by DDP;
+- the lookup's KJTs, built with their per-key lengths and offsets from the host-side batch (no
+  device->host read), and the padding of table rows to fbgemm's width multiple of 4;
+- the checkpoint state that lives outside ``state_dict()`` (dynamic rows and their optimizer
+  state) and the checks that a checkpoint was written with the same table layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchrec.distributed.types import Awaitable
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from hstu.config.args import EmbeddingArgs
+from hstu.data.batch import ITEM_FEATURE, Batch
+from hstu.data.features import FeatureInfo
+from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
+from hstu.embeddings.dynamic_table import DynamicEmbeddingCollection
+from hstu.embeddings.sharding import (
+    DynamicEmbeddingSharder,
+    ShardedDynamicEmbeddingCollection,
+    merge_collection_dumps,
+)
+from hstu.embeddings.static import (
+    DenseEmbeddingCollection,
+    TableSpec,
+    apply_sparse_optimizer,
+    build_embedding_collection,
+)
+
+__all__ = ["EmbeddingStack", "EXTRA_ITEM_FEATURE", "USER_ID_FEATURE", "SparseInput"]
+
+# A second feature on the item table: negatives and corpus lookups ride along with the batch so
+# every call of the (possibly sharded) collection sees the same feature keys.
+EXTRA_ITEM_FEATURE = "extra_item_id"
+# The contextual feature whose table becomes dynamic under EmbeddingArgs.embedding_backend='dynamic'
+USER_ID_FEATURE = "user_id"
+# the checkpoint entry of the rows that live outside state_dict()
+_DYNAMIC_STATE = "dynamic_embeddings"
+# submodules whose parameters are trained by a fused sparse optimizer, not the dense one
+_SPARSE_MODULES = ("embedding_collection",)
+# EmbeddingArgs fields that decide how tables are stored (a checkpoint records them)
+_LAYOUT_FIELDS = ("embedding_backend", "contextual_tables")
+
+
+@dataclass
+class SparseInput:
+    """The input dist of a batch's dynamic-table ids, started before its step
+    (`EmbeddingStack.start_input_dist`); hand it to the model's forward with that batch."""
+
+    features: list[str]
+    counts: list[int]
+    dist_input: Awaitable
+
+
+@dataclass
+class _FeatureIds:
+    """One feature's ids for a lookup: device values and [B] lengths, the value count (a host
+    int) and, when known, the same values on the CPU."""
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+    count: int
+    host_values: torch.Tensor | None
+
+
+def _make_kjt(keys: list[str], parts: dict[str, _FeatureIds], stride: int) -> KeyedJaggedTensor:
+    """KJT of ``keys`` (in that order) built with its per-key lengths and offsets given, so that
+    torchrec never computes them from the device lengths (a ``.tolist()`` sync)."""
+    sel = [parts[k] for k in keys]
+    counts = [p.count for p in sel]
+    offset_per_key = [0]
+    for c in counts:
+        offset_per_key.append(offset_per_key[-1] + c)
+    values = sel[0].values.long() if len(sel) == 1 else torch.cat([p.values.long() for p in sel])
+    lengths = sel[0].lengths if len(sel) == 1 else torch.cat([p.lengths for p in sel])
+    return KeyedJaggedTensor(
+        keys=list(keys),
+        values=values,
+        lengths=lengths,
+        stride=stride,
+        length_per_key=counts,
+        offset_per_key=offset_per_key,
+    )
+
+
+def _init_params(initializer: str, init_std: float) -> dict[str, float]:
+    """EmbeddingArgs.init_std as the initializer's parameter (std, half-width or value)."""
+    s = float(init_std)
+    return {
+        "normal": {"std": s},
+        "truncated_normal": {"std": s},
+        "uniform": {"low": -s, "high": s},
+        "constant": {"value": s},
+    }[initializer]
+
+
+class EmbeddingStack(nn.Module):
+    """The tables of one model and their lookup: ``forward(batch, extra_ids) -> {feature:
+    JaggedTensor of [n, hidden_size] rows}`` for the contextual features, ``item_id`` and, with
+    ``extra_item_feature``, the extra item ids (negatives, corpus) under `EXTRA_ITEM_FEATURE`.
+
+    Built on the CPU from ``seed`` (DistributedModelParallel copies the rows into its shards, so
+    every world size starts from identical tables); dynamic tables are built on
+    ``dynamic_device`` ("meta" on GPU: their sharder creates the shards on the device).
+    """
+
+    def __init__(
+        self,
+        info: FeatureInfo,
+        args: EmbeddingArgs,
+        *,
+        hidden_size: int,
+        sparse_learning_rate: float,
+        use_contextual_features: bool = True,
+        extra_item_feature: bool = False,
+        seed: int = 0,
+        dynamic_device: str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.args = args
+        self.info = info
+        self.hidden_size = int(hidden_size)
+        self.sparse_learning_rate = float(sparse_learning_rate)
+        # contextual features embedded as leading tokens (all of the data's, or none)
+        self.contextual_names = (
+            list(info.contextual_feature_names) if use_contextual_features else []
+        )
+        self.extra_item_feature = bool(extra_item_feature)
+        backend = args.embedding_backend
+        dense_static = backend == "dense" or (
+            backend == "dynamic" and args.contextual_tables == "dense"
+        )
+        # fbgemm's TBE kernels need a row width that is a multiple of 4: wider rows, the first
+        # hidden_size columns used (the spare columns never receive gradient). Plain nn.Embedding
+        # tables have no such constraint (with dynamic tables beside them, the plain ones are the
+        # contextual tables and keep the common width).
+        self.table_dim = self.hidden_size if backend == "dense" else (hidden_size + 3) // 4 * 4
+        item_features = [ITEM_FEATURE] + ([EXTRA_ITEM_FEATURE] if extra_item_feature else [])
+        cards = dict(zip(info.contextual_feature_names, info.contextual_cardinalities))
+        specs = [
+            TableSpec(f"ctx_{name}", max(1, cards[name]), self.table_dim, [name])
+            for name in self.contextual_names
+        ]
+        specs.append(
+            TableSpec("item_table", max(1, info.item_vocab_size), self.table_dim, item_features)
+        )
+        self.features = list(self.contextual_names) + item_features
+        self.dynamic_features: list[str] = []
+        self.dynamic_collection: DynamicEmbeddingCollection | None = None
+        if backend == "dynamic":
+            specs = self._make_dynamic(specs, args, seed, dynamic_device)
+        self.table_specs = specs
+        static = [s for s in specs if not s.dynamic]
+        gen = torch.Generator().manual_seed(seed)
+        self.embedding_collection: nn.Module | None = None
+        self.dense_tables: DenseEmbeddingCollection | None = None
+        if dense_static:
+            self.dense_tables = DenseEmbeddingCollection(
+                static, initializer=args.initializer, init_std=args.init_std, generator=gen
+            )
+        elif static:
+            self.embedding_collection = build_embedding_collection(
+                static, init_std=args.init_std, generator=gen
+            )
+
+    def _make_dynamic(
+        self, specs: list[TableSpec], args: EmbeddingArgs, seed: int, device: str
+    ) -> list[TableSpec]:
+        """Marks the item and user_id tables dynamic and builds their collection. A capacity of
+        0 means twice the dataset's vocabulary."""
+        configs, out = [], []
+        for spec in specs:
+            is_item = spec.name == "item_table"
+            if not is_item and spec.feature_names != [USER_ID_FEATURE]:
+                out.append(spec)
+                continue
+            requested = args.item_capacity if is_item else args.user_capacity
+            capacity = requested or 2 * spec.num_embeddings
+            out.append(
+                TableSpec(
+                    spec.name,
+                    spec.num_embeddings,
+                    self.hidden_size,
+                    list(spec.feature_names),
+                    dynamic=True,
+                    capacity=capacity,
+                )
+            )
+            configs.append(
+                DynamicEmbeddingConfig(
+                    name=spec.name,
+                    embedding_dim=self.hidden_size,
+                    capacity=capacity,
+                    feature_names=list(spec.feature_names),
+                    initializer=args.initializer,
+                    init_params=_init_params(args.initializer, args.init_std),
+                    eviction_policy=args.eviction_policy,
+                    optimizer=args.sparse_optimizer_str,
+                    learning_rate=self.sparse_learning_rate,
+                    seed=seed,
+                )
+            )
+            self.dynamic_features += list(spec.feature_names)
+        self.dynamic_collection = DynamicEmbeddingCollection(configs, torch.device(device))
+        return out
+
+    # ---- what a run needs of the tables ----------------------------------------------------
+    def sharders(self, gradient_division: bool) -> list:
+        """torchrec sharders for DistributedModelParallel: ordinary tables and dynamic tables
+        side by side. ``gradient_division``: torchrec's setting (the dynamic tables divide their
+        summed row gradients by the world size alike)."""
+        from torchrec.distributed.embedding import EmbeddingCollectionSharder
+
+        return [
+            EmbeddingCollectionSharder(),
+            DynamicEmbeddingSharder(gradient_division=gradient_division),
+        ]
+
+    def configure_sparse_optimizer(self, device_type: str) -> None:
+        """Fuses `EmbeddingArgs.sparse_optimizer_str` into the torchrec tables' backward (the
+        dynamic tables carry theirs in their config; plain tables use the dense optimizer)."""
+        if self.embedding_collection is not None:
+            apply_sparse_optimizer(
+                self.embedding_collection,
+                self.args.sparse_optimizer_str,
+                self.sparse_learning_rate,
+                device_type=device_type,
+            )
+
+    @staticmethod
+    def is_sparse_parameter(name: str) -> bool:
+        """Whether the parameter ``name`` (a qualified name anywhere in the model) is trained by
+        a fused sparse optimizer, i.e. is not for the dense optimizer."""
+        parts = name.split(".")
+        return any(m in parts for m in _SPARSE_MODULES)
+
+    def checkpoint_meta(self) -> dict[str, str]:
+        """The table layout a checkpoint records (resuming with another one is refused)."""
+        return {k: getattr(self.args, k) for k in _LAYOUT_FIELDS}
+
+    def check_checkpoint(self, meta: dict, state: dict, where: str) -> None:
+        """Refuses a checkpoint written with another table layout, with the binding to use."""
+        for name in _LAYOUT_FIELDS:
+            saved, current = meta.get(name), getattr(self.args, name)
+            if saved is not None and saved != current:
+                raise ValueError(
+                    f"{where} was written with EmbeddingArgs.{name}='{saved}' but this run uses "
+                    f"'{current}'; the tables are stored differently, so resume with "
+                    f"--gin-bindings \"EmbeddingArgs.{name}='{saved}'\""
+                )
+        saved_dynamic = _DYNAMIC_STATE in state
+        if saved_dynamic != (self.dynamic_collection is not None):
+            saved = "dynamic" if saved_dynamic else "torchrec"
+            raise ValueError(
+                f"{where} was written with EmbeddingArgs.embedding_backend='{saved}' but this run "
+                f"uses '{self.args.embedding_backend}'; resume with --gin-bindings "
+                f"\"EmbeddingArgs.embedding_backend='{saved}'\""
+            )
+
+    def checkpoint_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Table state outside ``state_dict()``: this rank's dynamic rows and their optimizer
+        state (empty without dynamic tables). Goes into the rank's checkpoint file as is."""
+        if self.dynamic_collection is None:
+            return {}
+        return {_DYNAMIC_STATE: self.dynamic_collection.dump()}
+
+    def load_checkpoint_state(self, states: list[dict]) -> None:
+        """Restores `checkpoint_state` from the rank files ``states`` (one: this rank's own; all
+        of them when the world size changed: each rank keeps the ids it owns)."""
+        if self.dynamic_collection is None:
+            return
+        dumps = [s[_DYNAMIC_STATE] for s in states]
+        self.dynamic_collection.load(merge_collection_dumps(dumps) if len(dumps) > 1 else dumps[0])
+
+    def stats(self) -> dict[str, float]:
+        """`<table>/<stat>` of the dynamic tables, summed over ranks when sharded (a collective
+        then: every rank calls it)."""
+        coll = self.dynamic_collection
+        if coll is None:
+            return {}
+        if isinstance(coll, ShardedDynamicEmbeddingCollection):
+            return coll.global_stats()
+        return coll.stats()
+
+    # ---- input dist ahead of the step ------------------------------------------------------
+    def enable_input_dist_ahead(self) -> bool:
+        """Prepares `start_input_dist` (a collective call: every rank at the same point);
+        returns whether it applies: sharded dynamic tables over several ranks, and lookups
+        that take their ids from the batch alone (not retrieval's sampled negatives)."""
+        coll = self.dynamic_collection
+        if not isinstance(coll, ShardedDynamicEmbeddingCollection) or self.extra_item_feature:
+            return False
+        return coll.enable_async_input_dist()
+
+    def start_input_dist(self, batch: Batch) -> SparseInput | None:
+        """Starts sending the dynamic-table ids of the CPU ``batch`` to their owner ranks (on
+        the collection's exchange thread); None where `enable_input_dist_ahead` did not apply.
+        Every rank must start the same sequence of batches."""
+        coll = self.dynamic_collection
+        if not isinstance(coll, ShardedDynamicEmbeddingCollection) or coll._exchange is None:
+            return None
+        if not batch.is_on_cpu:
+            raise ValueError("start_input_dist takes the CPU batch (before it is moved)")
+        b, parts = self._feature_ids(batch, None, batch.user_ids.device)
+        dyn = [k for k in self.features if k in self.dynamic_features]
+        kjt = _make_kjt(dyn, parts, b)
+        host = {k: parts[k].host_values for k in dyn}
+        dist_input = coll.input_dist(coll.create_context(), kjt, host, asynchronous=True)
+        return SparseInput(dyn, [parts[k].count for k in dyn], dist_input)
+
+    def close(self) -> None:
+        """Stops background work (the exchange thread of sharded dynamic tables)."""
+        if isinstance(self.dynamic_collection, ShardedDynamicEmbeddingCollection):
+            self.dynamic_collection.close()
+
+    # ---- lookup ----------------------------------------------------------------------------
+    def _feature_ids(
+        self, batch: Batch | None, extra_ids: torch.Tensor | None, device
+    ) -> tuple[int, dict[str, _FeatureIds]]:
+        """The ids of every feature in ``self.features`` (batch features + extra ids) with their
+        per-key counts taken from the host (no device->host read)."""
+        n_ctx = len(self.contextual_names)
+        parts: dict[str, _FeatureIds] = {}
+        if batch is not None:
+            kjt = batch.features
+            b = batch.batch_size
+            host = batch.host_batch()
+            src = host.features if host is not None else kjt
+            # the batch's keys: [*data contextual features, item, action]; the per-key counts
+            # come from the CPU twin (or from the device KJT's cached per-key lists)
+            first = len(self.info.contextual_feature_names) - n_ctx
+            offset_per_key = src.offset_per_key()
+            length_per_key = src.length_per_key()
+            values, lengths = kjt.values(), kjt.lengths()
+            host_values = host.features.values() if host is not None else None
+            for i, name in enumerate(self.features[: n_ctx + 1]):
+                k = first + i
+                lo, n = offset_per_key[k], length_per_key[k]
+                parts[name] = _FeatureIds(
+                    values=values[lo : lo + n],
+                    lengths=lengths[k * b : (k + 1) * b],
+                    count=n,
+                    host_values=None if host_values is None else host_values[lo : lo + n],
+                )
+        else:
+            b = 1
+            for name in self.features[: n_ctx + 1]:
+                parts[name] = _FeatureIds(
+                    values=torch.zeros(0, dtype=torch.long, device=device),
+                    lengths=torch.zeros(b, dtype=torch.long, device=device),
+                    count=0,
+                    host_values=torch.zeros(0, dtype=torch.long),
+                )
+        if self.extra_item_feature:
+            dtype = parts[ITEM_FEATURE].lengths.dtype
+            dev = parts[ITEM_FEATURE].values.device
+            extra = (
+                extra_ids.long()
+                if extra_ids is not None
+                else torch.zeros(0, dtype=torch.long, device=dev)
+            )
+            extra_lengths = torch.zeros(b, dtype=dtype, device=dev)
+            extra_lengths[0] = extra.numel()
+            parts[EXTRA_ITEM_FEATURE] = _FeatureIds(
+                values=extra.to(dev),
+                lengths=extra_lengths,
+                count=extra.numel(),
+                host_values=extra if extra.device.type == "cpu" else None,
+            )
+        return b, parts
+
+    def lookup_kjt(
+        self, batch: Batch | None, extra_ids: torch.Tensor | None = None
+    ) -> KeyedJaggedTensor:
+        """One KJT with exactly ``self.features`` as keys (batch features + extra ids)."""
+        device = batch.user_ids.device if batch is not None else extra_ids.device
+        b, parts = self._feature_ids(batch, extra_ids, device)
+        return _make_kjt(self.features, parts, b)
+
+    def forward(
+        self,
+        batch: Batch | None,
+        extra_ids: torch.Tensor | None = None,
+        sparse_input: SparseInput | None = None,
+    ) -> dict[str, JaggedTensor]:
+        """feature -> JaggedTensor of [n, hidden_size] rows (table padding columns dropped).
+
+        The KJTs handed to the tables carry their per-key lengths and offsets (from the host),
+        and the dynamic tables get the CPU ids, so no lookup step reads sizes back from the GPU
+        (torchrec's own sharded input dist still may, see docs/architecture.md).
+        ``sparse_input``: this batch's input dist started ahead (`start_input_dist`)."""
+        device = batch.user_ids.device if batch is not None else extra_ids.device
+        b, parts = self._feature_ids(batch, extra_ids, device)
+        keys = self.features
+        known = {k: parts[k].host_values for k in keys if parts[k].host_values is not None}
+        dyn = [k for k in keys if k in self.dynamic_features]
+        static = [k for k in keys if k not in self.dynamic_features]
+        out: dict[str, JaggedTensor] = {}
+        if static:
+            kjt = _make_kjt(static, parts, b)
+            if self.dense_tables is not None:
+                # plain tables check their id range on the CPU ids (no device read)
+                host = {k: known[k] for k in static if k in known}
+                out.update(self.dense_tables(kjt, host_ids=host))
+            else:
+                out.update(self.embedding_collection(kjt))
+        if dyn:
+            kwargs = {}
+            if sparse_input is not None:
+                counts = [parts[k].count for k in dyn]
+                if sparse_input.features != dyn or sparse_input.counts != counts:
+                    raise RuntimeError(
+                        f"the input dist started ahead was made for {sparse_input.features} with "
+                        f"{sparse_input.counts} ids, but this lookup has {dyn} with {counts}: "
+                        f"it belongs to another batch"
+                    )
+                kwargs["dist_input"] = sparse_input.dist_input
+            host_ids = {k: known[k] for k in dyn if k in known}
+            out.update(
+                self.dynamic_collection(_make_kjt(dyn, parts, b), host_ids=host_ids, **kwargs)
+            )
+        if self.table_dim == self.hidden_size:
+            return out
+        return {
+            k: JaggedTensor(values=jt.values()[:, : self.hidden_size], lengths=jt.lengths())
+            for k, jt in out.items()
+        }

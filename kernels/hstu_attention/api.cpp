@@ -31,8 +31,8 @@ using at::Tensor;
 constexpr int kMinBlockM = 64;  // smallest backward query tile (dQ semaphore rows)
 constexpr int64_t kMaxSeqLen = int64_t(65535) * 64;  // at most 65535 blocks of >= 64 tokens
 
-// Error messages are assembled here with std::to_string (no iostreams): on the lent GPU machine
-// TORCH_CHECK messages that stream an integer crashed the process instead of raising.
+// Error messages are assembled here with std::to_string (no iostreams): with torch 2.11 + CUDA 13
+// builds, TORCH_CHECK messages that stream an integer can crash the process instead of raising.
 void append(std::string& s, const char* x) { s += x; }
 void append(std::string& s, const std::string& x) { s += x; }
 template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
@@ -263,7 +263,7 @@ Checked check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Te
         continue;
       }
       Checked hit = val;
-      // Metadata verified earlier; the per-call (cheap, host-only) checks still run.
+      // Metadata already verified (cache hit); the per-call (cheap, host-only) checks still run.
       check_tensors_and_scalars(q, k, v, max_seqlen, num_contexts, num_targets,
                                 target_group_size, window_size, alpha, inv_scale, causal);
       return hit;
@@ -370,8 +370,8 @@ Tensor fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
 
 // HSTU_ATTN_DQ_CONVERT=bwd: the backward kernel converts dQ itself (the last key block to reach a
 // query block converts it; per-query-block arrival counters) instead of the separate convert
-// kernel (unset or any other value). Measured on the H100 (2026-11-22) it is slower at d64/d128
-// (long_d128 forward+backward 197 vs 241 TF/s) and neutral at d256, so it is opt-in.
+// kernel (unset or any other value). On the H100 it is slower (forward+backward: long_d128 215 vs
+// 250 TF/s, long_d256 206 vs 228), so it is opt-in.
 bool dq_convert_in_bwd_requested() {
   const char* e = std::getenv("HSTU_ATTN_DQ_CONVERT");
   return e != nullptr && std::strcmp(e, "bwd") == 0;

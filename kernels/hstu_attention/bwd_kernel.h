@@ -33,7 +33,7 @@ __device__ __forceinline__ void semaphore_wait(const int* sem, int value) {
 }
 
 // dq_accum += a pair of fp32 values at adjacent columns (8-byte aligned): one vector reduction
-// on SM90 (red.global.add.v2.f32), two scalar ones before.
+// on SM90 (red.global.add.v2.f32), two scalar ones on older architectures.
 __device__ __forceinline__ void red_add_f32x2(float* ptr, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(ptr), "f"(a), "f"(b) : "memory");
@@ -363,11 +363,11 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     if (m_block < m_hi) load_rows(q_ptr, tQsQ, m_block, 0);
     cute::cp_async_fence();
     pass_through(0, min(m_block, num_m_blocks));
-    int pending = -1;  // the previous query block, whose dQ conversion count is still to do
+    int pending = -1;  // the preceding query block, whose dQ conversion count is still to do
     while (m_block < m_hi) {
       const int m0 = m_block * kBlockM;
       const int next = next_active(m_block);
-      // dO (and K, V) have landed; every warp is done with the previous block's sdS.
+      // dO (and K, V) have landed; every warp is done with the preceding block's sdS.
       cute::cp_async_wait<1>();
       __syncthreads();
       Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -426,12 +426,12 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     cute::cp_async_fence();
     pass_through(0, min(m_block, num_m_blocks));
     int stage = 0;  // the Q/dO buffer of the current query block
-    int pending = -1;  // the previous query block, whose dQ conversion count is still to do
+    int pending = -1;  // the preceding query block, whose dQ conversion count is still to do
     while (m_block < m_hi) {
       const int off = stage * kQdOElems;
       const int m0 = m_block * kBlockM;
       const int next = next_active(m_block);
-      // Q/dO of this block have landed, and every warp is done with the previous block's sP/sdS
+      // Q/dO of this block have landed, and every warp is done with the preceding block's sP/sdS
       // and with the stage the prefetch below overwrites.
       cute::cp_async_wait<0>();
       const int expected = dq_count_begin(pending);  // the barrier

@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     }
     if (!mk.tile_full(m0, m1, n0, n0 + kBlockN)) apply_mask(mk, tScS, m0, n0, acc_s);
     Tensor rP = convert_fragment<Element>(acc_s);
-    // sP is free: every warp passed this iteration's first barrier after the previous P V.
+    // sP is free: every warp passed this iteration's first barrier after the preceding P V.
     if constexpr (Kt::kPSmem) copy(smem_tiled_copy_Pw, smem_thr_copy_Pw.retile_S(rP), tPsP);
     cute::cp_async_wait<0>();
     __syncthreads();  // V landed; every warp is done reading sK (and, kPSmem, wrote its P)

@@ -72,8 +72,8 @@ struct BwdConfig<T, 64> {
 template <typename T>
 struct BwdConfig<T, 128> {
   // 128 KB, dP-first and single-buffered, with prefetching GEMMs: 255 registers and 0 spills
-  // for sm_80 and sm_90 (the double-buffered S-first schedule needed lean GEMMs and still
-  // spilled 104 bytes). H100, same build: long_d128 backward 225.5-225.9 vs 214.3-218.6 TF/s.
+  // for sm_80 and sm_90 (the double-buffered S-first alternative needs lean GEMMs and still
+  // spills 104 bytes). H100, one build: long_d128 backward 225.5-225.9 TF/s vs 214.3-218.6 for it.
   using type = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, false, 1, false, true>;
   using big_smem = type;
   using huge_smem = type;
@@ -176,7 +176,7 @@ inline int smem_budget() {
 //    a pair's work is ~n_blocks x its heaviest CTA / 2, so the last group's work per slot is then
 //    at least one heaviest CTA, and its heaviest CTAs, dispatched first, end with the rest.
 // HSTU_ATTN_PAIR_GROUP=<n> and HSTU_ATTN_LAST_GROUP=<n> override the two sizes (a value >= B x H
-// gives one group over the whole batch: the dispatch order before the groups, for comparisons).
+// gives one group over the whole batch, block-major across all pairs, for comparisons).
 // Returns the grid size (0: nothing to launch, -1: too many CTAs for a 1-D grid).
 inline int64_t set_grid_order(HstuParams& p, int64_t n_blocks, int64_t per_pair, int slots) {
   const int64_t pairs = int64_t(p.batch) * p.heads;

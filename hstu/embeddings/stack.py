@@ -115,8 +115,9 @@ class EmbeddingStack(nn.Module):
     ``extra_item_feature``, the extra item ids (negatives, corpus) under `EXTRA_ITEM_FEATURE`.
 
     Built on the CPU from ``seed`` (DistributedModelParallel copies the rows into its shards, so
-    every world size starts from identical tables); dynamic tables are built on
-    ``dynamic_device`` ("meta" on GPU: their sharder creates the shards on the device).
+    every world size starts from identical tables). ``device_type``: the device the run trains
+    on; on "cuda" dynamic tables are built on "meta" (their sharder creates the shards on the
+    GPU).
     """
 
     def __init__(
@@ -129,7 +130,7 @@ class EmbeddingStack(nn.Module):
         use_contextual_features: bool = True,
         extra_item_feature: bool = False,
         seed: int = 0,
-        dynamic_device: str = "cpu",
+        device_type: str = "cpu",
     ) -> None:
         super().__init__()
         self.args = args
@@ -163,6 +164,7 @@ class EmbeddingStack(nn.Module):
         self.dynamic_features: list[str] = []
         self.dynamic_collection: DynamicEmbeddingCollection | None = None
         if backend == "dynamic":
+            dynamic_device = "meta" if device_type == "cuda" else "cpu"
             specs = self._make_dynamic(specs, args, seed, dynamic_device)
         self.table_specs = specs
         static = [s for s in specs if not s.dynamic]

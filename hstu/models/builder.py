@@ -28,7 +28,7 @@ def feature_info(data: SequenceData, cfg: RunConfig) -> FeatureInfo:
 
 
 def build_embedding_stack(
-    cfg: RunConfig, info: FeatureInfo, *, extra_item_feature: bool, dynamic_device: str = "cpu"
+    cfg: RunConfig, info: FeatureInfo, *, extra_item_feature: bool, device_type: str = "cpu"
 ) -> EmbeddingStack:
     """The model's tables from `EmbeddingArgs` and the dataset's features."""
     return EmbeddingStack(
@@ -39,24 +39,24 @@ def build_embedding_stack(
         use_contextual_features=cfg.network.use_contextual_features,
         extra_item_feature=extra_item_feature,
         seed=cfg.trainer.seed,
-        dynamic_device=dynamic_device,
+        device_type=device_type,
     )
 
 
 def build_model(
-    cfg: RunConfig, data: SequenceData, *, dynamic_device: str = "cpu"
+    cfg: RunConfig, data: SequenceData, *, device_type: str = "cpu"
 ) -> GenerativeRecommender:
     """The unsharded model, initialised deterministically from TrainerArgs.seed.
 
-    ``dynamic_device``: where dynamic tables (EmbeddingArgs.embedding_backend='dynamic') are
-    built; "meta" on GPU, where DistributedModelParallel's DynamicEmbeddingSharder creates them.
+    ``device_type``: the device the run trains on (the tables are built for it, see
+    `EmbeddingStack`).
     """
 
     info = feature_info(data, cfg)
     torch.manual_seed(cfg.trainer.seed)
     cls = RankingGR if cfg.task == "ranking" else RetrievalGR
     stack = build_embedding_stack(
-        cfg, info, extra_item_feature=cls.uses_extra_items, dynamic_device=dynamic_device
+        cfg, info, extra_item_feature=cls.uses_extra_items, device_type=device_type
     )
     if cfg.task == "ranking":
         r = cfg.ranking

@@ -159,10 +159,7 @@ class Trainer:
         )
 
         # model
-        # dynamic tables are built on meta on GPU: DynamicEmbeddingSharder creates the shards
-        model = build_model(
-            cfg, self.data, dynamic_device="meta" if self.device.type == "cuda" else "cpu"
-        )
+        model = build_model(cfg, self.data, device_type=self.device.type)
         model.embeddings.configure_sparse_optimizer(self.device.type)
         self.model = wrap_model(model, self.info, model.embeddings)
         self.core: GenerativeRecommender = self.model.module
@@ -200,6 +197,7 @@ class Trainer:
         self.pipeline = SparseDistPipeline(
             self.train_iter, self.embeddings, ahead=t.route_ids_ahead
         )
+        self._user_row: dict[int, int] | None = None  # user id -> row of self.data (evaluation)
         self.step = 0
         if t.ckpt_load_dir:
             self._load_checkpoint(t.ckpt_load_dir)
@@ -488,7 +486,7 @@ class Trainer:
 
     def _full_histories(self, batch: Batch) -> list[torch.Tensor]:
         """Every item each eval user consumed before the held-out target (not only the window)."""
-        if not hasattr(self, "_user_row"):
+        if self._user_row is None:
             self._user_row = {int(u): i for i, u in enumerate(self.data.user_ids.tolist())}
         out = []
         for uid in batch.user_ids.tolist():

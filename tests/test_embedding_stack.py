@@ -1,0 +1,203 @@
+"""EmbeddingStack: one interface over every table backend; the model and trainer never name one."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from hstu.config.args import EmbeddingArgs
+from hstu.config.gin_utils import load_config
+from hstu.data.batch import ITEM_FEATURE
+from hstu.data.registry import build_samples, load_sequence_data
+from hstu.embeddings.dynamic_table import DynamicEmbeddingCollection
+from hstu.embeddings.stack import EXTRA_ITEM_FEATURE, EmbeddingStack
+from hstu.models.builder import build_embedding_stack, feature_info
+from hstu.training.checkpoint import Checkpointer
+from hstu.training.reshard import upgrade_state_keys
+from hstu.training.trainer import run_training
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SMALL = [
+    "DatasetArgs.synthetic_num_users=300",
+    "DatasetArgs.synthetic_num_items=200",
+    "DatasetArgs.max_history_seqlen=16",
+    "NetworkArgs.num_layers=1",
+    "NetworkArgs.hidden_size=18",  # not a multiple of 4: torchrec tables get padded rows
+    "NetworkArgs.num_attention_heads=2",
+    "NetworkArgs.kv_channels=8",
+    "TrainerArgs.progress_bar=False",
+]
+
+BACKENDS = [
+    ("torchrec", "torchrec"),
+    ("dynamic", "torchrec"),
+    ("dynamic", "dense"),
+    ("dense", "torchrec"),
+]
+
+
+def _setup(task: str, *bindings: str):
+    cfg = load_config(task, [], SMALL + list(bindings))
+    data = load_sequence_data(cfg.dataset, num_tasks=8)
+    return cfg, data, build_samples(data, cfg.dataset, task)
+
+
+@pytest.mark.parametrize("backend,contextual", BACKENDS)
+def test_every_backend_looks_up_through_one_interface(backend, contextual):
+    cfg, data, splits = _setup(
+        "retrieval",
+        f"EmbeddingArgs.embedding_backend='{backend}'",
+        f"EmbeddingArgs.contextual_tables='{contextual}'",
+    )
+    stack = build_embedding_stack(cfg, feature_info(data, cfg), extra_item_feature=True)
+    batch = splits.train.collate(list(range(6)))
+    extra = torch.tensor([1, 2, 3])
+    out = stack(batch, extra)
+    assert stack.features == [*data.user_feature_names, ITEM_FEATURE, EXTRA_ITEM_FEATURE]
+    assert sorted(out) == sorted(stack.features)
+    for name, jt in out.items():
+        assert jt.values().shape[1] == 18, name
+    n_items = int(batch.features[ITEM_FEATURE].lengths().sum())
+    assert out[ITEM_FEATURE].values().shape[0] == n_items
+    assert out[EXTRA_ITEM_FEATURE].values().shape[0] == 3
+    # the same item id gives the same row whichever feature looks it up
+    first = int(batch.features[ITEM_FEATURE].values()[0])
+    again = stack(None, torch.tensor([first]))[EXTRA_ITEM_FEATURE].values()[0]
+    torch.testing.assert_close(again, out[ITEM_FEATURE].values()[0])
+    # sparse parameters are the torchrec tables' only (plain tables go to the dense optimizer)
+    sparse = [n for n, _ in stack.named_parameters() if stack.is_sparse_parameter(n)]
+    plain = [n for n, _ in stack.named_parameters() if not stack.is_sparse_parameter(n)]
+    assert all(n.startswith("embedding_collection.") for n in sparse)
+    assert bool(sparse) == (stack.embedding_collection is not None)
+    assert bool(plain) == (stack.dense_tables is not None)
+    # the layout a checkpoint records, and the rows that live outside state_dict()
+    assert stack.checkpoint_meta() == {
+        "embedding_backend": backend,
+        "contextual_tables": contextual,
+    }
+    assert ("dynamic_embeddings" in stack.checkpoint_state()) == (backend == "dynamic")
+
+
+def test_dynamic_rows_round_trip_through_checkpoint_state():
+    cfg, data, splits = _setup("ranking", "EmbeddingArgs.embedding_backend='dynamic'")
+    info = feature_info(data, cfg)
+    stack = build_embedding_stack(cfg, info, extra_item_feature=False)
+    assert isinstance(stack.dynamic_collection, DynamicEmbeddingCollection)
+    batch = splits.train.collate(list(range(8)))
+    before = stack(batch)[ITEM_FEATURE].values().detach()  # inserts the batch's ids
+    state = stack.checkpoint_state()
+    fresh = build_embedding_stack(
+        load_config(
+            "ranking",
+            [],
+            SMALL + ["EmbeddingArgs.embedding_backend='dynamic'", "TrainerArgs.seed=5"],
+        ),
+        info,
+        extra_item_feature=False,
+    )
+    fresh.load_checkpoint_state([state])
+    fresh.eval()  # eval never inserts: every row must come from the loaded state
+    torch.testing.assert_close(fresh(batch)[ITEM_FEATURE].values(), before)
+
+
+def test_checkpoint_of_another_layout_is_refused_with_the_binding():
+    info_cfg, data, _ = _setup("ranking")
+    stack = EmbeddingStack(
+        feature_info(data, info_cfg),
+        EmbeddingArgs(embedding_backend="torchrec"),
+        hidden_size=16,
+        sparse_learning_rate=0.1,
+    )
+    with pytest.raises(ValueError, match="EmbeddingArgs.embedding_backend='dynamic'"):
+        stack.check_checkpoint({}, {"dynamic_embeddings": {}}, "checkpoint x")
+    with pytest.raises(ValueError, match="EmbeddingArgs.contextual_tables='dense'"):
+        stack.check_checkpoint({"contextual_tables": "dense"}, {}, "checkpoint x")
+    stack.check_checkpoint({"embedding_backend": "torchrec"}, {}, "checkpoint x")
+
+
+def test_model_and_trainer_name_no_embedding_backend():
+    """The models receive embeddings and the trainer asks the stack: no backend branches."""
+    words = re.compile(
+        r"dynamic_collection|embedding_collection|dense_tables|embedding_backend|"
+        r"DynamicEmbedding|EmbeddingCollection|apply_sparse_optimizer|merge_collection_dumps|"
+        r"global_stats|hasattr\("
+    )
+    for rel in ("hstu/models/base.py", "hstu/training/trainer.py"):
+        found = words.findall((ROOT / rel).read_text())
+        assert not found, f"{rel} names embedding backends: {sorted(set(found))}"
+
+
+def test_old_checkpoint_names_upgrade():
+    old = {
+        "model": {"embedding_collection.embeddings.t.weight": 1, "encoder.w": 2},
+        "fused_optimizer": {
+            "state": {"embedding_collection.embeddings.t.weight": {"sum": 3}},
+            "param_groups": [{"params": ["embedding_collection.embeddings.t.weight"]}],
+        },
+        "dense_optimizer": {"state": {}},
+    }
+    new = upgrade_state_keys(old)
+    assert list(new["model"]) == [
+        "embeddings.embedding_collection.embeddings.t.weight",
+        "encoder.w",
+    ]
+    assert list(new["fused_optimizer"]["state"]) == [
+        "embeddings.embedding_collection.embeddings.t.weight"
+    ]
+    assert new["fused_optimizer"]["param_groups"][0]["params"] == [
+        "embeddings.embedding_collection.embeddings.t.weight"
+    ]
+    assert new["dense_optimizer"] is old["dense_optimizer"]
+    assert upgrade_state_keys(new) == new  # current names stay
+
+
+def test_checkpoint_with_the_earlier_table_names_resumes_exactly(tmp_path):
+    """A rank file whose tables are named as before they moved into model.embeddings resumes
+    with the same losses as the file as written."""
+    common = SMALL + [
+        "TrainerArgs.train_batch_size=16",
+        "TrainerArgs.eval_interval=0",
+        "TrainerArgs.max_eval_iters=1",
+        "TrainerArgs.log_interval=2",
+        "TrainerArgs.run_name='run'",
+        "EmbeddingArgs.embedding_backend='dynamic'",
+    ]
+
+    def cfg(where, *extra):
+        return load_config("ranking", [], common + [f"TrainerArgs.log_dir='{where}'", *extra])
+
+    first = run_training(cfg(tmp_path / "a", "TrainerArgs.max_train_iters=3"))
+    ckpt = Path(first.checkpoint_dir)
+    resumed = run_training(
+        cfg(tmp_path / "b", "TrainerArgs.max_train_iters=6", f"TrainerArgs.ckpt_load_dir='{ckpt}'")
+    )
+    # rename the tables' entries to the earlier names, in place
+    rank_file = ckpt / "rank_0.pt"
+    state = torch.load(rank_file, weights_only=False)
+    assert any(k.startswith("embeddings.") for k in state["model"])
+
+    def downgrade(obj):
+        if isinstance(obj, dict):
+            return type(obj)(
+                (k.removeprefix("embeddings.") if isinstance(k, str) else k, downgrade(v))
+                for k, v in obj.items()
+            )
+        if isinstance(obj, list):
+            return [
+                v.removeprefix("embeddings.") if isinstance(v, str) else downgrade(v) for v in obj
+            ]
+        return obj
+
+    state["model"] = downgrade(state["model"])
+    state["fused_optimizer"] = downgrade(state["fused_optimizer"])
+    assert not any(k.startswith("embeddings.") for k in state["model"])
+    torch.save(state, rank_file)
+    assert Checkpointer.load(ckpt)[0] == 3
+    old = run_training(
+        cfg(tmp_path / "c", "TrainerArgs.max_train_iters=6", f"TrainerArgs.ckpt_load_dir='{ckpt}'")
+    )
+    assert old.losses == resumed.losses

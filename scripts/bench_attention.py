@@ -5,8 +5,8 @@ alpha = 1/sqrt(d), lengths ~ randint(N // 2, N + 1) with seed 0, forward FLOPs
 sum_b H * L_b^2 * (Dqk + Dv), forward+backward = 3.5x, CUDA events, median of >= 20 runs.
 Prints one JSON object per line:
 
-    python scripts/bench_attention.py [--shapes short_d64,mid_d128] [--iters 30] [--graph]
-        [--extra] [--out f.jsonl]
+    python scripts/bench_attention.py [--shapes short_d64,mid_d128] [--iters 30] [--warmup 10]
+        [--graph] [--extra] [--out f.jsonl]
 
 "cutlass" rows time eager calls (Python, autograd and launch overhead included, as an eager
 training step sees them); "cutlass_op" "bwd" rows time the backward op alone (2.5x forward
@@ -26,16 +26,18 @@ exceeded, on a batch prefix whose time is scaled up by the FLOP ratio; such rows
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import statistics
 import sys
 
 import torch
 
-from hstu.ops import reference
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]  # this checkout's hstu; bench_common
+
+from bench_common import base_parser, emit_json, median_ms  # noqa: E402
+
+from hstu.ops import reference  # noqa: E402
 
 SHAPES = {
     # name: (B, H, d, N, targets, contextual)
@@ -77,22 +79,7 @@ def fwd_flops(lengths: torch.Tensor, h: int, d: int) -> float:
     return float(h * (lengths.double() ** 2).sum() * (d + d))
 
 
-def time_ms(fn, iters: int, warmup: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def time_graph_ms(fn, iters: int) -> float:
+def time_graph_ms(fn, iters: int, warmup: int) -> float:
     """GPU time alone: the call captured once in a CUDA graph and replayed (no Python/launch
     overhead; what a CUDA-graphed or torch.compile'd training step sees)."""
     side = torch.cuda.Stream()
@@ -104,7 +91,7 @@ def time_graph_ms(fn, iters: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return time_ms(graph.replay, iters)
+    return median_ms(graph.replay, iters, warmup)
 
 
 def peak_mb(fn) -> float:
@@ -116,7 +103,7 @@ def peak_mb(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def bench_impl(attn, q, k, v, do, offsets, n, kw, iters):
+def bench_impl(attn, q, k, v, do, offsets, n, kw, iters, warmup):
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
 
     def fwd():
@@ -127,13 +114,17 @@ def bench_impl(attn, q, k, v, do, offsets, n, kw, iters):
         out = attn(qg, kg, vg, offsets, n, **kw)
         torch.autograd.grad(out, (qg, kg, vg), do)
 
-    return time_ms(fwd, iters), time_ms(fwd_bwd, iters), peak_mb(fwd_bwd), (fwd, fwd_bwd)
+    return (
+        median_ms(fwd, iters, warmup),
+        median_ms(fwd_bwd, iters, warmup),
+        peak_mb(fwd_bwd),
+        (fwd, fwd_bwd),
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = base_parser(__doc__, iters=30, warmup=10, out="")
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--ref-iters", type=int, default=5)
     ap.add_argument(
         "--ref-max-elems",
@@ -152,7 +143,6 @@ def main() -> None:
         action="store_true",
         help="also: rank_targets lengths without masks, deterministic backward",
     )
-    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = ap.parse_args()
 
     from hstu.ops.cuda_attention import hstu_attention_cuda, is_available
@@ -160,18 +150,13 @@ def main() -> None:
     if not is_available():
         sys.exit("hstu._hstu_attention_C is not built / no CUDA GPU")
     gpu = torch.cuda.get_device_name()
-    sink = open(args.out, "a") if args.out else None
     knobs = {k: os.environ[k] for k in KERNEL_ENV if k in os.environ}
 
     def emit(rec: dict) -> None:
         rec = {"bench": "hstu_attention", "gpu": gpu, **rec}
         if knobs:
             rec["env"] = knobs
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if sink:
-            sink.write(line + "\n")
-            sink.flush()
+        emit_json(rec, args.out)
 
     runs = []
     for name in args.shapes.split(","):
@@ -189,7 +174,9 @@ def main() -> None:
         def cuda_fn(*a, _extra=extra, **k2):
             return hstu_attention_cuda(*a, **k2, **_extra)
 
-        f_ms, fb_ms, mem, fns = bench_impl(cuda_fn, q, k, v, do, offsets, n, kw, args.iters)
+        f_ms, fb_ms, mem, fns = bench_impl(
+            cuda_fn, q, k, v, do, offsets, n, kw, args.iters, args.warmup
+        )
         emit(
             {
                 **shape,
@@ -233,7 +220,7 @@ def main() -> None:
         def bwd_op(_a=bwd_args):
             torch.ops.hstu_attention.bwd(*_a)
 
-        b_ms = time_ms(bwd_op, args.iters)
+        b_ms = median_ms(bwd_op, args.iters, args.warmup)
         emit(
             {
                 **shape,
@@ -246,7 +233,7 @@ def main() -> None:
         )
         if args.graph:
             try:
-                g_b = time_graph_ms(bwd_op, args.iters)
+                g_b = time_graph_ms(bwd_op, args.iters, args.warmup)
                 emit(
                     {
                         **shape,
@@ -257,7 +244,8 @@ def main() -> None:
                         "iters": args.iters,
                     }
                 )
-                g_f, g_fb = time_graph_ms(fns[0], args.iters), time_graph_ms(fns[1], args.iters)
+                g_f = time_graph_ms(fns[0], args.iters, args.warmup)
+                g_fb = time_graph_ms(fns[1], args.iters, args.warmup)
                 emit(
                     {
                         **shape,
@@ -303,6 +291,7 @@ def main() -> None:
                     n,
                     sub_kw,
                     args.ref_iters,
+                    args.warmup,
                 )
                 break
             except torch.OutOfMemoryError:
@@ -343,8 +332,6 @@ def main() -> None:
         )
         del q, k, v, do
         torch.cuda.empty_cache()
-    if sink:
-        sink.close()
 
 
 if __name__ == "__main__":

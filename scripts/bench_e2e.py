@@ -10,10 +10,11 @@ forward + backward, actual token lengths).
         --bindings "EmbeddingArgs.item_capacity=2000000" "EmbeddingArgs.user_capacity=1000000"
     python scripts/bench_e2e.py --nproc 1,2,4 --paths compiled ...   # multi-GPU scaling
 
-The reference path sets HSTU_FORCE_REFERENCE_ATTENTION=1 (a benchmarking-only switch of
-`hstu.ops.attention`) and runs the unfused layer (--reference-fused keeps the fused one, which
-off the kernel replays the attention forward in backward). It materialises fp32 [B, H, N, N] scores, so at long lengths it may not
-fit: on out-of-memory its per-GPU batch is halved until it does (the row says so in
+The reference path sets HSTU_FORCE_REFERENCE_ATTENTION=1 (a benchmarking-only switch, read
+when the model is built: `hstu.models.builder`, `hstu.ops.attention.force_reference_from_env`)
+and runs the unfused layer (--reference-fused keeps the fused one, which off the kernel replays
+the attention forward in backward). It materialises fp32 [B, H, N, N] scores, so at long lengths
+it may not fit: on out-of-memory its per-GPU batch is halved until it does (the row says so in
 "batch_per_gpu"); compare samples/s then.
 
 --nproc 1,2,4 runs one torchrun launch per count (same per-GPU batch, so the global batch grows
@@ -41,26 +42,31 @@ import time
 import torch
 import torch.distributed as dist
 
-# run from a checkout: this repository's hstu, not another installed copy
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# run from a checkout: this repository's hstu, not another installed copy; bench_common
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]
+
+from bench_common import base_parser, emit_json, resolve_device  # noqa: E402
 
 logger = logging.getLogger("bench_e2e")
 
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", default="configs/synthetic_benchmark_ranking.gin")
-    p.add_argument("--task", default="ranking", choices=("ranking", "retrieval"))
-    p.add_argument("--bindings", nargs="*", default=[], help="gin bindings, e.g. 'A.b=1'")
-    p.add_argument("--steps", type=int, default=20, help="timed training steps per path")
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=40,
-        help="untimed steps first (default 40: the steady state of a long run, where cuBLAS has "
-        "planned the matmuls of every padded token count the batches produce; see "
-        "NetworkArgs.pad_tokens in docs/architecture.md)",
+    p = base_parser(
+        __doc__,
+        warmup=40,
+        steps=20,
+        device="auto",
+        config="configs/synthetic_benchmark_ranking.gin",
+        out="",
+        helps={
+            "steps": "timed training steps per path",
+            "warmup": "untimed steps first (default 40: the steady state of a long run, where "
+            "cuBLAS has planned the matmuls of every padded token count the batches produce; "
+            "see NetworkArgs.pad_tokens in docs/architecture.md)",
+        },
     )
+    p.add_argument("--task", default="ranking", choices=("ranking", "retrieval"))
     p.add_argument(
         "--paths",
         default="compiled,reference",
@@ -81,11 +87,9 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         "path runs the unfused layer, whose autograd keeps the reference attention's graph "
         "instead of replaying its forward in backward as the fused layer does off the kernel)",
     )
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--mean-seq-len", type=float, default=1024.0)
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--num-users", type=int, default=2000, help="synthetic users (samples)")
-    p.add_argument("--out", default="", help="also append the JSON lines to this file")
     p.add_argument(
         "--profile",
         default="",
@@ -167,13 +171,15 @@ def _sweep(args: argparse.Namespace, argv: list[str]) -> int:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-6000:])
-                _emit({"nproc": n, "error": f"launch failed (exit {proc.returncode})"}, args.out)
+                emit_json(
+                    {"nproc": n, "error": f"launch failed (exit {proc.returncode})"}, args.out
+                )
                 rows[n] = []
                 continue
             with open(out) as f:
                 rows[n] = [json.loads(line) for line in f if line.strip()]
         for row in rows[n]:
-            _emit({"nproc": n, **row}, args.out)
+            emit_json({"nproc": n, **row}, args.out)
     paths = {r["path"] for rs in rows.values() for r in rs if "path" in r}
     for path in sorted(paths):
         by_n = {
@@ -186,7 +192,7 @@ def _sweep(args: argparse.Namespace, argv: list[str]) -> int:
             if r is None:
                 continue
             scale = r["samples_per_s"] / one["samples_per_s"] if one else None
-            _emit(
+            emit_json(
                 {
                     "summary": "scaling",
                     "path": path,
@@ -203,15 +209,6 @@ def _sweep(args: argparse.Namespace, argv: list[str]) -> int:
                 args.out,
             )
     return 0 if all(rows.values()) else 1
-
-
-def _emit(row: dict, out: str) -> None:
-    line = json.dumps(row)
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
 
 
 def _patch_data(args: argparse.Namespace) -> None:
@@ -433,9 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if "LOCAL_RANK" not in os.environ and (len(args.nproc) > 1 or args.nproc[0] > 1):
         return _sweep(args, list(argv if argv is not None else sys.argv[1:]))
-    device_type = args.device
-    if device_type == "auto":
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = resolve_device(args.device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     _patch_data(args)
@@ -449,11 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     for p in paths:
         rows[p] = _run_path(p, args, device_type, world)
         if rank == 0:
-            _emit(rows[p], args.out)
+            emit_json(rows[p], args.out)
     if rank == 0 and {"compiled", "reference"} <= rows.keys():
         c, r = rows["compiled"], rows["reference"]
         if "error" not in c and "error" not in r:
-            _emit(
+            emit_json(
                 {
                     "summary": "compiled vs reference",
                     "speedup_steps_per_s": c["steps_per_s"] / r["steps_per_s"],

@@ -6,43 +6,36 @@
     torchrec's fused TBE EmbeddingCollection sharded by DistributedModelParallel (FUSED kernel),
     same dim, optimizer, ids (64K with duplicates), measured in the same run.
 
-    python scripts/bench_embedding.py [--slots-log2 24] [--skip-tbe]
+    python scripts/bench_embedding.py [--slots-log2 24] [--skip-tbe] [--skip-table] [--out f.jsonl]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
+import sys
 
 import torch
 
-from hstu.embeddings import cuda_table
-from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
-from hstu.embeddings.dynamic_table import DynamicEmbeddingCollection, DynamicEmbeddingTable
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]  # this checkout's hstu; bench_common
+
+from bench_common import base_parser, emit_json, median_ms  # noqa: E402
+
+from hstu.embeddings import cuda_table  # noqa: E402
+from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig  # noqa: E402
+from hstu.embeddings.dynamic_table import (  # noqa: E402
+    DynamicEmbeddingCollection,
+    DynamicEmbeddingTable,
+)
 
 
-def emit(**kw) -> None:
+def emit(out: str, **kw) -> None:
+    """One JSON row (with the GPU's name) on stdout, also appended to ``out`` when given."""
     kw["gpu"] = torch.cuda.get_device_name()
-    print(json.dumps(kw), flush=True)
+    emit_json(kw, out)
 
 
-def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def bench_table(slots_log2: int) -> None:
+def bench_table(slots_log2: int, out: str = "") -> None:
     dev = torch.device("cuda")
     cap = 1 << slots_log2
     cfg = DynamicEmbeddingConfig("bench", 128, cap, ["f"], optimizer="sgd")
@@ -77,11 +70,12 @@ def bench_table(slots_log2: int) -> None:
             inserted.append(keys)
         allk = torch.cat(inserted)
         q = allk[torch.randint(0, allk.numel(), (1 << 23,), device=dev, generator=g)]
-        find_ms = time_ms(lambda q=q: cuda_table.find(t.state, q))
+        find_ms = median_ms(lambda q=q: cuda_table.find(t.state, q), 20, 3)
         miss = q ^ 0x5A5A5A5A  # almost surely absent keys
-        miss_ms = time_ms(lambda q=miss: cuda_table.find(t.state, q))
+        miss_ms = median_ms(lambda q=miss: cuda_table.find(t.state, q), 20, 3)
         hit = float((cuda_table.find(t.state, q) >= 0).float().mean())
         emit(
+            out,
             bench="hash_table",
             slots=cap,
             dim=128,
@@ -105,7 +99,7 @@ def make_batch(n_ids: int, vocab: int, seed: int):
     return KeyedJaggedTensor(keys=["f"], values=ids, lengths=lengths).to("cuda"), ids
 
 
-def bench_train_step(skip_tbe: bool) -> None:
+def bench_train_step(skip_tbe: bool, out: str = "") -> None:
     dev = torch.device("cuda")
     n_ids, vocab, dim, lr = 65536, 1 << 20, 128, 1e-3
     kjt, ids = make_batch(n_ids, vocab, 0)
@@ -119,8 +113,8 @@ def bench_train_step(skip_tbe: bool) -> None:
         out = dyn(kjt)["f"].values()
         (out * coef).sum().backward()
 
-    dyn_ms = time_ms(dyn_step, iters=50, warmup=5)
-    emit(bench="train_step", impl="dynamic", ids=n_ids, unique=n_unique, dim=dim, ms=dyn_ms)
+    dyn_ms = median_ms(dyn_step, iters=50, warmup=5)
+    emit(out, bench="train_step", impl="dynamic", ids=n_ids, unique=n_unique, dim=dim, ms=dyn_ms)
     if skip_tbe:
         return
     import torch.distributed as dist
@@ -157,7 +151,7 @@ def bench_train_step(skip_tbe: bool) -> None:
         out = model(kjt)["f"].values()
         (out * coef).sum().backward()
 
-    tbe_ms = time_ms(tbe_step, iters=50, warmup=5)
+    tbe_ms = median_ms(tbe_step, iters=50, warmup=5)
 
     from hstu.embeddings.sharding import DynamicEmbeddingSharder
 
@@ -175,8 +169,9 @@ def bench_train_step(skip_tbe: bool) -> None:
         out = dyn_dmp(kjt)["f"].values()
         (out * coef).sum().backward()
 
-    dmp_ms = time_ms(dyn_dmp_step, iters=50, warmup=5)
+    dmp_ms = median_ms(dyn_dmp_step, iters=50, warmup=5)
     emit(
+        out,
         bench="train_step",
         impl="dynamic_dmp_sharder",
         ids=n_ids,
@@ -185,6 +180,7 @@ def bench_train_step(skip_tbe: bool) -> None:
         ms=dmp_ms,
     )
     emit(
+        out,
         bench="train_step",
         impl="torchrec_fused_tbe_dmp",
         ids=n_ids,
@@ -192,11 +188,11 @@ def bench_train_step(skip_tbe: bool) -> None:
         dim=dim,
         ms=tbe_ms,
     )
-    emit(bench="train_step_ratio", dynamic_over_tbe=dyn_ms / tbe_ms, target="<= 1.25")
+    emit(out, bench="train_step_ratio", dynamic_over_tbe=dyn_ms / tbe_ms, target="<= 1.25")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = base_parser(__doc__, out="")
     p.add_argument("--slots-log2", type=int, default=24)
     p.add_argument("--skip-tbe", action="store_true")
     p.add_argument("--skip-table", action="store_true")
@@ -205,9 +201,9 @@ def main() -> None:
         raise SystemExit("bench_embedding.py needs a CUDA GPU")
     cuda_table.require_kernels()
     if not args.skip_table:
-        bench_table(args.slots_log2)
+        bench_table(args.slots_log2, args.out)
         torch.cuda.empty_cache()
-    bench_train_step(args.skip_tbe)
+    bench_train_step(args.skip_tbe, args.out)
 
 
 if __name__ == "__main__":

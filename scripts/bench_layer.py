@@ -8,8 +8,9 @@ object per line:
 Layer variants: "fused" (the default gate_kernel, "auto"), "fused_gate_cuda" (the compiled
 LayerNorm*u*dropout kernel), "fused_gate_compiled" (its torch.compiled PyTorch stages),
 "fused_eager" (every elementwise stage eager), "fused_recompute_*" (memory options, default gate),
-"fused_aten_elementwise" (the default layer with the uvqk SiLU on the aten path instead of the
-chunk-major SiLU kernels).
+"fused_aten_elementwise" (the default layer with elementwise_kernels=False: the uvqk SiLU and the
+gradient cast on the aten path instead of the hstu_lnmd kernels). Layer rows carry the layer's
+"kernel_choices" (what each switch resolved to on the device).
 Gating-step variants, [T, H*d] forward + backward of dropout(LayerNorm(a) * u) alone (u a column
 block of a [T, 4*H*d] tensor, as in the layer): "gate_op_cuda" (torch.ops.hstu_lnmd, including
 the recompute of y) and "gate_op_compiled" (the layer's torch.compiled stages gate_fwd,
@@ -34,7 +35,6 @@ forward+backward above the inputs and weights.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -42,29 +42,28 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]  # this checkout's hstu; bench_common
+
+from bench_common import base_parser, emit_json, median_ms, resolve_device  # noqa: E402
 
 import hstu.modules.fused_hstu_layer as fused_mod  # noqa: E402
 from hstu.modules import layer_norm_mul_dropout as lnmd  # noqa: E402
-from hstu.modules.fused_hstu_layer import (  # noqa: E402
-    FusedHSTULayer,
-    set_elementwise_kernels,
-    set_stage_compile,
-)
+from hstu.modules.fused_hstu_layer import FusedHSTULayer  # noqa: E402
 from hstu.modules.hstu_layer import AttentionInputs, HSTULayer  # noqa: E402
 from hstu.training.flops import StackShape, step_flops  # noqa: E402
 
-# name -> (recompute_input_layernorm, recompute_uvqk_silu, gate_kernel, compile stages)
+# name -> FusedHSTULayer options (None: the unfused HSTULayer)
 VARIANTS = {
     "unfused": None,
-    "fused": (False, False, None, True),
-    "fused_gate_cuda": (False, False, "cuda", True),
-    "fused_gate_compiled": (False, False, "compiled", True),
-    "fused_eager": (False, False, "compiled", False),
-    "fused_recompute_ln": (True, False, None, True),
-    "fused_recompute_silu": (False, True, None, True),
-    "fused_recompute_both": (True, True, None, True),
-    "fused_aten_elementwise": (False, False, None, True),  # + the SiLU kernels switched off
+    "fused": {},
+    "fused_gate_cuda": {"gate_kernel": "cuda"},
+    "fused_gate_compiled": {"gate_kernel": "compiled"},
+    "fused_eager": {"gate_kernel": "compiled", "stage_compile": False},
+    "fused_recompute_ln": {"recompute_input_layernorm": True},
+    "fused_recompute_silu": {"recompute_uvqk_silu": True},
+    "fused_recompute_both": {"recompute_input_layernorm": True, "recompute_uvqk_silu": True},
+    "fused_aten_elementwise": {"elementwise_kernels": False},
 }
 GATE_VARIANTS = ("gate_op_cuda", "gate_op_compiled")
 SILU_VARIANTS = ("silu_op_cuda", "silu_op_aten")
@@ -73,19 +72,14 @@ STEP_VARIANTS = GATE_VARIANTS + SILU_VARIANTS + CAST_VARIANTS
 
 
 def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p = base_parser(__doc__, iters=20, warmup=3, device="auto", dtype="bfloat16", out="")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=256)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--variants", default=",".join(list(VARIANTS) + list(STEP_VARIANTS)))
-    p.add_argument("--out", default="")
     return p.parse_args(argv)
 
 
@@ -183,30 +177,9 @@ def _cast_step(variant: str, t: int, hidden: int, dev, dtype, gen):
     return step, nbytes
 
 
-def _time(fn, iters: int, warmup: int, cuda: bool) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1000.0 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
 def main(argv=None) -> int:
     args = _parse(argv)
-    dev = torch.device(
-        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    dev = torch.device(resolve_device(args.device))
     cuda = dev.type == "cuda"
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
@@ -227,9 +200,8 @@ def main(argv=None) -> int:
             raise SystemExit(
                 f"--variants: unknown {variant!r}; one of {list(VARIANTS) + list(STEP_VARIANTS)}"
             )
-        rec = VARIANTS.get(variant)
-        set_stage_compile(rec[3] if rec is not None else True)
-        set_elementwise_kernels(variant != "fused_aten_elementwise")
+        options = VARIANTS.get(variant)
+        choices = None
         sdt = dtype if autocast else torch.float32
         try:
             if variant in SILU_VARIANTS:
@@ -252,19 +224,14 @@ def main(argv=None) -> int:
                     variant, t, args.heads * args.head_dim, args.dropout, dev, gdt, gen
                 )
             else:
-                if rec is None:
+                if options is None:
                     layer = ref
                 else:
                     layer = FusedHSTULayer(
-                        args.hidden,
-                        args.heads,
-                        args.head_dim,
-                        args.dropout,
-                        recompute_input_layernorm=rec[0],
-                        recompute_uvqk_silu=rec[1],
-                        gate_kernel=rec[2],
+                        args.hidden, args.heads, args.head_dim, args.dropout, **options
                     ).to(dev)
                     layer.load_state_dict(ref.state_dict())
+                choices = layer.kernel_choices(dev)
                 layer.train()
                 xi = x.clone().requires_grad_(True)
 
@@ -275,7 +242,7 @@ def main(argv=None) -> int:
 
                 step()  # surfaces a missing kernel before timing
         except (RuntimeError, ValueError) as exc:
-            _emit(args.out, {"variant": variant, "device": name, "error": str(exc)})
+            emit_json({"variant": variant, "device": name, "error": str(exc)}, args.out)
             continue
 
         peak = None
@@ -287,7 +254,7 @@ def main(argv=None) -> int:
             step()
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**30
-        ms = _time(step, args.iters, args.warmup, cuda)
+        ms = median_ms(step, args.iters, args.warmup, cuda)
         host = _host_ms(step, max(5, args.iters // 2), cuda)
         gate_only = variant in STEP_VARIANTS
         row = {
@@ -306,9 +273,11 @@ def main(argv=None) -> int:
             "tflops": None if gate_only else flops / (ms / 1000.0) / 1e12,
             "peak_mem_gb": peak,
         }
+        if choices is not None:  # layer variants: what each kernel switch resolved to
+            row["kernel_choices"] = choices
         if variant in SILU_VARIANTS:
-            ms_f = _time(fwd, args.iters, args.warmup, cuda)
-            ms_b = _time(bwd, args.iters, args.warmup, cuda)
+            ms_f = median_ms(fwd, args.iters, args.warmup, cuda)
+            ms_b = median_ms(bwd, args.iters, args.warmup, cuda)
             row.update(
                 ms_fwd=ms_f,
                 ms_bwd=ms_b,
@@ -317,18 +286,8 @@ def main(argv=None) -> int:
             )
         if variant in CAST_VARIANTS:
             row["gbps"] = cast_bytes / (ms / 1000.0) / 1e9
-        _emit(args.out, row)
-    set_elementwise_kernels(True)
+        emit_json(row, args.out)
     return 0
-
-
-def _emit(out: str, row: dict) -> None:
-    line = json.dumps(row)
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ Settings that make the comparison meaningful (set unless --bindings override the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -40,17 +39,30 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # this checkout's hstu, not another installed copy
+# this checkout's hstu, not another installed copy; bench_common next to this file
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
+
+from bench_common import base_parser, emit_json  # noqa: E402
 
 LAUNCHER = REPO / "scripts" / "pretrain_gr_ranking.py"
 PRECISIONS = ("fp32", "bf16")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = base_parser(
+        __doc__,
+        steps=200,
+        device="auto",
+        config="",
+        out="",
+        out_aliases=("--json",),
+        helps={
+            "steps": "training steps of each run",
+            "config": "gin file (default: the embedded synthetic one)",
+            "bindings": "extra gin bindings",
+        },
+    )
     p.add_argument("--nproc", type=int, default=2, help="processes (GPUs) compared with one")
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=64, help="global batch (all ranks)")
     p.add_argument(
         "--precision",
@@ -65,12 +77,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=20,
         help="trailing-mean window (steps) of the compared loss curves; 1 = raw per-step losses",
     )
-    p.add_argument("--config", default="", help="gin file (default: the embedded synthetic one)")
-    p.add_argument("--bindings", nargs="*", default=[], help="extra gin bindings")
     p.add_argument("--no-resume", action="store_true", help="skip the N -> 1 resume check")
     p.add_argument("--allow-non-a100", action="store_true", help="passed to the launcher")
     p.add_argument("--work-dir", default="", help="run directories (default: a temp dir)")
-    p.add_argument("--json", default="", help="also append the JSON lines to this file")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
     return p.parse_args(argv)
 
@@ -232,15 +241,6 @@ def _launch(
     return losses, metrics, wall
 
 
-def _emit(row: dict, path: str) -> None:
-    line = json.dumps(row)
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-    if path:
-        with open(path, "a") as f:
-            f.write(line + "\n")
-
-
 def check(args: argparse.Namespace, precision: str, device: str, work: Path) -> dict:
     n = args.nproc
     bindings = _bindings(args, precision, device)
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for p in precisions:
             row = check(args, p, device, work)
-            _emit(row, args.json)
+            emit_json(row, args.out)
             ok = ok and row["pass"]
     finally:
         if not args.keep and not args.work_dir:

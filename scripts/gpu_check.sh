@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the lent GPU machine, after `bash .device/p4/install.sh && source /tmp/site/env.sh`: the steps
-# of a kernel session in one call, each logged to $OUT/<step>.log (or ./gpu_logs without $OUT).
+# On a GPU machine with the project installed: the build, test and benchmark steps in one call,
+# each logged to $OUT/<step>.log (or ./gpu_logs without $OUT).
 #
 #   bash scripts/gpu_check.sh build tests attn       # build, `pytest -m gpu`, attention benchmark
 #   bash scripts/gpu_check.sh ncu-bwd256             # Nsight Compute sections of the d256 backward

@@ -7,7 +7,6 @@ instantiation files include no ATen/torch headers, so nvcc + the CUTLASS headers
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,18 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL_DIR = ROOT / "kernels" / "hstu_attention"
 # The smallest head dim compiles fastest; one forward and one backward instantiation.
 FILES = ["fwd_bf16_hdim64.cu", "bwd_fp16_hdim64.cu"]
-
-
-def _nvcc() -> str | None:
-    cands = [os.environ.get("NVCC")]
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if cuda_home:
-        cands.append(os.path.join(cuda_home, "bin", "nvcc"))
-    cands += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
-    for c in cands:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    return None
 
 
 def _cutlass_include() -> str | None:
@@ -59,10 +46,7 @@ def test_one_instantiation_per_dtype_headdim_direction() -> None:
 
 
 @pytest.mark.parametrize("name", FILES)
-def test_instantiation_compiles_for_sm80(name: str, tmp_path: Path) -> None:
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found (set NVCC or CUDA_HOME, or put nvcc on PATH)")
+def test_instantiation_compiles_for_sm80(name: str, tmp_path: Path, nvcc: str) -> None:
     cutlass = _cutlass_include()
     if cutlass is None:
         pytest.skip(
@@ -92,16 +76,13 @@ def test_instantiation_compiles_for_sm80(name: str, tmp_path: Path) -> None:
     assert (tmp_path / (name + ".o")).stat().st_size > 0
 
 
-def test_mask_rules_match_reference(tmp_path: Path) -> None:
+def test_mask_rules_match_reference(tmp_path: Path, nvcc: str) -> None:
     """mask.h (host-compiled): its tile/row predicates agree with its element rule on every small
     configuration, and the element rule equals the PyTorch reference mask."""
     import torch
 
     from hstu.ops.reference import hstu_attention_mask
 
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found (set NVCC or CUDA_HOME, or put nvcc on PATH)")
     exe = tmp_path / "mask_check"
     build = subprocess.run(
         [nvcc, "-O2", "-std=c++17", str(KERNEL_DIR / "tools" / "mask_check.cu"), "-o", str(exe)],

@@ -26,10 +26,9 @@ def test_cpu_dispatch_is_the_reference():
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("compiled_attention")
 @pytest.mark.parametrize("d", [50, 96])
 def test_cuda_pads_unsupported_head_dims(d):
-    if not torch.cuda.is_available() or not attention.compiled_attention_available():
-        pytest.skip("needs a CUDA GPU and the compiled kernel")
     q, k, v, offs, n = _inputs(d, "cuda", torch.bfloat16)
     for x in (q, k, v):
         x.requires_grad_(True)

@@ -3,30 +3,15 @@ missing build) and the layer row with the SiLU kernels switched off, as JSON lin
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-import hstu.modules.fused_hstu_layer as fused_mod
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_layer", ROOT / "scripts" / "bench_layer.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_bench_layer_silu_rows_cpu(tmp_path, capsys):
+def test_bench_layer_silu_rows_cpu(tmp_path, capsys, load_script):
     out = tmp_path / "rows.jsonl"
     args = ["--device", "cpu", "--batch", "2", "--max-len", "16", "--hidden", "32", "--heads",
             "2", "--head-dim", "16", "--iters", "2", "--warmup", "1", "--out", str(out),
             "--variants", "silu_op_aten,silu_op_cuda,cast_op_aten,fused_aten_elementwise"]  # fmt: skip
-    assert _bench().main(args) == 0
+    assert load_script("bench_layer").main(args) == 0
     rows = {r["variant"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert capsys.readouterr().out.count("\n") == 4
     aten = rows["silu_op_aten"]
@@ -36,4 +21,4 @@ def test_bench_layer_silu_rows_cpu(tmp_path, capsys):
     assert "not built" in rows["silu_op_cuda"]["error"]  # no CUDA extension on CPU
     layer = rows["fused_aten_elementwise"]
     assert layer["ms_fwd_bwd"] > 0 and layer["tflops"] > 0
-    assert fused_mod.elementwise_kernels_enabled()  # the benchmark restores the default
+    assert layer["kernel_choices"]["elementwise_kernels"] == "off"  # this layer's switch only

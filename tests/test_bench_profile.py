@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +47,7 @@ def _run_bench(prof_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke test of the profiling option")
+@pytest.mark.cpu_only
 def test_bench_e2e_profile_writes_trace_and_summary(tmp_path):
     prof_dir = tmp_path / "prof"
     proc = _run_bench(prof_dir, "--profile-steps", "2", "--profile-stack")
@@ -73,12 +72,8 @@ def test_bench_e2e_profile_writes_trace_and_summary(tmp_path):
     assert sum(t[1] for t in top) <= prof["host_op_ms_per_step"] + 1e-9
 
 
-def test_host_ops_counts_top_level_operators_per_thread():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from bench_e2e import _host_ops
-    finally:
-        sys.path.pop(0)
+def test_host_ops_counts_top_level_operators_per_thread(load_script):
+    _host_ops = load_script("bench_e2e")._host_ops
 
     def op(name, ts, dur, tid=1):
         return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}

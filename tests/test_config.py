@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import gin
 import pytest
 
 from hstu.config import (
@@ -28,12 +27,7 @@ from hstu.training.cli import config_from_args, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture(autouse=True)
-def _clean_gin():
-    gin.clear_config()
-    yield
-    gin.clear_config()
+pytestmark = pytest.mark.usefixtures("clean_gin")
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:
@@ -239,6 +233,19 @@ def test_unknown_field_is_a_clear_error():
     assert "Unknown field 'NetworkArgs.num_heads'" in msg
     assert "--gin-bindings" in msg
     assert "num_attention_heads" in msg  # lists the known fields
+
+
+def test_removed_dataset_num_workers_is_an_unknown_field(tmp_path):
+    """DatasetArgs.num_workers is gone (batches are built by one prefetch thread): an old config
+    that still sets it fails naming the binding, from a file and from --gin-bindings."""
+    assert "num_workers" not in {f.name for f in dataclasses.fields(DatasetArgs)}
+    path = write(tmp_path, "old.gin", "DatasetArgs.shuffle = True\nDatasetArgs.num_workers = 4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config("ranking", [path], [])
+    assert "Unknown field 'DatasetArgs.num_workers'" in str(info.value)
+    assert f"{path}, line 2" in str(info.value)
+    with pytest.raises(ConfigError, match="Unknown field 'DatasetArgs.num_workers'"):
+        load_config("ranking", [], ["DatasetArgs.num_workers=0"])
 
 
 def test_recsys_examples_only_names_get_a_hint():

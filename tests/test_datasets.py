@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -461,13 +460,11 @@ def test_eval_smaller_than_world_keeps_ranks_in_lockstep():
 
 
 # ---- real data (skipped where ../shared/data is absent) --------------------------------------
-_BEAUTY = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "amazon-beauty"
 
 
-@pytest.mark.skipif(not (_BEAUTY / "Beauty.txt").exists(), reason="../shared/data not present")
-def test_real_sequences_cut_without_leakage():
+def test_real_sequences_cut_without_leakage(shared_data):
     """Amazon Beauty (22k users, 198k interactions): both tasks, vectorised leakage checks."""
-    lines = (_BEAUTY / "Beauty.txt").read_text().split("\n")
+    lines = shared_data("amazon-beauty", "Beauty.txt").read_text().split("\n")
     seqs = [np.array(line.split(), dtype=np.int64) for line in lines if line.strip()]
     lengths = np.array([len(s) - 1 for s in seqs])
     data = SequenceData(

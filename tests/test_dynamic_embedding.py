@@ -1,4 +1,5 @@
-"""CPU tests of the dynamic embedding reference table and collection (semantics of issue 4)."""
+"""CPU tests of the dynamic embedding reference table and collection: hashing and
+initialisation, lookup and insert, eviction, the fused optimizers, dump and load."""
 
 from __future__ import annotations
 

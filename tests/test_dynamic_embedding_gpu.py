@@ -5,19 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hstu.embeddings import cuda_table
 from hstu.embeddings import reference_table as R
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
 from hstu.embeddings.dynamic_table import DynamicEmbeddingCollection, DynamicEmbeddingTable
 
-pytestmark = pytest.mark.gpu
-
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-
-from hstu.embeddings import cuda_table  # noqa: E402
-
-if not cuda_table.available():
-    pytest.skip("dynamic embedding kernels not built", allow_module_level=True)
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("dynamic_embedding_kernels")]
 
 DEV = torch.device("cuda")
 

@@ -219,7 +219,9 @@ def _gpu_ready() -> bool:
     return compiled_attention_available()
 
 
-def _cuda_layers_and_batch(heads: int, dim: int, recompute, gate: str | None = None):
+def _cuda_layers_and_batch(
+    heads: int, dim: int, recompute, gate: str = "auto", stage_compile: bool = True
+):
     """(unfused layer, fused layer with the same weights, jagged layout with contexts and
     targets, input x, output gradient g) on CUDA, hidden 256, seeded."""
     dev = torch.device("cuda")
@@ -234,6 +236,7 @@ def _cuda_layers_and_batch(heads: int, dim: int, recompute, gate: str | None = N
         recompute_input_layernorm=recompute[0],
         recompute_uvqk_silu=recompute[1],
         gate_kernel=gate,
+        stage_compile=stage_compile,
     ).to(dev)
     fused.load_state_dict(ref.state_dict())
     lengths = [300, 1, 77, 512, 0, 129]
@@ -260,14 +263,12 @@ def test_fused_matches_unfused_bf16_cuda(recompute, compile_stages, gate):
 
     if gate == "cuda" and not lnmd.load_extension():
         pytest.skip("the LayerNorm*u*dropout extension is not built")
-    fused_mod.set_stage_compile(compile_stages)
-    ref, fused, attn, x, g = _cuda_layers_and_batch(4, 64, recompute, gate)
+    ref, fused, attn, x, g = _cuda_layers_and_batch(4, 64, recompute, gate, compile_stages)
     results = []
     for layer in (ref, fused):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             results.append(_run(layer, x, attn, g))
-    compiled_ok = fused_mod.stage_compile_enabled()
-    fused_mod.set_stage_compile(True)
+    compiled_ok = not fused_mod.stage_compile_fell_back()
     (out_r, g_r), (out_f, g_f) = results
     if compile_stages:
         assert compiled_ok, "a stage failed to compile and fell back to eager (see the warning)"
@@ -348,7 +349,8 @@ def test_fused_gate_kernel_path_matches_unfused_cpu(monkeypatch):
 def test_gate_kernel_option_is_validated():
     with pytest.raises(ValueError, match="gate_kernel"):
         FusedHSTULayer(HIDDEN, HEADS, DIM, gate_kernel="triton")
-    assert fused_mod.default_gate_kernel() in fused_mod.GATE_KERNELS
+    assert FusedHSTULayer(HIDDEN, HEADS, DIM).gate_kernel == "auto"
+    assert FusedHSTULayer(HIDDEN, HEADS, DIM, gate_kernel=None).gate_kernel == "auto"
     # CPU tensors run the eager stages whatever the setting
     assert fused_mod._gate_ops("cuda", torch.zeros(2, HIDDEN), HEADS * DIM) is None
 
@@ -421,19 +423,23 @@ def test_fused_silu_kernel_path_matches_unfused_cpu(monkeypatch):
     assert out_f.shape == (0, HIDDEN) and torch.count_nonzero(g_f["uvqk.bias"]) == 0
 
 
-def test_silu_kernel_selection_and_gradient_rows():
-    """_silu_ops: None on CPU, for fp32 activations and when switched off; _kernel_rows hands the
-    kernel views where the layout allows and aligned contiguous copies where it does not."""
+def test_silu_kernel_selection_and_gradient_rows(monkeypatch):
+    """_silu_ops: None on CPU and for fp32 activations; a layer built with
+    elementwise_kernels=False does not ask for them; _kernel_rows hands the kernel views where
+    the layout allows and aligned contiguous copies where it does not."""
     x = torch.zeros(3, HIDDEN)
     assert fused_mod._silu_ops(x, HEADS * DIM) is None
     assert fused_mod._cast_op(x, HIDDEN) is None
-    assert fused_mod.elementwise_kernels_enabled()
-    fused_mod.set_elementwise_kernels(False)
-    try:
-        assert not fused_mod.elementwise_kernels_enabled()
-        assert fused_mod._silu_ops(x, HEADS * DIM) is None
-    finally:
-        fused_mod.set_elementwise_kernels(True)
+    asked = []
+    for name in ("_silu_ops", "_cast_op", "_ln_ops"):
+        monkeypatch.setattr(fused_mod, name, lambda *a, name=name: asked.append(name))
+    attn = _layout([3])
+    FusedHSTULayer(HIDDEN, HEADS, DIM, elementwise_kernels=False)(x, attn)
+    assert asked == []
+    FusedHSTULayer(HIDDEN, HEADS, DIM, layernorm_kernel=False)(x, attn)
+    assert asked == ["_silu_ops", "_cast_op"]
+    FusedHSTULayer(HIDDEN, HEADS, DIM)(x, attn)
+    assert asked[2:] == ["_silu_ops", "_cast_op", "_ln_ops"]
     base = torch.randn(5, 2, 16)
     rows = fused_mod._kernel_rows(base, 5, 32, torch.float32)
     assert rows.shape == (5, 32) and rows.data_ptr() == base.data_ptr()  # a view
@@ -470,13 +476,8 @@ def test_fused_silu_kernel_vs_aten_path_cuda(recompute):
         assert fused_mod._ln_ops(x, x.shape[1]) is not None  # the input LayerNorm kernels too
         res_k = _run(fused, x, attn, g)
         fused.zero_grad()
-        fused_mod.set_elementwise_kernels(False)
-        try:
-            assert fused_mod._silu_ops(x, heads * dim) is None
-            assert fused_mod._ln_ops(x, x.shape[1]) is None
-            res_a = _run(fused, x, attn, g)
-        finally:
-            fused_mod.set_elementwise_kernels(True)
+        fused.elementwise_kernels = False  # NetworkArgs.fused_elementwise_kernels=False
+        res_a = _run(fused, x, attn, g)
         res_r = _run(ref, x, attn, g)
 
     def rel(a, b):

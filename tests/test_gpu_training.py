@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import torch
+from dist_helpers import ROOT, launcher_env, torchrun_command
 
 from hstu.training.logger import read_scalars
 
-ROOT = Path(__file__).resolve().parents[1]
-
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled_attention")]
 
 COMMON = [
     "TrainerArgs.max_train_iters=60",
@@ -31,43 +26,21 @@ COMMON = [
 ]
 
 
-def _run(task: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    args = []
-    for b in COMMON + [f"TrainerArgs.log_dir='{tmp_path}'", "TrainerArgs.run_name='run'"]:
-        args += ["--gin-bindings", b]
-    env = dict(os.environ, HSTU_ALLOW_NON_A100="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+def _run(task: str, bindings: list[str]) -> subprocess.CompletedProcess:
+    args = [x for b in COMMON + bindings for x in ("--gin-bindings", b)]
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=1",
-            str(ROOT / "scripts" / f"pretrain_gr_{task}.py"),
-            *args,
-        ],
+        torchrun_command(ROOT / "scripts" / f"pretrain_gr_{task}.py", 1, *args),
         cwd=ROOT,
-        env=env,
+        env=launcher_env(allow_non_a100=True),
         capture_output=True,
         text=True,
         timeout=600,
     )
 
 
-@pytest.fixture(autouse=True)
-def _need_gpu_and_kernel():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from hstu.ops import compiled_attention_available
-
-    if not compiled_attention_available():
-        pytest.skip("compiled attention kernel not built")
-
-
 @pytest.mark.parametrize("task,metric", [("ranking", "eval/auc/mean"), ("retrieval", "eval/HR@10")])
-def test_launcher_trains_on_gpu(task, metric, tmp_path):
-    proc = _run(task, tmp_path)
+def test_launcher_trains_on_gpu(task, metric, tmp_path, run_dir_bindings):
+    proc = _run(task, run_dir_bindings(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     scalars = read_scalars(str(tmp_path / "run"))
     losses = [v for _, v in scalars["train/loss"]]

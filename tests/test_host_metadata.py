@@ -1,6 +1,6 @@
 """Host-side metadata in the forward (no host<->GPU syncs): the preprocessor, the embedding lookup,
-the output gathers and the attention entry point must give exactly what the earlier
-device-reading implementation gave. The earlier code is kept here as the reference."""
+the output gathers and the attention entry point must give exactly what a
+device-reading implementation gives; that implementation is kept here as the reference."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from hstu.modules.preprocessor import (
 from hstu.ops import reference
 from hstu.ops.attention import hstu_attention
 
-# ---- the earlier implementation (reads sizes from the device tensors) -------------------------
+# ---- the reference implementation (reads sizes from the device tensors) -----------------------
 
 
 def _old_preprocess(pre: SequencePreprocessor, batch: Batch, contextual, items: JaggedTensor):
@@ -189,7 +189,7 @@ def _assert_same_layout(new: SequenceLayout, old: SequenceLayout) -> None:
     "num_ctx,max_cand,zero_history",
     [(0, 0, False), (0, 4, True), (3, 0, True), (3, 4, False), (2, 3, True)],
 )
-def test_preprocessor_bitwise_equal_to_previous(num_ctx, max_cand, zero_history):
+def test_preprocessor_bitwise_equal_to_device_reading(num_ctx, max_cand, zero_history):
     torch.manual_seed(0)
     names = [f"f{i}" for i in range(num_ctx)]
     pre = SequencePreprocessor(16, 8, 12, num_ctx, scale_item_embeddings=num_ctx == 2)
@@ -209,7 +209,7 @@ def test_preprocessor_bitwise_equal_to_previous(num_ctx, max_cand, zero_history)
         assert torch.equal(x_self, x_old)
 
 
-def test_preprocessor_gradients_equal_to_previous():
+def test_preprocessor_gradients_equal_to_device_reading():
     torch.manual_seed(1)
     pre = SequencePreprocessor(8, 4, 12, 2)
     batch = _random_batch(3, 6, ["a", "b"])
@@ -290,9 +290,9 @@ def _setup(task: str, *bindings: str):
         ("NetworkArgs.use_contextual_features=False",),
     ],
 )
-def test_ranking_forward_backward_bitwise_equal_to_previous(bindings):
+def test_ranking_forward_backward_bitwise_equal_to_device_reading(bindings):
     """Whole ranking step (lookup incl. dynamic-table inserts, preprocessor, encoder, candidate
-    gather, head, backward + fused table update) vs the earlier lookup/preprocess/mask code."""
+    gather, head, backward + fused table update) vs the device-reading lookup/preprocess/mask code."""
     cfg, splits, model, data = _setup("ranking", *bindings)
     ref = build_model(cfg, data)  # built from the same seed: the same weights
     for p, q in zip(model.parameters(), ref.parameters()):
@@ -327,9 +327,9 @@ def test_ranking_forward_backward_bitwise_equal_to_previous(bindings):
             assert torch.equal(a[k], b[k]), k
 
 
-def test_retrieval_indices_equal_previous_masks():
-    """The next-item rows and the eval query rows are the rows the earlier boolean masks chose,
-    and the training loss equals the earlier path's."""
+def test_retrieval_indices_equal_device_reading_masks():
+    """The next-item rows and the eval query rows are the rows boolean masks choose,
+    and the training loss equals the masked path's."""
     cfg, splits, model, _ = _setup(
         "retrieval", "RetrievalArgs.negative_sampling='in_batch'", "NetworkArgs.num_layers=1"
     )
@@ -355,7 +355,7 @@ def test_retrieval_indices_equal_previous_masks():
 
 
 def test_lookup_kjt_carries_host_sizes():
-    """The lookup KJT has the keys, values and lengths of the earlier one, and its per-key
+    """The lookup KJT has the keys, values and lengths of the device-reading one, and its per-key
     lengths/offsets were given (torchrec would otherwise compute them from the device lengths)."""
     _, splits, model, _ = _setup("retrieval", "EmbeddingArgs.embedding_backend='dynamic'")
     batch = splits.train.collate(list(range(5))).to("cpu")
@@ -367,7 +367,7 @@ def test_lookup_kjt_carries_host_sizes():
     assert kjt._length_per_key == n
     assert kjt[EXTRA_ITEM_FEATURE].values().tolist() == extra.tolist()
     assert torch.equal(kjt[ITEM_FEATURE].values(), batch.features[ITEM_FEATURE].values())
-    # lookups agree with the earlier code (eval: no inserts, so the two calls see one state)
+    # lookups agree with the device-reading code (eval: no inserts, so the two calls see one state)
     model.eval()
     new = model.lookup(batch, extra)
     old = _old_lookup(model, batch, extra)

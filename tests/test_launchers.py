@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import torch
+from dist_helpers import ROOT, launcher_env, torchrun_command
 
-ROOT = Path(__file__).resolve().parents[1]
 REFUSAL = "This code is optimized for A100 GPU (SM 8.0) only."
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine launcher behaviour")
+pytestmark = pytest.mark.cpu_only
 
 TINY = [
     "TrainerArgs.max_train_iters=4",
@@ -32,44 +28,26 @@ TINY = [
 ]
 
 
-def _env(allow: bool) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("HSTU_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
-    }
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    if allow:
-        env["HSTU_ALLOW_NON_A100"] = "1"
-    return env
-
-
 def _torchrun(task: str, args: list[str], allow: bool, nproc: int = 1, timeout: int = 300):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(ROOT / "scripts" / f"pretrain_gr_{task}.py"),
-        *args,
-    ]
     return subprocess.run(
-        cmd, cwd=ROOT, env=_env(allow), capture_output=True, text=True, timeout=timeout
+        torchrun_command(ROOT / "scripts" / f"pretrain_gr_{task}.py", nproc, *args),
+        cwd=ROOT,
+        env=launcher_env(allow_non_a100=allow),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
-def _bindings(tmp_path: Path) -> list[str]:
-    out = []
-    for b in TINY + [f"TrainerArgs.log_dir='{tmp_path}'", "TrainerArgs.run_name='run'"]:
-        out += ["--gin-bindings", b]
-    return out
+@pytest.fixture
+def run_args(tmp_path, run_dir_bindings) -> list[str]:
+    """--gin-bindings arguments: the tiny model, its run directory tmp_path / "run"."""
+    return [x for b in TINY + run_dir_bindings(tmp_path) for x in ("--gin-bindings", b)]
 
 
 @pytest.mark.parametrize("task", ["ranking", "retrieval"])
-def test_launcher_refuses_without_a100(task, tmp_path):
-    proc = _torchrun(task, _bindings(tmp_path), allow=False)
+def test_launcher_refuses_without_a100(task, tmp_path, run_args):
+    proc = _torchrun(task, run_args, allow=False)
     assert proc.returncode != 0
     assert f"RuntimeError: {REFUSAL}" in proc.stderr
     assert "Please use an A100 GPU." in proc.stderr
@@ -77,8 +55,8 @@ def test_launcher_refuses_without_a100(task, tmp_path):
 
 
 @pytest.mark.parametrize("task", ["ranking", "retrieval"])
-def test_launcher_runs_cpu_development_mode(task, tmp_path):
-    proc = _torchrun(task, _bindings(tmp_path), allow=True)
+def test_launcher_runs_cpu_development_mode(task, tmp_path, run_args):
+    proc = _torchrun(task, run_args, allow=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "CPU DEVELOPMENT MODE" in proc.stderr
     run = tmp_path / "run"
@@ -89,9 +67,9 @@ def test_launcher_runs_cpu_development_mode(task, tmp_path):
     assert "final eval" in proc.stderr
 
 
-def test_launcher_config_errors_are_messages(tmp_path):
+def test_launcher_config_errors_are_messages(run_args):
     proc = _torchrun(
-        "ranking", _bindings(tmp_path) + ["--gin-bindings", "TrainerArgs.not_a_field=3"], allow=True
+        "ranking", run_args + ["--gin-bindings", "TrainerArgs.not_a_field=3"], allow=True
     )
     # our process exits 2 with a message; torchrun then reports the failed child itself
     assert proc.returncode != 0
@@ -100,8 +78,8 @@ def test_launcher_config_errors_are_messages(tmp_path):
     assert f'File "{ROOT / "hstu"}' not in proc.stderr, "no traceback from our code"
 
 
-def test_launcher_missing_dataset_is_a_message(tmp_path):
-    args = _bindings(tmp_path) + [
+def test_launcher_missing_dataset_is_a_message(tmp_path, run_args):
+    args = run_args + [
         "--gin-bindings",
         "DatasetArgs.dataset_name='ml-1m'",
         "--gin-bindings",

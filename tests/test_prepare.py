@@ -24,7 +24,6 @@ from hstu.data.sources.movielens import rating_to_actions
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-SHARED = REPO.parent / "shared" / "data"
 
 
 def _copy(name: str, tmp_path: Path) -> Path:
@@ -453,13 +452,11 @@ def test_cached_archive_is_unpacked_and_used(tmp_path, monkeypatch):
     assert DATASETS["ml-100k"].url == "https://files.grouplens.org/datasets/movielens/ml-100k.zip"
 
 
-# ---- real data (../shared/data, absent on users' machines) -------------------------------------
-real = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data not present")
+# ---- real data (../shared/data, absent on users' machines: the tests skip) ----------------------
 
 
-@real
-def test_real_ml_1m_sasrec(tmp_path):
-    res, d = _prep("sequences", SHARED / "ml-1m-sasrec" / "ml-1m.txt.gz", tmp_path)
+def test_real_ml_1m_sasrec(tmp_path, shared_data):
+    res, d = _prep("sequences", shared_data("ml-1m-sasrec", "ml-1m.txt.gz"), tmp_path)
     m = res.manifest
     assert (m["num_users"], m["num_items"], m["num_interactions"]) == (6040, 3416, 999611)
     assert m["stats"]["format"] == "pairs"
@@ -467,9 +464,8 @@ def test_real_ml_1m_sasrec(tmp_path):
     assert d.lengths().min() >= 18
 
 
-@real
-def test_real_ml_100k(tmp_path):
-    res, d = _prep("ml-100k", SHARED / "ml-100k", tmp_path)
+def test_real_ml_100k(tmp_path, shared_data):
+    res, d = _prep("ml-100k", shared_data("ml-100k"), tmp_path)
     m = res.manifest
     assert (m["num_users"], m["num_items"], m["num_interactions"]) == (943, 1682, 100000)
     assert m["rows_dropped_total"] == 0 and m["stats"]["users_without_features"] == 0
@@ -478,9 +474,8 @@ def test_real_ml_100k(tmp_path):
         assert np.all(np.diff(d.timestamps[d.user_slice(u)]) >= 0)
 
 
-@real
-def test_real_amazon_beauty(tmp_path):
-    res, _ = _prep("amazon-beauty", SHARED / "amazon-beauty", tmp_path)
+def test_real_amazon_beauty(tmp_path, shared_data):
+    res, _ = _prep("amazon-beauty", shared_data("amazon-beauty"), tmp_path)
     m = res.manifest
     assert (m["num_users"], m["num_items"], m["num_interactions"]) == (22363, 12101, 198502)
     assert m["stats"]["format"] == "lines"

@@ -109,7 +109,8 @@ def test_training_windows_cover_all_but_the_last_item():
 
 
 def _trainer_stub(data: SequenceData) -> SimpleNamespace:
-    return SimpleNamespace(data=data)
+    """The Trainer attributes `Trainer._full_histories` reads (data, its user-row cache)."""
+    return SimpleNamespace(data=data, _user_row=None)
 
 
 def test_full_history_excludes_items_outside_the_truncated_window():

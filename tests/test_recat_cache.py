@@ -41,7 +41,6 @@ def test_install_is_idempotent_and_cpu_calls_fall_through():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_recat_cached_equal_and_sync_free():
     install_torchrec_recat_cache()
     original = _unwrapped()

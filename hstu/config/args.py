@@ -45,13 +45,20 @@ KERNEL_BACKENDS: tuple[str, ...] = ("cutlass",)
 # "hstu": pointwise SiLU attention; "softmax": the SASRec-style baseline (same layer otherwise)
 ATTENTION_TYPES: tuple[str, ...] = ("hstu", "softmax")
 DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
-OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
+DENSE_OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
 LR_SCHEDULERS: tuple[str, ...] = ("constant", "cosine", "linear")
 EMBEDDING_BACKENDS: tuple[str, ...] = ("torchrec", "dynamic", "dense")
 CONTEXTUAL_TABLES: tuple[str, ...] = ("torchrec", "dense")
 # "position": learned relative position bias in every HSTU layer (Meta HSTU's position part)
 RELATIVE_ATTENTION_BIAS: tuple[str, ...] = ("none", "position")
+# NetworkArgs.fused_gate_kernel: the fused layer's LayerNorm(attn)*u*dropout implementation
 FUSED_GATE_KERNELS: tuple[str, ...] = ("auto", "cuda", "compiled")
+# boolean NetworkArgs fields that switch code paths of the fused layer (default True = on)
+FUSED_LAYER_SWITCHES: tuple[str, ...] = (
+    "fused_elementwise_kernels",
+    "fused_layernorm_kernel",
+    "fused_stage_compile",
+)
 # token padding of the jagged batch: "auto" on CUDA only, "on" everywhere, "off" never
 PAD_TOKENS: tuple[str, ...] = ("auto", "on", "off")
 SPARSE_OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adagrad", "rowwise_adagrad")
@@ -241,7 +248,6 @@ class DatasetArgs:
     max_history_seqlen: int = 128
     max_num_candidates: int = 10
     shuffle: bool = True
-    num_workers: int = 0
     synthetic_num_users: int = 2000
     synthetic_num_items: int = 1000
     synthetic_seed: int = 0
@@ -259,7 +265,6 @@ class DatasetArgs:
         _int(self, "max_history_seqlen", min_value=1)
         _int(self, "max_num_candidates", min_value=0)
         _bool(self, "shuffle")
-        _int(self, "num_workers", min_value=0)
         _int(self, "synthetic_num_users", min_value=1)
         _int(self, "synthetic_num_items", min_value=2)
         _int(self, "synthetic_seed", min_value=0)
@@ -272,6 +277,10 @@ class NetworkArgs:
 
     ``kv_channels`` is the per-head width of q/k/v and is independent of ``hidden_size``
     (HSTU projects hidden_size -> heads * kv_channels), as in recsys-examples.
+
+    Kernel and code-path choices (``kernel_backend``, ``fused_layer``, ``recompute_*``,
+    ``fused_*``) are resolved once when the model is built and handed to `HSTUEncoder` as
+    constructor arguments; `HSTUEncoder.kernel_choices()` reports what they resolved to.
     """
 
     num_layers: int = 2
@@ -287,10 +296,20 @@ class NetworkArgs:
     scaling_seqlen: int = 0  # 0 = the batch's max sequence length
     num_position_embeddings: int = 0  # 0 = derived from DatasetArgs
     attention_type: str = "hstu"  # "softmax" = SASRec-style baseline in the same layer
-    fused_layer: bool = False  # True: FusedHSTULayer (one autograd Function); False: HSTULayer (faster today, see docs/benchmarks.md)
+    # True: FusedHSTULayer (one autograd Function, the fast path on GPU: docs/benchmarks.md);
+    # False: HSTULayer, the unfused twin (runs everywhere, also with relative_attention_bias)
+    fused_layer: bool = False
     recompute_input_layernorm: bool = False  # fused layer: recompute LayerNorm(x) in backward
     recompute_uvqk_silu: bool = False  # fused layer: store only the uvqk pre-activation
     fused_gate_kernel: str = "auto"  # fused layer LayerNorm*u*dropout: auto | cuda | compiled
+    # fused layer, CUDA: the hstu_lnmd chunk-major SiLU and fp32-gradient cast kernels where they
+    # apply (False: the aten ops; A/B runs)
+    fused_elementwise_kernels: bool = True
+    # fused layer, CUDA, fp32 residual stream: the input LayerNorm (+ cast) forward and backward
+    # kernels of hstu_lnmd (needs fused_elementwise_kernels; False: the torch.compiled stages)
+    fused_layernorm_kernel: bool = True
+    # fused layer, CUDA: torch.compile the elementwise PyTorch stages (False: eager; debugging)
+    fused_stage_compile: bool = True
     # Meta HSTU reference (research/) settings; the defaults keep this framework's own choices
     relative_attention_bias: str = "none"  # "position": learned bias per relative position
     scale_item_embeddings: bool = False  # item embedding * sqrt(hidden_size) before positions
@@ -320,6 +339,9 @@ class NetworkArgs:
         _bool(self, "recompute_input_layernorm")
         _bool(self, "recompute_uvqk_silu")
         _choice(self, "fused_gate_kernel", FUSED_GATE_KERNELS)
+        _bool(self, "fused_elementwise_kernels")
+        _bool(self, "fused_layernorm_kernel")
+        _bool(self, "fused_stage_compile")
         _choice(self, "relative_attention_bias", RELATIVE_ATTENTION_BIAS)
         _bool(self, "scale_item_embeddings")
         _float(self, "position_init_std", min_value=0.0)
@@ -343,6 +365,12 @@ class NetworkArgs:
                 "NetworkArgs.recompute_input_layernorm / NetworkArgs.recompute_uvqk_silu apply "
                 "only to the fused layer; set NetworkArgs.fused_layer=True or turn them off"
             )
+        for name in FUSED_LAYER_SWITCHES:
+            if not self.fused_layer and not getattr(self, name):
+                raise ValueError(
+                    f"NetworkArgs.{name}=False applies only to the fused layer; set "
+                    "NetworkArgs.fused_layer=True or leave it at True"
+                )
 
 
 @gin.configurable
@@ -363,7 +391,7 @@ class OptimizerArgs:
     grad_clip_norm: float = 0.0  # 0 = no clipping
 
     def __post_init__(self) -> None:
-        _choice(self, "optimizer_str", OPTIMIZERS)
+        _choice(self, "optimizer_str", DENSE_OPTIMIZERS)
         _float(self, "learning_rate", min_value=0.0, min_exclusive=True)
         _float(self, "adam_beta1", min_value=0.0, max_value=1.0, max_exclusive=True)
         _float(self, "adam_beta2", min_value=0.0, max_value=1.0, max_exclusive=True)

@@ -56,6 +56,7 @@ _CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 # Settings of NVIDIA recsys-examples that have no counterpart here, with what to do instead.
 _RECSYS_EXAMPLES_HINTS: dict[str, str] = {
     "DatasetArgs.max_sequence_length": "use DatasetArgs.max_history_seqlen",
+    "DatasetArgs.num_workers": "batches are built by one background prefetch thread; remove the line",
     "TrainerArgs.profile": "profiling is not built in; remove the line",
     "TrainerArgs.profile_step_start": "profiling is not built in; remove the line",
     "TrainerArgs.profile_step_end": "profiling is not built in; remove the line",

@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 
 import gin
 
+from hstu.config.args import SPARSE_OPTIMIZERS
+
 __all__ = [
     "DynamicEmbeddingConfig",
     "INITIALIZERS",
     "EVICTION_POLICIES",
-    "OPTIMIZERS",
     "OPTIMIZER_STATE_DIM",
     "BUCKET_SIZE",
 ]
@@ -27,7 +28,6 @@ INITIALIZERS: dict[str, dict[str, float | None]] = {
     "constant": {"value": 0.0},
 }
 EVICTION_POLICIES = ("lru", "lfu", "custom")
-OPTIMIZERS = ("sgd", "adam", "adagrad", "rowwise_adagrad")
 
 
 def OPTIMIZER_STATE_DIM(optimizer: str, dim: int) -> int:  # noqa: N802 (reads like a table)
@@ -97,9 +97,9 @@ class DynamicEmbeddingConfig:
                 f"{where}.eviction_policy={self.eviction_policy!r} is not supported: one of "
                 f"{list(EVICTION_POLICIES)}"
             )
-        if self.optimizer not in OPTIMIZERS:
+        if self.optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(
-                f"{where}.optimizer={self.optimizer!r} is not supported: one of {list(OPTIMIZERS)}"
+                f"{where}.optimizer={self.optimizer!r} is not supported: one of {list(SPARSE_OPTIMIZERS)}"
             )
         if not self.learning_rate >= 0:
             raise ValueError(f"{where}.learning_rate={self.learning_rate} must be >= 0")

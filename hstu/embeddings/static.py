@@ -14,15 +14,15 @@ from torch import nn
 from torchrec import EmbeddingCollection, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
+from hstu.config.args import SPARSE_OPTIMIZERS
+
 __all__ = [
     "TableSpec",
     "DenseEmbeddingCollection",
     "build_embedding_collection",
     "apply_sparse_optimizer",
-    "SPARSE_OPTIMIZERS",
 ]
 
-SPARSE_OPTIMIZERS = ("sgd", "adam", "adagrad", "rowwise_adagrad")
 # fbgemm's CPU TBE kernels implement only these (torchrec fuses the optimizer into backward).
 CPU_SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 

@@ -25,11 +25,19 @@ class GenerativeRecommender(nn.Module):
 
     ``net``: the `NetworkArgs` as configured (their names are used as they are); the stack is
     built by the caller (`hstu.models.builder`) with ``extra_item_feature`` set to the class's
-    ``uses_extra_items``."""
+    ``uses_extra_items``. ``reference_attention``: the PyTorch reference attention on CUDA too
+    (benchmarks and checks only; see `hstu.ops.attention.force_reference_from_env`)."""
 
     uses_extra_items: bool = False
 
-    def __init__(self, info: FeatureInfo, net: NetworkArgs, embeddings: EmbeddingStack) -> None:
+    def __init__(
+        self,
+        info: FeatureInfo,
+        net: NetworkArgs,
+        embeddings: EmbeddingStack,
+        *,
+        reference_attention: bool = False,
+    ) -> None:
         super().__init__()
         if embeddings.extra_item_feature != self.uses_extra_items:
             raise ValueError(
@@ -54,7 +62,7 @@ class GenerativeRecommender(nn.Module):
         )
         # longest token sequence: contextual tokens + history/candidate positions + candidates
         max_tokens = len(self.contextual_names) + positions + info.max_num_candidates
-        self.encoder = _build_encoder(net, max_tokens)
+        self.encoder = _build_encoder(net, max_tokens, reference_attention)
         # jagged layout of the last forward (FLOP accounting reads its sequence lengths)
         self.last_attention_inputs: AttentionInputs | None = None
 
@@ -99,7 +107,7 @@ def gather_outputs(y: torch.Tensor, layout: SequenceLayout, index: torch.Tensor)
     return y.index_select(0, layout.item_dest.index_select(0, index))
 
 
-def _build_encoder(net: NetworkArgs, max_tokens: int) -> HSTUEncoder:
+def _build_encoder(net: NetworkArgs, max_tokens: int, reference_attention: bool) -> HSTUEncoder:
     """The HSTU layers from `NetworkArgs` (the one place where config names meet the layers'
     argument names)."""
     return HSTUEncoder(
@@ -115,7 +123,12 @@ def _build_encoder(net: NetworkArgs, max_tokens: int) -> HSTUEncoder:
         fused=net.fused_layer,
         recompute_input_layernorm=net.recompute_input_layernorm,
         recompute_uvqk_silu=net.recompute_uvqk_silu,
-        gate_kernel=None if net.fused_gate_kernel == "auto" else net.fused_gate_kernel,
+        gate_kernel=net.fused_gate_kernel,
+        elementwise_kernels=net.fused_elementwise_kernels,
+        layernorm_kernel=net.fused_layernorm_kernel,
+        stage_compile=net.fused_stage_compile,
+        kernel_backend=net.kernel_backend,
+        reference_attention=reference_attention,
         attention_type=net.attention_type,
         relative_bias_len=max_tokens if net.relative_attention_bias == "position" else 0,
         uvqk_init_std=net.uvqk_init_std,

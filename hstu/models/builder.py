@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from hstu.config.gin_utils import RunConfig
@@ -11,6 +13,7 @@ from hstu.embeddings.stack import EmbeddingStack
 from hstu.models.base import GenerativeRecommender
 from hstu.models.ranking import RankingGR
 from hstu.models.retrieval import RetrievalGR
+from hstu.ops.attention import force_reference_from_env
 
 __all__ = ["feature_info", "build_model", "build_embedding_stack"]
 
@@ -53,6 +56,8 @@ def build_model(
     """
 
     info = feature_info(data, cfg)
+    # the one comparison switch of the attention path (benchmarks and checks only)
+    reference = force_reference_from_env(os.environ)
     torch.manual_seed(cfg.trainer.seed)
     cls = RankingGR if cfg.task == "ranking" else RetrievalGR
     stack = build_embedding_stack(
@@ -77,6 +82,7 @@ def build_model(
             head_hidden=head,
             head_dropout=r.prediction_head_dropout,
             task_weights=list(r.task_weights) or None,
+            reference_attention=reference,
         )
     rt = cfg.retrieval
     return RetrievalGR(
@@ -87,4 +93,5 @@ def build_model(
         num_negatives=rt.num_negatives,
         temperature=rt.temperature,
         negative_sampling=rt.negative_sampling,
+        reference_attention=reference,
     )

@@ -35,8 +35,9 @@ class RankingGR(GenerativeRecommender):
         head_hidden: list[int],
         head_dropout: float = 0.0,
         task_weights: list[float] | None = None,
+        reference_attention: bool = False,
     ) -> None:
-        super().__init__(info, net, embeddings)
+        super().__init__(info, net, embeddings, reference_attention=reference_attention)
         self.num_tasks = num_tasks
         self.head = MLPHead(self.hidden_size, list(head_hidden), num_tasks, head_dropout)
         weights = torch.tensor(task_weights if task_weights else [1.0] * num_tasks)

@@ -53,8 +53,9 @@ class RetrievalGR(GenerativeRecommender):
         num_negatives: int = 128,
         temperature: float = 0.05,
         negative_sampling: str = "random",
+        reference_attention: bool = False,
     ) -> None:
-        super().__init__(info, net, embeddings)
+        super().__init__(info, net, embeddings, reference_attention=reference_attention)
         if negative_sampling not in NEGATIVE_SAMPLING:
             raise ValueError(
                 f"RetrievalArgs.negative_sampling={negative_sampling!r} is not supported: "

@@ -15,18 +15,19 @@ Layout: SiLU(z) is written chunk-major, [4, T, H*d] = (u, v, q, k), so q, k and 
 gradients straight into its column block of dz [T, 4*H*d] (no concat). On CUDA with bf16/fp16
 activations, H*d % 8 == 0 and the lnmd extension built, both run as vectorised kernels
 (`torch.ops.hstu_lnmd.silu_chunk_major[_backward]`; the backward also returns the uvqk bias
-gradient from the same pass); otherwise (CPU, fp32, HSTU_FUSED_ELEMENTWISE_KERNELS=0 or
-`set_elementwise_kernels(False)`) `aten.silu.out` / `aten.silu_backward` and `dz.sum(0)`. The
-same switch covers the backward's first step: with an fp32 residual stream the incoming gradient
-is cast to the matmul dtype and summed for the output bias in one pass
+gradient from the same pass); otherwise (CPU, fp32, ``elementwise_kernels=False``, i.e.
+`NetworkArgs.fused_elementwise_kernels=False`) `aten.silu.out` / `aten.silu_backward` and
+`dz.sum(0)`. The same switch covers the backward's first step: with an fp32 residual stream the
+incoming gradient is cast to the matmul dtype and summed for the output bias in one pass
 (`torch.ops.hstu_lnmd.cast_colsum`) instead of a copy and a reduction over the copy.
 
 Gating step `dropout(LayerNorm(a) * u)` (``gate_kernel``): "cuda" runs the compiled kernel
 (`hstu.modules.layer_norm_mul_dropout`, kernels/layer_norm_mul_dropout/: one pass forward, one
 pass backward that also re-emits y for W_o's gradient; dropout mask regenerated from a Philox
 seed), "compiled" the torch.compiled PyTorch stages, "auto" the kernel when it is built and
-applies (CUDA, bf16/fp16, H*d a multiple of 8 up to 8192), else the compiled stages. On CPU the
-stages run eagerly whatever the setting (development mode).
+applies (CUDA, bf16/fp16, H*d a multiple of 8 up to 8192), else the compiled stages
+(`NetworkArgs.fused_gate_kernel`). On CPU the stages run eagerly whatever the setting
+(development mode).
 
 Memory: by default the Function keeps x, the input LayerNorm output n (matmul dtype), the uvqk
 pre-activation z, its SiLU (u, v, q, k), the attention output a and (compiled gate with dropout)
@@ -34,56 +35,61 @@ the bool dropout mask; the CUDA gate keeps only a seed. `recompute_input_layerno
 only x and its row statistics and recomputes n in backward; `recompute_uvqk_silu=True` keeps only
 z and recomputes SiLU(z) in backward. The projection input y is always recomputed.
 
-Attention backward: on CUDA with the compiled kernel the op's own backward
-(`torch.ops.hstu_attention.bwd`) runs; otherwise (CPU reference, softmax baseline,
-`HSTU_FORCE_REFERENCE_ATTENTION=1`) the attention forward is replayed under autograd on detached
+Attention: `hstu.ops.attention` chooses (`compiled_attention_ops` / `hstu_attention`). On CUDA
+with the compiled kernel at a head dim it is built for, its own backward
+(`torch.ops.hstu_attention.bwd`) runs; otherwise (CPU reference, softmax baseline, another head
+dim, ``reference_attention=True``) the attention forward is replayed under autograd on detached
 leaves and differentiated with `torch.autograd.grad`.
 
-Input LayerNorm: with an fp32 residual stream (contiguous, hidden a multiple of 8) and the
-same switch on, its forward (LayerNorm + cast to the matmul dtype + row statistics) and its
-backward (+ the residual gradient, + d weight / d bias) are one kernel each
+Input LayerNorm: with an fp32 residual stream (contiguous, hidden a multiple of 8), the same
+switch and ``layernorm_kernel`` (`NetworkArgs.fused_layernorm_kernel`) on, its forward
+(LayerNorm + cast to the matmul dtype + row statistics) and its backward (+ the residual
+gradient, + d weight / d bias) are one kernel each
 (`torch.ops.hstu_lnmd.ln_fwd` / `ln_bwd`). Each call costs ~0.03 ms of host time against
 ~0.3 ms for a torch.compiled region (guards + generated wrapper), which matters when the host
 bounds the step (docs/multi_gpu.md).
 
 The input LayerNorm (+ cast) where its kernels do not run, its backward (+ residual gradient)
 and, with the compiled gate, the gating stages are pure functions (`_stage_*`), torch.compiled on
-CUDA (HSTU_FUSED_LAYER_COMPILE=0 or `set_stage_compile(False)`: eager) and eager on CPU.
+CUDA (``stage_compile=False``, i.e. `NetworkArgs.fused_stage_compile=False`: eager) and eager on
+CPU.
+
+Every choice is a `FusedHSTULayer` constructor argument (from `NetworkArgs` through
+`HSTUEncoder`); nothing here reads the environment. Process-wide state is limited to caches and
+one fallback: a stage that fails to compile switches every layer to the eager stages.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from hstu.config.args import FUSED_GATE_KERNELS
 from hstu.modules import layer_norm_mul_dropout as lnmd
-from hstu.modules.hstu_layer import AttentionInputs, HSTULayer
+from hstu.modules.attention_inputs import AttentionInputs
+from hstu.modules.softmax_attention import softmax_attention
+from hstu.modules.unfused_layer import HSTULayer
 from hstu.ops import attention as attention_ops
 
 __all__ = [
     "GATE_KERNELS",
     "FusedHSTULayer",
     "apply_dropout",
-    "default_gate_kernel",
     "dropout_keep_mask",
     "fused_hstu_layer",
-    "set_elementwise_kernels",
-    "set_stage_compile",
-    "elementwise_kernels_enabled",
-    "stage_compile_enabled",
+    "stage_compile_fell_back",
 ]
 
 logger = logging.getLogger(__name__)
 
-GATE_KERNELS = ("auto", "cuda", "compiled")
-# Default of FusedHSTULayer(gate_kernel=None); HSTU_FUSED_GATE_KERNEL overrides it.
-DEFAULT_GATE_KERNEL = "auto"
+# FusedHSTULayer(gate_kernel=...) values (NetworkArgs.fused_gate_kernel; defined in hstu.config)
+GATE_KERNELS = FUSED_GATE_KERNELS
 
 
 def apply_dropout(g: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +122,10 @@ class _LayerSpec:
     attn: AttentionInputs
     attention_fn: Callable[..., torch.Tensor]
     attn_kwargs: dict
-    use_compiled_ops: bool
+    # (fwd, bwd) ops of the compiled attention kernel when they run this call, else None
+    attn_ops: tuple[Callable, Callable] | None
+    # torch.compile the PyTorch stages on CUDA (FusedHSTULayer(stage_compile))
+    stage_compile: bool
     # (fwd, bwd) ops of the compiled LayerNorm*u*dropout kernel when it runs the gating step
     gate_ops: tuple[Callable, Callable] | None
     # (silu_chunk_major, silu_chunk_major_backward) ops when the SiLU kernels run, else None
@@ -158,7 +167,7 @@ def _layer_norm_bwd(
 
 # ---- elementwise stages between the matmuls and the attention ---------------------------------
 # Pure functions of tensors and Python scalars. On CUDA each is compiled by torch.compile into a
-# few fused kernels (HSTU_FUSED_LAYER_COMPILE=0 keeps them eager): at benchmark shapes these
+# few fused kernels (stage_compile=False keeps them eager): at benchmark shapes these
 # memory-bound steps, not the matmuls, would otherwise dominate the layer's time.
 
 
@@ -277,29 +286,19 @@ _STAGES: dict[str, Callable] = {
     name[len("_stage_") :]: fn for name, fn in globals().items() if name.startswith("_stage_")
 }
 _compiled: dict[str, Callable] = {}
-_compile_state = {"enabled": os.environ.get("HSTU_FUSED_LAYER_COMPILE", "1") != "0"}
+# set when a stage failed to compile: every layer runs the eager stages from then on
+_compile_fallback = {"eager": False}
 _elementwise_state = {
-    "enabled": os.environ.get("HSTU_FUSED_ELEMENTWISE_KERNELS", "1") != "0",
     "warned": False,
     "ops": {},  # op name -> torch.ops.hstu_lnmd.<name> or None (built without it)
 }
 
 
-def set_elementwise_kernels(enabled: bool) -> None:
-    """Use the lnmd extension's chunk-major SiLU and cast kernels where they apply (default) or
-    always the aten path (benchmarks, debugging; HSTU_FUSED_ELEMENTWISE_KERNELS=0 sets the
-    default off)."""
-    _elementwise_state["enabled"] = bool(enabled)
-
-
-def elementwise_kernels_enabled() -> bool:
-    return _elementwise_state["enabled"]
-
-
 def _elementwise_ops(x: torch.Tensor, name: str):
     """torch.ops.hstu_lnmd.<name> when the extension's elementwise kernels may run for this call
-    (enabled, CUDA, bf16/fp16 matmul dtype, extension built with the op), else None."""
-    if not _elementwise_state["enabled"] or x.device.type != "cuda":
+    (CUDA, bf16/fp16 matmul dtype, extension built with the op), else None. Whether the layer
+    wants them at all (``elementwise_kernels``) is checked by the caller."""
+    if x.device.type != "cuda":
         return None
     if _compute_dtype(x) not in (torch.float16, torch.bfloat16) or not lnmd.load_extension():
         return None
@@ -336,15 +335,12 @@ def _cast_op(x: torch.Tensor, hidden: int):
     return _elementwise_ops(x, "cast_colsum")
 
 
-# HSTU_FUSED_LN_KERNEL=0: the input LayerNorm stays on the torch.compiled stages (A/B runs)
-_LN_KERNEL_ENV = os.environ.get("HSTU_FUSED_LN_KERNEL", "1") != "0"
-
-
 def _ln_ops(x: torch.Tensor, hidden: int):
     """(ln_fwd, ln_bwd) when the input LayerNorm kernels run this call (`_elementwise_ops`
-    conditions, HSTU_FUSED_LN_KERNEL not 0, a contiguous fp32 residual stream, hidden a multiple
-    of 8 up to lnmd.MAX_DIM), else None (the torch.compiled stages run)."""
-    if not _LN_KERNEL_ENV or x.dtype != torch.float32 or hidden % 8 or hidden > lnmd.MAX_DIM:
+    conditions, a contiguous fp32 residual stream, hidden a multiple of 8 up to lnmd.MAX_DIM),
+    else None (the torch.compiled stages run). The layer's ``elementwise_kernels`` and
+    ``layernorm_kernel`` are checked by the caller."""
+    if x.dtype != torch.float32 or hidden % 8 or hidden > lnmd.MAX_DIM:
         return None
     if not x.is_contiguous():
         return None
@@ -353,19 +349,16 @@ def _ln_ops(x: torch.Tensor, hidden: int):
     return None if bwd is None else (fwd, bwd)
 
 
-def set_stage_compile(enabled: bool) -> None:
-    """Turn torch.compile of the elementwise stages on CUDA on or off (benchmarks, debugging)."""
-    _compile_state["enabled"] = bool(enabled)
+def stage_compile_fell_back() -> bool:
+    """True once a stage failed to compile: from then on every layer runs the eager stages."""
+    return _compile_fallback["eager"]
 
 
-def stage_compile_enabled() -> bool:
-    return _compile_state["enabled"]
-
-
-def _stage(name: str, device: torch.device, *args):
-    """Runs stage ``name``: compiled on CUDA (when enabled), eager otherwise or on failure."""
+def _stage(name: str, device: torch.device, *args, compile_stages: bool = True):
+    """Runs stage ``name``: compiled on CUDA (``compile_stages``), eager otherwise or after a
+    compile failure."""
     fn = _STAGES[name]
-    if device.type != "cuda" or not _compile_state["enabled"]:
+    if not _stages_compiled(device, compile_stages):
         return fn(*args)
     compiled = _compiled.get(name)
     if compiled is None:
@@ -380,7 +373,7 @@ def _stage(name: str, device: torch.device, *args):
             type(exc).__name__,
             str(exc).splitlines()[0] if str(exc) else "",
         )
-        _compile_state["enabled"] = False
+        _compile_fallback["eager"] = True
         return fn(*args)
 
 
@@ -388,11 +381,11 @@ def _attention_forward(
     spec: _LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> torch.Tensor:
     a = spec.attn
-    if spec.use_compiled_ops:
+    if spec.attn_ops is not None:
         kw = spec.attn_kwargs
         # CPU copies of the metadata when present: validated on the host, no device sync
         offsets, contexts, targets = a.kernel_metadata(q.device)
-        return torch.ops.hstu_attention.fwd(
+        return spec.attn_ops[0](
             q,
             k,
             v,
@@ -425,10 +418,10 @@ def _attention_backward(
     spec: _LayerSpec, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     a = spec.attn
-    if spec.use_compiled_ops:
+    if spec.attn_ops is not None:
         kw = spec.attn_kwargs
         offsets, contexts, targets = a.kernel_metadata(q.device)
-        dq, dk, dv = torch.ops.hstu_attention.bwd(
+        dq, dk, dv = spec.attn_ops[1](
             dout.contiguous(),
             q,
             k,
@@ -472,7 +465,10 @@ class _FusedHSTUFunction(torch.autograd.Function):
                 n_c, mean1, rstd1 = spec.ln_ops[0](x, w_in.float(), b_in.float(), spec.eps, cdtype)
                 mean1, rstd1 = mean1.view(-1, 1), rstd1.view(-1, 1)
             else:
-                n_c, mean1, rstd1 = _stage("pre_norm", dev, x, w_in, b_in, spec.eps, cdtype)
+                n_c, mean1, rstd1 = _stage(
+                    "pre_norm", dev, x, w_in, b_in, spec.eps, cdtype,
+                    compile_stages=spec.stage_compile,
+                )  # fmt: skip
             # cast once; backward reuses the casts (no-ops when the weights are already cdtype)
             w_uvqk_c, w_out_c = w_uvqk.to(cdtype), w_out.to(cdtype)
             z = F.linear(n_c, w_uvqk_c, b_uvqk.to(cdtype))
@@ -495,14 +491,15 @@ class _FusedHSTUFunction(torch.autograd.Function):
             else:
                 if p > 0.0:
                     scale = 1.0 / (1.0 - p)
-                    if _stages_compiled(dev):
+                    if _stages_compiled(dev, spec.stage_compile):
                         mask = torch.rand((t, hd), device=dev) >= p
                     else:  # eager: the very draw nn.Dropout makes (same seed, same mask)
                         ln2, _, _ = _layer_norm_fwd(attn, w_attn, b_attn, spec.eps)
                         mask = apply_dropout(ln2 * u.float(), p)[1]
                 y_c, mean2, rstd2 = _stage(
-                    "gate_fwd", dev, attn, w_attn, b_attn, u, mask, scale, spec.eps, cdtype
-                )
+                    "gate_fwd", dev, attn, w_attn, b_attn, u, mask, scale, spec.eps, cdtype,
+                    compile_stages=spec.stage_compile,
+                )  # fmt: skip
             proj = F.linear(y_c, w_out_c, b_out.to(cdtype))
             out = _residual(x, proj)
 
@@ -544,11 +541,12 @@ class _FusedHSTUFunction(torch.autograd.Function):
             else:
                 y_c = _stage(
                     "gate_recompute", dev, attn, mean2, rstd2, w_attn, b_attn, u, mask, scale,
-                    cdtype,
+                    cdtype, compile_stages=spec.stage_compile,
                 )  # fmt: skip
                 d_attn, du, d_w_attn, d_b_attn = _stage(
-                    "gate_bwd", dev, dy, attn, mean2, rstd2, w_attn, b_attn, u, mask, scale, cdtype
-                )
+                    "gate_bwd", dev, dy, attn, mean2, rstd2, w_attn, b_attn, u, mask, scale,
+                    cdtype, compile_stages=spec.stage_compile,
+                )  # fmt: skip
             del dy
             d_w_out = (dproj.t() @ y_c).to(dt_w_out)
             del y_c
@@ -566,7 +564,10 @@ class _FusedHSTUFunction(torch.autograd.Function):
             dz, d_b_uvqk = _silu_backward(spec, (du, dv, dq, dk), z, hd, dt_b_uvqk)
             del du, dv, dq, dk
             if n_c is None:  # recompute_input_layernorm
-                n_c = _stage("recompute_norm", dev, x, mean1, rstd1, w_in, b_in, cdtype)
+                n_c = _stage(
+                    "recompute_norm", dev, x, mean1, rstd1, w_in, b_in, cdtype,
+                    compile_stages=spec.stage_compile,
+                )  # fmt: skip
             d_w_uvqk = (dz.t() @ n_c).to(dt_w_uvqk)
             dn = dz @ w_uvqk_c
             del dz
@@ -580,7 +581,10 @@ class _FusedHSTUFunction(torch.autograd.Function):
                     dn, x, mean1.view(-1), rstd1.view(-1), w_in.float(), dres
                 )
             else:
-                dx, d_w_in, d_b_in = _stage("in_norm_bwd", dev, dn, x, mean1, rstd1, w_in, dout)
+                dx, d_w_in, d_b_in = _stage(
+                    "in_norm_bwd", dev, dn, x, mean1, rstd1, w_in, dout,
+                    compile_stages=spec.stage_compile,
+                )  # fmt: skip
         return (
             dx,
             d_w_in.to(w_in.dtype),
@@ -595,46 +599,25 @@ class _FusedHSTUFunction(torch.autograd.Function):
         )
 
 
-def _stages_compiled(device: torch.device) -> bool:
-    return device.type == "cuda" and _compile_state["enabled"]
+def _stages_compiled(device: torch.device, compile_stages: bool) -> bool:
+    return device.type == "cuda" and compile_stages and not _compile_fallback["eager"]
 
 
-def _use_compiled_ops(q_device: torch.device, attention_type: str, head_dim: int) -> bool:
-    """The compiled kernel's fwd/bwd ops are called directly on CUDA (unless benchmarking the
-    reference with HSTU_FORCE_REFERENCE_ATTENTION=1, running the softmax baseline, or a head dim
-    the kernel lacks: `hstu_attention` then zero-pads it and the generic backward replays it)."""
-    if q_device.type != "cuda" or attention_type != "hstu":
-        return False
-    if head_dim not in getattr(attention_ops, "KERNEL_HEAD_DIMS", (32, 64, 128, 256)):
-        return False
-    if attention_ops.reference_attention_forced():
-        return False
-    if not attention_ops.compiled_attention_available():
-        raise RuntimeError(attention_ops._BUILD_HINT)
-    ops = getattr(torch.ops, "hstu_attention", None)
-    return ops is not None and hasattr(ops, "fwd") and hasattr(ops, "bwd")
-
-
-def default_gate_kernel() -> str:
-    """The gating implementation of layers built with gate_kernel=None (HSTU_FUSED_GATE_KERNEL
-    overrides the module default)."""
-    return _check_gate_kernel(
-        os.environ.get("HSTU_FUSED_GATE_KERNEL", DEFAULT_GATE_KERNEL), "HSTU_FUSED_GATE_KERNEL"
-    )
-
-
-def _check_gate_kernel(value: str, where: str) -> str:
+def _check_gate_kernel(value: str | None) -> str:
+    value = "auto" if value is None else value
     if value not in GATE_KERNELS:
-        raise ValueError(f"{where}={value!r} is not supported: one of {list(GATE_KERNELS)}")
+        raise ValueError(
+            f"FusedHSTULayer(gate_kernel={value!r}) is not supported: one of "
+            f"{list(GATE_KERNELS)} (NetworkArgs.fused_gate_kernel)"
+        )
     return value
 
 
-def _gate_ops(mode: str | None, x: torch.Tensor, inner: int):
+def _gate_ops(mode: str, x: torch.Tensor, inner: int):
     """(fwd, bwd) of the compiled LayerNorm*u*dropout kernel when it runs this call's gating
-    step, else None (the PyTorch stages run)."""
+    step (``mode``: the layer's gate_kernel), else None (the PyTorch stages run)."""
     if x.device.type != "cuda":
         return None  # CPU development mode: eager PyTorch stages
-    mode = default_gate_kernel() if mode is None else mode
     if mode == "compiled":
         return None
     cdtype = _compute_dtype(x)
@@ -659,12 +642,17 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
         raise ValueError(f"max_seqlen must be >= 0; got {attn.max_seqlen}")
     alpha = 1.0 / math.sqrt(layer.head_dim) if layer.alpha is None else float(layer.alpha)
     scaling = attn.max_seqlen if layer.scaling_seqlen is None else layer.scaling_seqlen
+    inner = layer.num_heads * layer.head_dim
     if layer.attention_type == "softmax":
-        from hstu.modules.softmax_attention import softmax_attention
-
-        attention_fn = softmax_attention
-    else:
-        attention_fn = attention_ops.hstu_attention
+        attention_fn, attn_ops = softmax_attention, None
+    else:  # hstu.ops.attention chooses kernel or reference
+        force = layer.reference_attention
+        attention_fn = functools.partial(attention_ops.hstu_attention, force_reference=force)
+        attn_ops = attention_ops.compiled_attention_ops(
+            x.device, layer.head_dim, force_reference=force
+        )
+    elementwise = layer.elementwise_kernels
+    use_ln_kernel = elementwise and layer.layernorm_kernel
     spec = _LayerSpec(
         num_heads=layer.num_heads,
         head_dim=layer.head_dim,
@@ -683,11 +671,12 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
             "alpha_arg": layer.alpha,
             "scaling_arg": layer.scaling_seqlen,
         },
-        use_compiled_ops=_use_compiled_ops(x.device, layer.attention_type, layer.head_dim),
-        gate_ops=_gate_ops(layer.gate_kernel, x, layer.num_heads * layer.head_dim),
-        silu_ops=_silu_ops(x, layer.num_heads * layer.head_dim),
-        cast_op=_cast_op(x, layer.hidden_size),
-        ln_ops=_ln_ops(x, layer.hidden_size),
+        attn_ops=attn_ops,
+        stage_compile=layer.stage_compile,
+        gate_ops=_gate_ops(layer.gate_kernel, x, inner),
+        silu_ops=_silu_ops(x, inner) if elementwise else None,
+        cast_op=_cast_op(x, layer.hidden_size) if elementwise else None,
+        ln_ops=_ln_ops(x, layer.hidden_size) if use_ln_kernel else None,
     )
     return _FusedHSTUFunction.apply(
         x,
@@ -703,14 +692,23 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
     )
 
 
+def _on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
 class FusedHSTULayer(HSTULayer):
     """`HSTULayer` computed by one autograd Function with a hand-written backward.
 
     Same constructor, parameters and forward as `HSTULayer`, plus two memory options:
     ``recompute_input_layernorm`` (recompute the input LayerNorm in backward instead of storing
-    it) and ``recompute_uvqk_silu`` (store only the uvqk pre-activation, recompute the SiLU), and
-    ``gate_kernel`` ("auto" | "cuda" | "compiled"; None: `default_gate_kernel()`), the
-    implementation of dropout(LayerNorm(attn) * u) on CUDA (module docstring).
+    it) and ``recompute_uvqk_silu`` (store only the uvqk pre-activation, recompute the SiLU),
+    and the code-path choices on CUDA (module docstring; `NetworkArgs` field in brackets):
+    ``gate_kernel`` ("auto" | "cuda" | "compiled"; None: "auto") [fused_gate_kernel], the
+    implementation of dropout(LayerNorm(attn) * u); ``elementwise_kernels``
+    [fused_elementwise_kernels], the hstu_lnmd SiLU and gradient-cast kernels;
+    ``layernorm_kernel`` [fused_layernorm_kernel], its input LayerNorm kernels (also needs
+    ``elementwise_kernels``); ``stage_compile`` [fused_stage_compile], torch.compile of the
+    PyTorch stages. They are plain attributes, read at every forward.
     """
 
     def __init__(
@@ -722,15 +720,19 @@ class FusedHSTULayer(HSTULayer):
         *,
         recompute_input_layernorm: bool = False,
         recompute_uvqk_silu: bool = False,
-        gate_kernel: str | None = None,
+        gate_kernel: str | None = "auto",
+        elementwise_kernels: bool = True,
+        layernorm_kernel: bool = True,
+        stage_compile: bool = True,
         **kwargs,
     ) -> None:
         super().__init__(hidden_size, num_heads, head_dim, dropout, **kwargs)
         self.recompute_input_layernorm = bool(recompute_input_layernorm)
         self.recompute_uvqk_silu = bool(recompute_uvqk_silu)
-        if gate_kernel is not None:
-            _check_gate_kernel(gate_kernel, "FusedHSTULayer(gate_kernel)")
-        self.gate_kernel = gate_kernel
+        self.gate_kernel = _check_gate_kernel(gate_kernel)
+        self.elementwise_kernels = bool(elementwise_kernels)
+        self.layernorm_kernel = bool(layernorm_kernel)
+        self.stage_compile = bool(stage_compile)
 
     def forward(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
@@ -740,8 +742,75 @@ class FusedHSTULayer(HSTULayer):
             )
         return fused_hstu_layer(self, x, attn)
 
+    def kernel_choices(self, device: torch.device) -> dict[str, str]:
+        """`HSTUEncoder.kernel_choices` of a stack of fused layers: each value is the setting,
+        then in brackets what runs on ``device`` (never raises; the per-call conditions such as
+        the autocast dtype are named, not evaluated)."""
+        cuda = torch.device(device).type == "cuda"
+        built = cuda and lnmd.load_extension()
+        if not cuda:
+            stages = "CPU: eager stages"
+        elif not self.stage_compile or _compile_fallback["eager"]:
+            stages = "eager stages"
+        else:
+            stages = "torch.compiled stages"
+        gate = self.gate_kernel
+        if not cuda:
+            gate += f" ({stages})"
+        elif gate == "cuda":
+            gate += " (hstu_lnmd kernel)" if built else " (hstu_lnmd not built: forward raises)"
+        elif gate == "compiled":
+            gate += f" ({stages})"
+        elif built:
+            gate += f" (hstu_lnmd kernel for bf16/fp16 and H*d % 8 == 0, else {stages})"
+        else:
+            gate += f" ({stages}: hstu_lnmd not built)"
+
+        def kernel_switch(flag: bool, what: str, needs: str = "") -> str:
+            if not flag:
+                return "off"
+            if needs:
+                return f"on (off: needs {needs})"
+            if not cuda:
+                return "on (CPU: PyTorch ops)"
+            if not built:
+                return "on (hstu_lnmd not built: PyTorch ops)"
+            return f"on ({what})"
+
+        if not cuda:
+            compile_state = "(CPU: eager)"
+        elif _compile_fallback["eager"]:
+            compile_state = "(a stage failed to compile: eager)"
+        else:
+            compile_state = "(torch.compile on CUDA)" if self.stage_compile else "(eager)"
+        recompute = [
+            name
+            for name, flag in (
+                ("input_layernorm", self.recompute_input_layernorm),
+                ("uvqk_silu", self.recompute_uvqk_silu),
+            )
+            if flag
+        ]
+        return {
+            "layer": "fused (FusedHSTULayer, hand-written backward)",
+            "attention": self.attention_choice(device),
+            "gate_kernel": gate,
+            "elementwise_kernels": kernel_switch(
+                self.elementwise_kernels, "SiLU and gradient cast with bf16/fp16 matmuls"
+            ),
+            "layernorm_kernel": kernel_switch(
+                self.layernorm_kernel,
+                "input LayerNorm with an fp32 residual stream",
+                "" if self.elementwise_kernels else "elementwise_kernels",
+            ),
+            "stage_compile": f"{_on_off(self.stage_compile)} {compile_state}",
+            "recompute": "+".join(recompute) if recompute else "none",
+        }
+
     def extra_repr(self) -> str:
         return (
             f"recompute_input_layernorm={self.recompute_input_layernorm}, "
-            f"recompute_uvqk_silu={self.recompute_uvqk_silu}, gate_kernel={self.gate_kernel}"
+            f"recompute_uvqk_silu={self.recompute_uvqk_silu}, gate_kernel={self.gate_kernel}, "
+            f"elementwise_kernels={self.elementwise_kernels}, "
+            f"layernorm_kernel={self.layernorm_kernel}, stage_compile={self.stage_compile}"
         )

@@ -3,206 +3,34 @@
 n = LayerNorm(x); u, v, q, k = split(SiLU(n @ W_uvqk + b)); a = attention(q, k, v)
 y = dropout(LayerNorm(a) * u); x_out = x + y @ W_o
 
-Optionally (``relative_bias_len > 0``) each layer learns a relative position bias, as Meta's
-reference HSTU does: ``SiLU(alpha * <q_i, k_j> + w[j - i])`` with one weight per relative offset
-of key j to query i inside the sequence. The compiled kernel has no bias input, so biased
-attention runs the PyTorch reference (padded [B, H, N, N]; fine for the paper's N ~ 200).
+`HSTUEncoder` stacks `HSTULayer`s (hstu/modules/unfused_layer.py) or `FusedHSTULayer`s
+(hstu/modules/fused_hstu_layer.py). Every kernel and code-path choice of the stack is a
+constructor argument, resolved once from `NetworkArgs` when the model is built; nothing here
+reads the environment. `HSTUEncoder.kernel_choices()` says what the choices resolved to.
+
+This module is the top of the layer modules (attention_inputs <- unfused_layer <-
+fused_hstu_layer <- hstu_layer: imports go one way) and re-exports `AttentionInputs`,
+`HSTULayer` and `RelativePositionBias`, which are imported from here elsewhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hstu.modules.softmax_attention import ATTENTION_TYPES, softmax_attention
-from hstu.ops import hstu_attention
-from hstu.ops.reference import hstu_attention as reference_hstu_attention
+from hstu.config.args import FUSED_GATE_KERNELS, KERNEL_BACKENDS
+from hstu.modules.attention_inputs import AttentionInputs
+from hstu.modules.fused_hstu_layer import FusedHSTULayer
+from hstu.modules.unfused_layer import HSTULayer, RelativePositionBias
 
 __all__ = ["AttentionInputs", "HSTULayer", "HSTUEncoder", "RelativePositionBias"]
 
-
-@dataclass
-class AttentionInputs:
-    """Jagged layout shared by every layer of one forward pass.
-
-    ``host_*``: optional CPU int64 copies of the metadata (the preprocessor makes them from the
-    batch's CPU twin). The compiled attention op validates CPU metadata on the host and copies it
-    to the GPU asynchronously; given the device tensors instead it must read them back first, a
-    host<->GPU sync. `kernel_metadata()` picks what to hand the op."""
-
-    seq_offsets: torch.Tensor  # [B+1] int64
-    max_seqlen: int
-    num_contexts: torch.Tensor | None = None  # [B]
-    num_targets: torch.Tensor | None = None  # [B]
-    host_seq_offsets: torch.Tensor | None = None  # [B+1] CPU int64, same values as seq_offsets
-    host_num_contexts: torch.Tensor | None = None  # [B] CPU int64 (None iff num_contexts is None)
-    host_num_targets: torch.Tensor | None = None  # [B] CPU int64 (None iff num_targets is None)
-    # trailing sequences that only hold padding rows (`SequencePreprocessor` pads the token count
-    # so matmul shapes repeat across batches); not part of the batch: no FLOPs, no outputs read
-    padding_sequences: int = 0
-
-    def __post_init__(self) -> None:
-        if self.padding_sequences < 0 or self.padding_sequences > self.seq_offsets.numel() - 1:
-            raise ValueError(
-                f"AttentionInputs: padding_sequences={self.padding_sequences} is not within the "
-                f"{self.seq_offsets.numel() - 1} sequences"
-            )
-        pairs = (
-            ("seq_offsets", self.seq_offsets, self.host_seq_offsets),
-            ("num_contexts", self.num_contexts, self.host_num_contexts),
-            ("num_targets", self.num_targets, self.host_num_targets),
-        )
-        if self.host_seq_offsets is None:
-            if self.host_num_contexts is not None or self.host_num_targets is not None:
-                raise ValueError(
-                    "AttentionInputs: host_num_contexts/host_num_targets need host_seq_offsets"
-                )
-            return
-        for name, dev, host in pairs:
-            if (dev is None) != (host is None):
-                raise ValueError(
-                    f"AttentionInputs: {name} and host_{name} must both be given or both None"
-                )
-            if host is None:
-                continue
-            if host.device.type != "cpu" or host.dtype != torch.int64:
-                raise TypeError(
-                    f"AttentionInputs: host_{name} must be a CPU int64 tensor; got "
-                    f"{host.dtype} on {host.device}"
-                )
-            if host.shape != dev.shape:
-                raise ValueError(
-                    f"AttentionInputs: host_{name} has shape {tuple(host.shape)} but {name} has "
-                    f"{tuple(dev.shape)}"
-                )
-
-    def kernel_metadata(
-        self, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(seq_offsets, num_contexts, num_targets) for the compiled op on ``device``: the CPU
-        copies when the model runs on CUDA and they exist (no sync), else the device tensors."""
-        if device.type == "cuda" and self.host_seq_offsets is not None:
-            return self.host_seq_offsets, self.host_num_contexts, self.host_num_targets
-        return self.seq_offsets, self.num_contexts, self.num_targets
-
-    def real_lengths(self) -> torch.Tensor:
-        """Token lengths of the batch's own sequences (padding sequences left out), from the CPU
-        copy of the offsets when there is one."""
-        offs = self.host_seq_offsets if self.host_seq_offsets is not None else self.seq_offsets
-        lengths = offs[1:] - offs[:-1]
-        return lengths[: lengths.numel() - self.padding_sequences]
-
-
-class RelativePositionBias(nn.Module):
-    """A learned attention bias per relative position: ``bias[i, j] = w[j - i + max_len - 1]``
-    for query i and key j of one sequence (positions counted from the sequence start, so the
-    bias is the same for every sequence of the batch). Meta HSTU's position bias, N(0, 0.02)."""
-
-    def __init__(self, max_len: int, init_std: float = 0.02) -> None:
-        super().__init__()
-        if max_len < 1:
-            raise ValueError(f"RelativePositionBias needs max_len >= 1; got {max_len}")
-        self.max_len = max_len
-        self.weight = nn.Parameter(torch.randn(2 * max_len - 1) * init_std)
-
-    def forward(self, n: int) -> torch.Tensor:
-        """The [n, n] bias over padded positions 0..n-1."""
-        if n > self.max_len:
-            raise ValueError(
-                f"a sequence of {n} tokens exceeds the relative attention bias's {self.max_len} "
-                "positions (contextual tokens + NetworkArgs.num_position_embeddings + candidates)"
-            )
-        pos = torch.arange(n, device=self.weight.device)
-        return self.weight[pos.view(1, n) - pos.view(n, 1) + (self.max_len - 1)]
-
-
-class HSTULayer(nn.Module):
-    """One HSTU layer: pointwise-aggregated (SiLU, no softmax) jagged attention with gating."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        head_dim: int,
-        dropout: float = 0.0,
-        *,
-        target_group_size: int = 1,
-        window_size: int = 0,
-        alpha: float | None = None,
-        scaling_seqlen: int | None = None,
-        eps: float = 1e-6,
-        attention_type: str = "hstu",
-        relative_bias_len: int = 0,
-        uvqk_init_std: float = 0.0,
-    ) -> None:
-        super().__init__()
-        if attention_type not in ATTENTION_TYPES:
-            raise ValueError(
-                f"NetworkArgs.attention_type={attention_type!r} is not supported: "
-                f"one of {list(ATTENTION_TYPES)}"
-            )
-        # "softmax" = SASRec-style baseline: same layer, softmax instead of SiLU attention
-        self.attention_type = attention_type
-        self.hidden_size = hidden_size
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.target_group_size = target_group_size
-        self.window_size = window_size
-        self.alpha = alpha
-        self.scaling_seqlen = scaling_seqlen
-        inner = num_heads * head_dim
-        self.input_norm = nn.LayerNorm(hidden_size, eps=eps)
-        self.uvqk = nn.Linear(hidden_size, 4 * inner)
-        self.attn_norm = nn.LayerNorm(inner, eps=eps)
-        self.dropout = nn.Dropout(dropout)
-        self.out_proj = nn.Linear(inner, hidden_size)
-        # 0: Xavier uniform; Meta's reference HSTU draws W_uvqk from N(0, 0.02)
-        if uvqk_init_std > 0:
-            nn.init.normal_(self.uvqk.weight, std=uvqk_init_std)
-        else:
-            nn.init.xavier_uniform_(self.uvqk.weight)
-        nn.init.zeros_(self.uvqk.bias)
-        self.relative_bias = RelativePositionBias(relative_bias_len) if relative_bias_len else None
-        nn.init.xavier_uniform_(self.out_proj.weight)
-        nn.init.zeros_(self.out_proj.bias)
-
-    def forward(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
-        t = x.shape[0]
-        h, d = self.num_heads, self.head_dim
-        n = self.input_norm(x)
-        uvqk = F.silu(self.uvqk(n))
-        u, v, q, k = torch.split(uvqk, h * d, dim=-1)
-        extra = {}
-        if self.attention_type == "softmax":
-            attention = softmax_attention
-        elif self.relative_bias is not None:
-            attention = reference_hstu_attention  # the compiled kernel takes no bias
-        else:
-            attention = hstu_attention
-        if self.relative_bias is not None:
-            extra["bias"] = self.relative_bias(attn.max_seqlen)
-        offsets, contexts, targets = attn.seq_offsets, attn.num_contexts, attn.num_targets
-        if attention is hstu_attention:  # takes CPU metadata on CUDA: no device sync
-            offsets, contexts, targets = attn.kernel_metadata(x.device)
-        a = attention(
-            q.reshape(t, h, d).contiguous(),
-            k.reshape(t, h, d).contiguous(),
-            v.reshape(t, h, d).contiguous(),
-            offsets,
-            attn.max_seqlen,
-            num_contexts=contexts,
-            num_targets=targets,
-            target_group_size=self.target_group_size,
-            window_size=self.window_size,
-            alpha=self.alpha,
-            scaling_seqlen=self.scaling_seqlen,
-            **extra,
-        ).reshape(t, h * d)
-        y = self.dropout(self.attn_norm(a) * u)
-        return x + self.out_proj(y)
+# fused-layer-only switches: HSTUEncoder argument -> (NetworkArgs field, default)
+_FUSED_ONLY = {
+    "elementwise_kernels": ("fused_elementwise_kernels", True),
+    "layernorm_kernel": ("fused_layernorm_kernel", True),
+    "stage_compile": ("fused_stage_compile", True),
+}
 
 
 class HSTUEncoder(nn.Module):
@@ -213,6 +41,21 @@ class HSTUEncoder(nn.Module):
     Both have the same parameters, so their state dicts are interchangeable.
     ``final_layernorm=False`` drops the closing LayerNorm (Meta's reference HSTU has none: its
     outputs go straight to the L2 normalisation of retrieval).
+
+    Kernel and code-path choices (`NetworkArgs` field in brackets):
+
+    - ``kernel_backend`` [kernel_backend]: the compiled attention kernel on CUDA ("cutlass");
+      CPU tensors run the PyTorch reference (CPU development mode, `hstu.ops.attention`);
+    - ``gate_kernel`` [fused_gate_kernel]: fused layer, the LayerNorm(attn)*u*dropout step:
+      "auto" | "cuda" | "compiled" (None: "auto");
+    - ``elementwise_kernels`` [fused_elementwise_kernels], ``layernorm_kernel``
+      [fused_layernorm_kernel], ``stage_compile`` [fused_stage_compile]: fused layer, the
+      hstu_lnmd SiLU/cast kernels, its input LayerNorm kernels, torch.compile of the PyTorch
+      stages (True: where they apply);
+    - ``reference_attention``: tests and benchmarks only (no config field): the PyTorch
+      reference attention on CUDA too.
+
+    The fused-only choices must stay at their defaults with ``fused=False``.
     """
 
     def __init__(
@@ -223,36 +66,70 @@ class HSTUEncoder(nn.Module):
         fused: bool = False,
         recompute_input_layernorm: bool = False,
         recompute_uvqk_silu: bool = False,
-        gate_kernel: str | None = None,
+        gate_kernel: str | None = "auto",
+        elementwise_kernels: bool = True,
+        layernorm_kernel: bool = True,
+        stage_compile: bool = True,
+        kernel_backend: str = "cutlass",
+        reference_attention: bool = False,
         final_layernorm: bool = True,
         relative_bias_len: int = 0,
         uvqk_init_std: float = 0.0,
         **layer_kwargs,
     ) -> None:
         super().__init__()
-        if gate_kernel is not None and not fused:
+        gate_kernel = "auto" if gate_kernel is None else gate_kernel
+        if gate_kernel not in FUSED_GATE_KERNELS:
+            raise ValueError(
+                f"NetworkArgs.fused_gate_kernel={gate_kernel!r} is not supported: one of "
+                f"{list(FUSED_GATE_KERNELS)}"
+            )
+        if kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(
+                f"NetworkArgs.kernel_backend={kernel_backend!r} is not supported: one of "
+                f"{list(KERNEL_BACKENDS)}"
+            )
+        if gate_kernel != "auto" and not fused:
             raise ValueError(
                 f"HSTUEncoder(gate_kernel={gate_kernel!r}) applies only to the fused layer "
                 "(NetworkArgs.fused_layer=True)"
             )
+        switches = {
+            "elementwise_kernels": elementwise_kernels,
+            "layernorm_kernel": layernorm_kernel,
+            "stage_compile": stage_compile,
+        }
+        for arg, value in switches.items():
+            field, default = _FUSED_ONLY[arg]
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"NetworkArgs.{field}={value!r} must be True or False, got "
+                    f"{type(value).__name__}"
+                )
+            if value != default and not fused:
+                raise ValueError(
+                    f"HSTUEncoder({arg}={value!r}) applies only to the fused layer: set "
+                    f"NetworkArgs.fused_layer=True or leave NetworkArgs.{field}={default}"
+                )
         if fused and relative_bias_len:
             raise ValueError(
                 "the fused layer (NetworkArgs.fused_layer=True) has no attention bias: set "
                 "NetworkArgs.fused_layer=False (the unfused layer runs biased attention through "
                 "the PyTorch reference) or NetworkArgs.relative_attention_bias='none'"
             )
+        self.kernel_backend = kernel_backend
         layer_kwargs["uvqk_init_std"] = uvqk_init_std
+        layer_kwargs["reference_attention"] = bool(reference_attention)
         if relative_bias_len:
             layer_kwargs["relative_bias_len"] = relative_bias_len
         if fused:
-            from hstu.modules.fused_hstu_layer import FusedHSTULayer  # imports this module
-
             layers = [
                 FusedHSTULayer(
                     hidden_size,
                     recompute_input_layernorm=recompute_input_layernorm,
                     recompute_uvqk_silu=recompute_uvqk_silu,
                     gate_kernel=gate_kernel,
+                    **switches,
                     **layer_kwargs,
                 )
                 for _ in range(num_layers)
@@ -261,6 +138,20 @@ class HSTUEncoder(nn.Module):
             layers = [HSTULayer(hidden_size, **layer_kwargs) for _ in range(num_layers)]
         self.layers = nn.ModuleList(layers)
         self.final_norm = nn.LayerNorm(hidden_size, eps=1e-6) if final_layernorm else None
+
+    def kernel_choices(self, device: torch.device | str | None = None) -> dict[str, str]:
+        """What the layers run on ``device`` (default: where the encoder's parameters are), one
+        string per choice, for the log at model build: keys "layer", "attention",
+        "gate_kernel", "elementwise_kernels", "layernorm_kernel", "stage_compile",
+        "recompute". Each value starts with the choice ("fused", "cutlass", "reference",
+        "softmax", "auto", "on", "off", ...), then, in brackets, what it means on that device.
+        Every layer of the stack is built alike, so the first one answers."""
+        if device is None:
+            device = next(self.parameters()).device
+        device = torch.device(device)
+        if not len(self.layers):
+            return {"layer": "none (num_layers=0)"}
+        return self.layers[0].kernel_choices(device)
 
     def forward(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
         for layer in self.layers:

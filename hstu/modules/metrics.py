@@ -69,13 +69,18 @@ def _all_gather_variable(t: torch.Tensor) -> torch.Tensor:
 
 
 def binary_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Exact ROC AUC of 1-D ``scores`` against 0/1 ``labels`` (Mann-Whitney U, average ranks).
+    """ROC AUC of 1-D ``scores`` against 0/1 ``labels``, by torchmetrics' ``binary_auroc``.
 
-    Tied scores get the average of the ranks they span, so a positive tied with a negative counts
-    one half, which is what the trapezoidal ROC area gives. Returns nan when all labels are of one
-    class (AUC is undefined there).
+    Exact (every distinct score is a threshold): a positive tied with a negative counts one half,
+    the trapezoidal ROC area. Returns nan when all labels are of one class or there are none: AUC
+    is undefined there (torchmetrics would return 0 with a warning, and fail on empty input).
+
+    torchmetrics applies a sigmoid to scores outside [0, 1], and in floating point that merges
+    distinct large logits into ties; the scores are therefore handed over as their dense ranks
+    scaled into [0, 1], which keeps every order and every tie of the scores exactly. The ROC
+    counts are float32 in torchmetrics, so the result is exact up to float32 rounding.
     """
-    scores = scores.detach().reshape(-1).to(torch.float64)
+    scores = scores.detach().reshape(-1)
     labels = labels.detach().reshape(-1).to(torch.bool)
     if scores.numel() != labels.numel():
         raise ValueError(
@@ -85,15 +90,12 @@ def binary_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     n_neg = labels.numel() - n_pos
     if n_pos == 0 or n_neg == 0:
         return math.nan
-    sorted_scores, order = torch.sort(scores)
-    _, counts = torch.unique_consecutive(sorted_scores, return_counts=True)
-    # 1-based rank of each tie group = mean of the positions it covers.
-    ends = torch.cumsum(counts, 0).to(torch.float64)
-    group_rank = ends - (counts.to(torch.float64) - 1.0) / 2.0
-    ranks_sorted = torch.repeat_interleave(group_rank, counts)
-    pos_rank_sum = ranks_sorted[labels[order]].sum().item()
-    u = pos_rank_sum - n_pos * (n_pos + 1) / 2.0
-    return float(u / (n_pos * n_neg))
+    # imported on first use: importing hstu.modules.metrics (every trainer does) stays cheap
+    from torchmetrics.functional.classification import binary_auroc
+
+    _, dense_rank = torch.unique(scores.to(torch.float64), sorted=True, return_inverse=True)
+    preds = dense_rank.to(torch.float64) / max(int(dense_rank.max().item()), 1)
+    return float(binary_auroc(preds, labels.to(torch.int64)).item())
 
 
 class RankingMetrics:

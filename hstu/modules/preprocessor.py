@@ -17,7 +17,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from hstu.config.args import PAD_TOKENS
 from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
-from hstu.modules.hstu_layer import AttentionInputs
+from hstu.modules.attention_inputs import AttentionInputs
 
 __all__ = [
     "HostLengths",

@@ -1,19 +1,27 @@
-"""The one HSTU attention entry point the models call.
+"""The one HSTU attention entry point the models call, and the one place attention is chosen.
 
-CUDA tensors go to the compiled CUTLASS kernel (`hstu.ops.cuda_attention`); CPU tensors use the
-PyTorch reference (CPU development mode only, see docs/design.md "Hardware policy"). The reference is
-not a selectable backend on GPU: a CUDA call without a built kernel is an error that says how to
-build it.
+`attention_path` decides, from the device and two explicit requests, what runs:
 
-Benchmarking only: ``HSTU_FORCE_REFERENCE_ATTENTION=1`` sends CUDA tensors to the reference too,
-so `scripts/bench_e2e.py` can time the same model with the reference attention in one run. It is
-not a training option (the reference is slow and memory-hungry: dense [B, H, N, N] scores).
+- CUDA tensors: the compiled CUTLASS kernel (`hstu.ops.cuda_attention`); on a GPU without a
+  built kernel the call is an error that says how to build it;
+- CPU tensors: the PyTorch reference (CPU development mode only, see docs/design.md
+  "Hardware policy");
+- an attention ``bias`` (the unfused layer's relative position bias): the reference on any
+  device, the kernel has no bias input;
+- ``force_reference=True``: the reference on CUDA too. Only for tests and benchmarks that ask
+  for it explicitly (`HSTUEncoder(reference_attention=True)`, e.g. `scripts/bench_e2e.py`'s
+  reference path); no config field selects it: it is not a training option (slow and
+  memory-hungry: dense [B, H, N, N] scores).
+
+`hstu_attention` runs that choice; `compiled_attention_ops` hands the fused layer the kernel's
+forward and backward ops when the choice is the kernel; `describe_attention` says what was chosen
+(for `HSTUEncoder.kernel_choices()`). Nothing here reads the environment.
 """
 
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +30,23 @@ from hstu.ops import reference
 
 # head dims the compiled kernel is instantiated for; others are zero-padded to the next one
 KERNEL_HEAD_DIMS = (32, 64, 128, 256)
+# what `attention_path` returns
+ATTENTION_PATHS = ("cutlass", "reference")
 
-__all__ = ["hstu_attention", "compiled_attention_available", "reference_attention_forced"]
+__all__ = [
+    "ATTENTION_PATHS",
+    "FORCE_REFERENCE_ENV",
+    "KERNEL_HEAD_DIMS",
+    "attention_path",
+    "compiled_attention_available",
+    "compiled_attention_ops",
+    "describe_attention",
+    "force_reference_from_env",
+    "hstu_attention",
+]
 
+# Benchmark-only environment switch: read once at model build by the caller that builds the model
+# (never here), parsed by `force_reference_from_env`, handed down as reference_attention=True.
 FORCE_REFERENCE_ENV = "HSTU_FORCE_REFERENCE_ATTENTION"
 
 _BUILD_HINT = (
@@ -42,9 +64,66 @@ def compiled_attention_available() -> bool:
     return bool(cuda_attention.is_available())
 
 
-def reference_attention_forced() -> bool:
-    """True when HSTU_FORCE_REFERENCE_ATTENTION=1 (benchmarks only; see the module docstring)."""
-    return os.environ.get(FORCE_REFERENCE_ENV, "0") == "1"
+def force_reference_from_env(environ: Mapping[str, str]) -> bool:
+    """Parse ``HSTU_FORCE_REFERENCE_ATTENTION`` from ``environ`` (the caller passes `os.environ`
+    once, at model build): "1" True, unset/""/"0" False, anything else a ValueError."""
+    value = environ.get(FORCE_REFERENCE_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(
+            f"{FORCE_REFERENCE_ENV}={value!r} is not supported: 1 (the PyTorch reference "
+            "attention on CUDA too; benchmarks only) or 0/unset (the hardware policy)"
+        )
+    return value == "1"
+
+
+def attention_path(
+    device: torch.device | str, *, bias: bool = False, force_reference: bool = False
+) -> str:
+    """'cutlass' (the compiled kernel) or 'reference' (PyTorch) for tensors on ``device``; the
+    only place that choice is made (module docstring). ``bias``: an attention bias is given."""
+    if torch.device(device).type != "cuda" or bias or force_reference:
+        return "reference"
+    return "cutlass"
+
+
+def _require_kernel() -> None:
+    if not compiled_attention_available():
+        raise RuntimeError(_BUILD_HINT)
+
+
+def compiled_attention_ops(
+    device: torch.device | str, head_dim: int, *, force_reference: bool = False
+) -> tuple[Callable, Callable] | None:
+    """(torch.ops.hstu_attention.fwd, .bwd) when `attention_path` picks the kernel on ``device``
+    and it is instantiated for ``head_dim`` (the fused layer calls them directly and uses the
+    kernel's own backward); None otherwise (the caller goes through `hstu_attention`, which
+    zero-pads other head dims or runs the reference). Raises with the build command when the
+    kernel is picked but not built."""
+    if attention_path(device, force_reference=force_reference) != "cutlass":
+        return None
+    _require_kernel()
+    if head_dim not in KERNEL_HEAD_DIMS:
+        return None
+    ops = getattr(torch.ops, "hstu_attention", None)
+    if ops is None or not hasattr(ops, "fwd") or not hasattr(ops, "bwd"):
+        return None
+    return ops.fwd, ops.bwd
+
+
+def describe_attention(
+    device: torch.device | str, *, bias: bool = False, force_reference: bool = False
+) -> str:
+    """What `attention_path` picks on ``device``, with the reason, for logs (never raises):
+    'cutlass', 'cutlass (not built: ...)' or 'reference (<why>)'."""
+    if attention_path(device, bias=bias, force_reference=force_reference) == "cutlass":
+        if compiled_attention_available():
+            return "cutlass"
+        return "cutlass (not built: the forward raises with the build command)"
+    if torch.device(device).type != "cuda":
+        return "reference (CPU development mode)"
+    if bias:
+        return "reference (relative attention bias: the kernel has no bias input)"
+    return "reference (reference_attention=True: benchmarks only)"
 
 
 def hstu_attention(
@@ -61,13 +140,18 @@ def hstu_attention(
     alpha: float | None = None,
     scaling_seqlen: int | None = None,
     causal: bool = True,
+    bias: torch.Tensor | None = None,
+    force_reference: bool = False,
 ) -> torch.Tensor:
-    """Jagged HSTU attention; same signature and semantics as `hstu.ops.reference.hstu_attention`.
+    """Jagged HSTU attention; same signature and semantics as `hstu.ops.reference.hstu_attention`
+    (``bias`` included), plus ``force_reference`` (tests and benchmarks only). What runs is
+    `attention_path(q.device, bias=..., force_reference=...)`.
 
     With CUDA q, ``seq_offsets`` / ``num_contexts`` / ``num_targets`` may be CPU tensors (e.g.
     `AttentionInputs.kernel_metadata`): the compiled op then validates them on the host and copies
     them to the GPU without a host<->GPU sync; the reference path moves them to q's device."""
-    if not q.is_cuda or reference_attention_forced():
+    path = attention_path(q.device, bias=bias is not None, force_reference=force_reference)
+    if path == "reference":
         seq_offsets, num_contexts, num_targets = (
             None if t is None else t.to(q.device, non_blocking=True)
             for t in (seq_offsets, num_contexts, num_targets)
@@ -81,9 +165,8 @@ def hstu_attention(
         scaling_seqlen=scaling_seqlen,
         causal=causal,
     )
-    if q.is_cuda and not reference_attention_forced():
-        if not compiled_attention_available():
-            raise RuntimeError(_BUILD_HINT)
+    if path == "cutlass":
+        _require_kernel()
         from hstu.ops.cuda_attention import hstu_attention_cuda
 
         d = q.shape[-1]
@@ -99,4 +182,4 @@ def hstu_attention(
             F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), seq_offsets, max_seqlen, **kwargs
         )
         return out[..., :d]
-    return reference.hstu_attention(q, k, v, seq_offsets, max_seqlen, **kwargs)
+    return reference.hstu_attention(q, k, v, seq_offsets, max_seqlen, bias=bias, **kwargs)

@@ -12,13 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hstu.config.args import DENSE_OPTIMIZERS, LR_SCHEDULERS
+
 if TYPE_CHECKING:
     from hstu.config.args import OptimizerArgs
 
 __all__ = ["build_dense_optimizer", "build_lr_scheduler", "clip_grad_norm", "lr_factor"]
-
-_OPTIMIZERS = ("adam", "adamw", "sgd")
-_SCHEDULES = ("constant", "cosine", "linear")
 
 
 def _choices(values: tuple[str, ...]) -> str:
@@ -33,10 +32,10 @@ def build_dense_optimizer(
     Parameters that do not require grad are dropped; an empty parameter list is an error.
     """
     name = str(args.optimizer_str).lower()
-    if name not in _OPTIMIZERS:
+    if name not in DENSE_OPTIMIZERS:
         raise ValueError(
             f"OptimizerArgs.optimizer_str={args.optimizer_str!r} is not supported: "
-            f"choose one of {_choices(_OPTIMIZERS)}"
+            f"choose one of {_choices(DENSE_OPTIMIZERS)}"
         )
     params = list(params)
     if params and not isinstance(params[0], dict):
@@ -83,7 +82,7 @@ def lr_factor(step: int, args: OptimizerArgs, max_iters: int) -> float:
         return floor + (1.0 - floor) * (1.0 - progress)
     raise ValueError(
         f"OptimizerArgs.lr_scheduler={args.lr_scheduler!r} is not supported: "
-        f"choose one of {_choices(_SCHEDULES)}"
+        f"choose one of {_choices(LR_SCHEDULERS)}"
     )
 
 
@@ -94,10 +93,10 @@ def build_lr_scheduler(
 
     Call ``scheduler.step()`` once after every ``optimizer.step()``.
     """
-    if str(args.lr_scheduler).lower() not in _SCHEDULES:
+    if str(args.lr_scheduler).lower() not in LR_SCHEDULERS:
         raise ValueError(
             f"OptimizerArgs.lr_scheduler={args.lr_scheduler!r} is not supported: "
-            f"choose one of {_choices(_SCHEDULES)}"
+            f"choose one of {_choices(LR_SCHEDULERS)}"
         )
     if int(args.warmup_iters) < 0:
         raise ValueError(f"OptimizerArgs.warmup_iters={args.warmup_iters} must be >= 0")

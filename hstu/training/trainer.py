@@ -208,6 +208,8 @@ class Trainer:
                 [(s.name, s.num_embeddings, s.embedding_dim) for s in self.core.table_specs],
                 self.run_dir,
             )
+            choices = self.core.encoder.kernel_choices(self.device)
+            logger.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in choices.items()))
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _state(self) -> dict:

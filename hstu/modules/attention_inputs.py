@@ -1,0 +1,85 @@
+"""`AttentionInputs`: the jagged layout every HSTU layer of one forward pass shares.
+
+A leaf module (no imports from the layers), so the preprocessor, both layers and the encoder can
+import it without import cycles; `hstu.modules.hstu_layer` re-exports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["AttentionInputs"]
+
+
+@dataclass
+class AttentionInputs:
+    """Jagged layout shared by every layer of one forward pass.
+
+    ``host_*``: optional CPU int64 copies of the metadata (the preprocessor makes them from the
+    batch's CPU twin). The compiled attention op validates CPU metadata on the host and copies it
+    to the GPU asynchronously; given the device tensors instead it must read them back first, a
+    host<->GPU sync. `kernel_metadata()` picks what to hand the op."""
+
+    seq_offsets: torch.Tensor  # [B+1] int64
+    max_seqlen: int
+    num_contexts: torch.Tensor | None = None  # [B]
+    num_targets: torch.Tensor | None = None  # [B]
+    host_seq_offsets: torch.Tensor | None = None  # [B+1] CPU int64, same values as seq_offsets
+    host_num_contexts: torch.Tensor | None = None  # [B] CPU int64 (None iff num_contexts is None)
+    host_num_targets: torch.Tensor | None = None  # [B] CPU int64 (None iff num_targets is None)
+    # trailing sequences that only hold padding rows (`SequencePreprocessor` pads the token count
+    # so matmul shapes repeat across batches); not part of the batch: no FLOPs, no outputs read
+    padding_sequences: int = 0
+
+    def __post_init__(self) -> None:
+        if self.padding_sequences < 0 or self.padding_sequences > self.seq_offsets.numel() - 1:
+            raise ValueError(
+                f"AttentionInputs: padding_sequences={self.padding_sequences} is not within the "
+                f"{self.seq_offsets.numel() - 1} sequences"
+            )
+        pairs = (
+            ("seq_offsets", self.seq_offsets, self.host_seq_offsets),
+            ("num_contexts", self.num_contexts, self.host_num_contexts),
+            ("num_targets", self.num_targets, self.host_num_targets),
+        )
+        if self.host_seq_offsets is None:
+            if self.host_num_contexts is not None or self.host_num_targets is not None:
+                raise ValueError(
+                    "AttentionInputs: host_num_contexts/host_num_targets need host_seq_offsets"
+                )
+            return
+        for name, dev, host in pairs:
+            if (dev is None) != (host is None):
+                raise ValueError(
+                    f"AttentionInputs: {name} and host_{name} must both be given or both None"
+                )
+            if host is None:
+                continue
+            if host.device.type != "cpu" or host.dtype != torch.int64:
+                raise TypeError(
+                    f"AttentionInputs: host_{name} must be a CPU int64 tensor; got "
+                    f"{host.dtype} on {host.device}"
+                )
+            if host.shape != dev.shape:
+                raise ValueError(
+                    f"AttentionInputs: host_{name} has shape {tuple(host.shape)} but {name} has "
+                    f"{tuple(dev.shape)}"
+                )
+
+    def kernel_metadata(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(seq_offsets, num_contexts, num_targets) for the compiled op on ``device``: the CPU
+        copies when the model runs on CUDA and they exist (no sync), else the device tensors."""
+        if device.type == "cuda" and self.host_seq_offsets is not None:
+            return self.host_seq_offsets, self.host_num_contexts, self.host_num_targets
+        return self.seq_offsets, self.num_contexts, self.num_targets
+
+    def real_lengths(self) -> torch.Tensor:
+        """Token lengths of the batch's own sequences (padding sequences left out), from the CPU
+        copy of the offsets when there is one."""
+        offs = self.host_seq_offsets if self.host_seq_offsets is not None else self.seq_offsets
+        lengths = offs[1:] - offs[:-1]
+        return lengths[: lengths.numel() - self.padding_sequences]

@@ -1,0 +1,171 @@
+"""The unfused HSTU layer (docs/design.md "Fused HSTU layer"), on jagged [T, D] tokens.
+
+n = LayerNorm(x); u, v, q, k = split(SiLU(n @ W_uvqk + b)); a = attention(q, k, v)
+y = dropout(LayerNorm(a) * u); x_out = x + y @ W_o
+
+Plain PyTorch autograd around the attention op: the reference twin `FusedHSTULayer`
+(hstu/modules/fused_hstu_layer.py) subclasses and the tests compare against.
+
+Optionally (``relative_bias_len > 0``) each layer learns a relative position bias, as Meta's
+reference HSTU does: ``SiLU(alpha * <q_i, k_j> + w[j - i])`` with one weight per relative offset
+of key j to query i inside the sequence. The compiled kernel has no bias input, so biased
+attention runs the PyTorch reference (padded [B, H, N, N]; fine for the paper's N ~ 200); that
+choice, like every attention choice, is made by `hstu.ops.attention.attention_path`.
+
+Imports go one way: attention_inputs <- unfused_layer <- fused_hstu_layer <- hstu_layer (the
+encoder and the public names).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hstu.config.args import ATTENTION_TYPES
+from hstu.modules.attention_inputs import AttentionInputs
+from hstu.modules.softmax_attention import softmax_attention
+from hstu.ops.attention import describe_attention, hstu_attention
+
+__all__ = ["HSTULayer", "RelativePositionBias"]
+
+
+class RelativePositionBias(nn.Module):
+    """A learned attention bias per relative position: ``bias[i, j] = w[j - i + max_len - 1]``
+    for query i and key j of one sequence (positions counted from the sequence start, so the
+    bias is the same for every sequence of the batch). Meta HSTU's position bias, N(0, 0.02)."""
+
+    def __init__(self, max_len: int, init_std: float = 0.02) -> None:
+        super().__init__()
+        if max_len < 1:
+            raise ValueError(f"RelativePositionBias needs max_len >= 1; got {max_len}")
+        self.max_len = max_len
+        self.weight = nn.Parameter(torch.randn(2 * max_len - 1) * init_std)
+
+    def forward(self, n: int) -> torch.Tensor:
+        """The [n, n] bias over padded positions 0..n-1."""
+        if n > self.max_len:
+            raise ValueError(
+                f"a sequence of {n} tokens exceeds the relative attention bias's {self.max_len} "
+                "positions (contextual tokens + NetworkArgs.num_position_embeddings + candidates)"
+            )
+        pos = torch.arange(n, device=self.weight.device)
+        return self.weight[pos.view(1, n) - pos.view(n, 1) + (self.max_len - 1)]
+
+
+class HSTULayer(nn.Module):
+    """One HSTU layer: pointwise-aggregated (SiLU, no softmax) jagged attention with gating.
+
+    ``attention_type``: "hstu" (`hstu.ops.hstu_attention`: the compiled kernel on CUDA, the
+    reference on CPU or with ``relative_bias_len``) or "softmax" (the SASRec-style baseline).
+    ``reference_attention=True`` (tests and benchmarks only) runs the reference on CUDA too.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        dropout: float = 0.0,
+        *,
+        target_group_size: int = 1,
+        window_size: int = 0,
+        alpha: float | None = None,
+        scaling_seqlen: int | None = None,
+        eps: float = 1e-6,
+        attention_type: str = "hstu",
+        relative_bias_len: int = 0,
+        uvqk_init_std: float = 0.0,
+        reference_attention: bool = False,
+    ) -> None:
+        super().__init__()
+        if attention_type not in ATTENTION_TYPES:
+            raise ValueError(
+                f"NetworkArgs.attention_type={attention_type!r} is not supported: "
+                f"one of {list(ATTENTION_TYPES)}"
+            )
+        # "softmax" = SASRec-style baseline: same layer, softmax instead of SiLU attention
+        self.attention_type = attention_type
+        # tests and benchmarks only: the PyTorch reference attention on CUDA too (no config field
+        # selects it; hstu.ops.attention)
+        self.reference_attention = bool(reference_attention)
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.target_group_size = target_group_size
+        self.window_size = window_size
+        self.alpha = alpha
+        self.scaling_seqlen = scaling_seqlen
+        inner = num_heads * head_dim
+        self.input_norm = nn.LayerNorm(hidden_size, eps=eps)
+        self.uvqk = nn.Linear(hidden_size, 4 * inner)
+        self.attn_norm = nn.LayerNorm(inner, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+        self.out_proj = nn.Linear(inner, hidden_size)
+        # 0: Xavier uniform; Meta's reference HSTU draws W_uvqk from N(0, 0.02)
+        if uvqk_init_std > 0:
+            nn.init.normal_(self.uvqk.weight, std=uvqk_init_std)
+        else:
+            nn.init.xavier_uniform_(self.uvqk.weight)
+        nn.init.zeros_(self.uvqk.bias)
+        self.relative_bias = RelativePositionBias(relative_bias_len) if relative_bias_len else None
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def attention_choice(self, device: torch.device) -> str:
+        """The attention this layer runs on ``device`` (`hstu.ops.attention.describe_attention`
+        for "hstu"), for `HSTUEncoder.kernel_choices`."""
+        if self.attention_type == "softmax":
+            return "softmax (SASRec-style baseline, PyTorch)"
+        return describe_attention(
+            device,
+            bias=self.relative_bias is not None,
+            force_reference=self.reference_attention,
+        )
+
+    def kernel_choices(self, device: torch.device) -> dict[str, str]:
+        """`HSTUEncoder.kernel_choices` of a stack of unfused layers."""
+        na = "n/a (unfused layer)"
+        return {
+            "layer": "unfused (HSTULayer, PyTorch autograd)",
+            "attention": self.attention_choice(device),
+            "gate_kernel": na,
+            "elementwise_kernels": na,
+            "layernorm_kernel": na,
+            "stage_compile": na,
+            "recompute": na,
+        }
+
+    def forward(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
+        t = x.shape[0]
+        h, d = self.num_heads, self.head_dim
+        n = self.input_norm(x)
+        uvqk = F.silu(self.uvqk(n))
+        u, v, q, k = torch.split(uvqk, h * d, dim=-1)
+        if self.attention_type == "softmax":
+            attention = softmax_attention
+            offsets, contexts, targets = attn.seq_offsets, attn.num_contexts, attn.num_targets
+            extra = {}
+        else:  # hstu_attention picks kernel or reference (hstu.ops.attention.attention_path)
+            attention = hstu_attention
+            # CPU metadata on CUDA: the kernel validates it on the host, no device sync
+            offsets, contexts, targets = attn.kernel_metadata(x.device)
+            extra = {"force_reference": self.reference_attention}
+        if self.relative_bias is not None:
+            extra["bias"] = self.relative_bias(attn.max_seqlen)
+        a = attention(
+            q.reshape(t, h, d).contiguous(),
+            k.reshape(t, h, d).contiguous(),
+            v.reshape(t, h, d).contiguous(),
+            offsets,
+            attn.max_seqlen,
+            num_contexts=contexts,
+            num_targets=targets,
+            target_group_size=self.target_group_size,
+            window_size=self.window_size,
+            alpha=self.alpha,
+            scaling_seqlen=self.scaling_seqlen,
+            **extra,
+        ).reshape(t, h * d)
+        y = self.dropout(self.attn_norm(a) * u)
+        return x + self.out_proj(y)

@@ -118,8 +118,10 @@ def test_full_history_excludes_items_outside_the_truncated_window():
     ev = build_retrieval_samples(data, max_history_seqlen=2).eval
     batch = ev.collate([0, 1])
     assert batch.features["item_id"].values().tolist() == [5, 6, 8, 9]  # windows of 2
-    hist = Trainer._full_histories(_trainer_stub(data), batch)
-    assert [h.tolist() for h in hist] == [[1, 2, 3, 4, 5, 6], [3, 8, 9]]
+    hist = Trainer._full_histories(_trainer_stub(data), batch.user_ids)
+    values, offsets = hist
+    assert offsets.tolist() == [0, 6, 9]
+    assert values.tolist() == [1, 2, 3, 4, 5, 6, 3, 8, 9]
 
     corpus = torch.from_numpy(data.item_corpus())  # items 1..9 -> columns 0..8
     assert corpus.tolist() == list(range(1, 10))
@@ -157,7 +159,7 @@ def test_exclusion_with_query_and_item_embeddings():
     data = _data()
     ev = build_retrieval_samples(data, max_history_seqlen=1).eval
     batch = ev.collate([0])
-    hist = Trainer._full_histories(_trainer_stub(data), batch)
+    hist = Trainer._full_histories(_trainer_stub(data), batch.user_ids)
     corpus = torch.from_numpy(data.item_corpus())
     emb = torch.zeros(9, 2)
     emb[:, 1] = 1.0  # every item: score 0 on axis 0 ...

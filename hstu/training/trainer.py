@@ -197,7 +197,8 @@ class Trainer:
         self.pipeline = SparseDistPipeline(
             self.train_iter, self.embeddings, ahead=t.route_ids_ahead
         )
-        self._user_row: dict[int, int] | None = None  # user id -> row of self.data (evaluation)
+        # (sorted user ids, their rows of self.data): evaluation's history lookup
+        self._user_row: tuple[np.ndarray, np.ndarray] | None = None
         self.step = 0
         if t.ckpt_load_dir:
             self._load_checkpoint(t.ckpt_load_dir)
@@ -464,13 +465,14 @@ class Trainer:
                 loss_sum += float(out["loss_sum"])
                 count += float(out["count"])
             if self.cfg.task == "ranking":
-                metrics.update(out["logits"].float().cpu(), batch.labels.cpu())
+                metrics.update(out["logits"].float().cpu(), host_batch.labels)
             else:
+                # scored against the whole corpus where the queries are (the GPU), in chunks
                 evaluator.update(
-                    out["query"].float().cpu(),
+                    out["query"].float(),
                     corpus_emb,
-                    batch.target_item_ids.cpu(),
-                    self._full_histories(batch) if rt.eval_exclude_history else None,
+                    host_batch.target_item_ids,
+                    self._full_histories(host_batch.user_ids) if rt.eval_exclude_history else None,
                 )
         loss_sum, count = all_reduce_sum([loss_sum, count], self.device)
         result = metrics.compute() if self.cfg.task == "ranking" else evaluator.compute()
@@ -479,23 +481,38 @@ class Trainer:
         return result
 
     def _corpus_embeddings(self, corpus: torch.Tensor, chunk: int = 65536) -> torch.Tensor:
+        """[C, D] float embeddings of the corpus, on the training device."""
         parts = []
         for s in range(0, corpus.numel(), chunk):
             ids = corpus[s : s + chunk].to(self.device)
             with self._autocast():
-                parts.append(self.core.item_embeddings(ids).float().cpu())
+                parts.append(self.core.item_embeddings(ids).float())
         return torch.cat(parts)
 
-    def _full_histories(self, batch: Batch) -> list[torch.Tensor]:
-        """Every item each eval user consumed before the held-out target (not only the window)."""
+    def _full_histories(self, user_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every item each eval user consumed before the held-out target (not only the window),
+        as (values, offsets [B+1]) on the CPU: one vectorised gather for the batch."""
         if self._user_row is None:
-            self._user_row = {int(u): i for i, u in enumerate(self.data.user_ids.tolist())}
-        out = []
-        for uid in batch.user_ids.tolist():
-            row = self._user_row[int(uid)]
-            lo, hi = int(self.data.offsets[row]), int(self.data.offsets[row + 1])
-            out.append(torch.from_numpy(self.data.item_ids[lo : hi - 1]))
-        return out
+            # user id -> row of self.data, as a sorted array and its rows (searchsorted lookup)
+            ids = np.asarray(self.data.user_ids, dtype=np.int64)
+            order = np.argsort(ids, kind="stable")
+            self._user_row = (ids[order], order)
+        sorted_ids, rows_of = self._user_row
+        uids = user_ids.cpu().numpy().astype(np.int64)
+        pos = np.searchsorted(sorted_ids, uids).clip(max=len(sorted_ids) - 1)
+        if not np.array_equal(sorted_ids[pos], uids):
+            missing = uids[sorted_ids[pos] != uids][:5].tolist()
+            raise ValueError(f"evaluation users {missing} are not in the dataset")
+        rows = rows_of[pos]
+        lo = np.asarray(self.data.offsets, dtype=np.int64)[rows]
+        hi = np.asarray(self.data.offsets, dtype=np.int64)[rows + 1] - 1  # the target excluded
+        lengths = np.maximum(hi - lo, 0)
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        # index of every history element: its row's start + its position inside the row
+        within = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+        values = np.asarray(self.data.item_ids)[np.repeat(lo, lengths) + within]
+        return torch.from_numpy(values.astype(np.int64)), torch.from_numpy(offsets)
 
     # ---- the loop --------------------------------------------------------------------------
     def fit(self) -> TrainResult:

@@ -1,0 +1,144 @@
+"""Wall time of a whole training run of a small public-dataset config, as a user runs it.
+
+The models most users train first (MovieLens, Amazon, Yelp: a few layers, width ~50, batch 128)
+are limited by the host, not the GPU, so their throughput is tracked as a run: start-up (data
+and model), the training steps, and the evaluations, each timed separately, plus steps/s and
+samples/s of the training steps alone and the final metrics.
+
+    python -m hstu.data.prepare --dataset sequences --source ml-1m.txt.gz --output data/ml-1m
+    python scripts/bench_small.py --config configs/ml_1m_retrieval.gin --steps 10000 --evals 5
+    python scripts/bench_small.py --config configs/amazon_beauty_retrieval.gin --steps 2000 --evals 1
+
+One JSON object per line: config, steps, evals, startup_s, train_s, eval_s, wall_s, steps_per_s,
+samples_per_s, the first window's step time (``first_steps_ms``, includes one-time costs such as
+compilation) against the rest (``steady_step_ms``), the final metrics and the device.
+``--bindings`` adds gin bindings (e.g. "OptimizerArgs.learning_rate=5e-4").
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+# run from a checkout: this repository's hstu, not another installed copy; bench_common
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]
+
+from bench_common import base_parser, emit_json, resolve_device  # noqa: E402
+
+
+def _parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = base_parser(
+        __doc__,
+        steps=2000,
+        device="auto",
+        config="configs/ml_1m_retrieval.gin",
+        out="",
+    )
+    p.add_argument("--task", default="retrieval", choices=("ranking", "retrieval"))
+    p.add_argument(
+        "--evals", type=int, default=1, help="evaluations: every steps/evals steps (>= 1)"
+    )
+    p.add_argument(
+        "--first-steps",
+        type=int,
+        default=50,
+        help="steps counted as the first window (one-time costs land there)",
+    )
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.evals < 1 or args.steps % args.evals:
+        p.error(f"--steps ({args.steps}) must be a positive multiple of --evals ({args.evals})")
+    if not 0 < args.first_steps < args.steps:
+        p.error(f"--first-steps must lie in (0, --steps={args.steps})")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    from hstu.config.gin_utils import load_config
+    from hstu.training.trainer import Trainer
+
+    device_type = resolve_device(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        bindings = [
+            *args.bindings,
+            f"TrainerArgs.max_train_iters={args.steps}",
+            f"TrainerArgs.eval_interval={args.steps // args.evals}",
+            f"TrainerArgs.log_interval={args.first_steps}",
+            "TrainerArgs.ckpt_save_interval=-1",
+            "TrainerArgs.progress_bar=False",
+            f"TrainerArgs.log_dir='{tmp}'",
+            "TrainerArgs.run_name='bench_small'",
+        ]
+        cfg = load_config(args.task, [args.config], bindings)
+        t0 = time.perf_counter()
+        trainer = Trainer(cfg, device_type)
+        startup = time.perf_counter() - t0
+        eval_s = 0.0
+        evaluate = trainer.evaluate
+        # wall time of each step window, from the trainer's own log points
+        marks: list[tuple[int, float]] = []
+        scalars = trainer.tb.scalars
+
+        def timed_evaluate():
+            nonlocal eval_s
+            start = time.perf_counter()
+            try:
+                return evaluate()
+            finally:
+                eval_s += time.perf_counter() - start
+
+        def marking_scalars(values, step):
+            if "train/loss" in values:
+                marks.append((step, time.perf_counter() - eval_s))
+            return scalars(values, step)
+
+        trainer.evaluate = timed_evaluate
+        trainer.tb.scalars = marking_scalars
+        try:
+            t1 = time.perf_counter()
+            eval_before = eval_s
+            result = trainer.fit()
+            fit_s = time.perf_counter() - t1
+        finally:
+            trainer.close()
+        train_s = fit_s - (eval_s - eval_before)
+        samples = args.steps * cfg.trainer.train_batch_size
+        first = marks[0][1] - (t1 - eval_before) if marks else float("nan")
+        steady = (
+            (marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0])
+            if len(marks) > 1
+            else float("nan")
+        )
+        return {
+            "config": args.config,
+            "steps": args.steps,
+            "evals": len(result.evals),
+            "batch": cfg.trainer.train_batch_size,
+            "startup_s": startup,
+            "train_s": train_s,
+            "eval_s": eval_s,
+            "wall_s": startup + fit_s,
+            "steps_per_s": args.steps / train_s,
+            "samples_per_s": samples / train_s,
+            "first_steps_ms": 1000.0 * first / args.first_steps,
+            "steady_step_ms": 1000.0 * steady,
+            "metrics": result.final_metrics,
+            "device": torch.cuda.get_device_name() if device_type == "cuda" else "cpu",
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    args = _parse(argv)
+    emit_json(run(args), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""scripts/bench_small.py on CPU: a whole small run, timed by parts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "synthetic_retrieval.gin")
+
+TINY = [
+    "DatasetArgs.synthetic_num_users=200",
+    "DatasetArgs.synthetic_num_items=100",
+    "DatasetArgs.max_history_seqlen=16",
+    "NetworkArgs.num_layers=1",
+    "NetworkArgs.hidden_size=16",
+    "NetworkArgs.num_attention_heads=1",
+    "NetworkArgs.kv_channels=16",
+    "TrainerArgs.train_batch_size=8",
+    "TrainerArgs.eval_batch_size=32",
+    "TrainerArgs.max_eval_iters=2",
+]
+
+
+def test_bench_small_times_a_run_by_parts(load_script, tmp_path):
+    bench = load_script("bench_small")
+    out = tmp_path / "rows.jsonl"
+    argv = ["--config", CONFIG, "--device", "cpu", "--steps", "12"]
+    argv += ["--evals", "2", "--first-steps", "4", "--out", str(out), "--bindings", *TINY]
+    assert bench.main(argv) == 0
+    row = json.loads(out.read_text().strip().splitlines()[-1])
+    assert row["steps"] == 12 and row["evals"] == 2 and row["batch"] == 8
+    assert row["eval_s"] > 0 and row["train_s"] > 0 and row["startup_s"] > 0
+    assert row["wall_s"] >= row["startup_s"] + row["train_s"] + row["eval_s"] - 1e-6
+    assert abs(row["steps_per_s"] * row["train_s"] - 12) < 1e-6
+    assert abs(row["samples_per_s"] - 8 * row["steps_per_s"]) < 1e-6
+    assert row["first_steps_ms"] > 0 and row["steady_step_ms"] > 0
+    assert {"HR@10", "NDCG@10"} <= set(row["metrics"])
+    assert row["device"] == "cpu"

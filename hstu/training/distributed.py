@@ -188,6 +188,11 @@ def _no_data_parallel():
     return NoDataParallel()
 
 
+def device_memory_bytes(device: torch.device) -> int:
+    """Total memory of a CUDA device in bytes (what torchrec's planner may place tables in)."""
+    return int(torch.cuda.mem_get_info(device)[1])
+
+
 def wrap_model(model: nn.Module, info: DistInfo, embeddings: EmbeddingStack) -> nn.Module:
     """Shards the model's tables with DistributedModelParallel (dense parts under DDP when there
     are several ranks; see `use_ddp`).
@@ -206,7 +211,12 @@ def wrap_model(model: nn.Module, info: DistInfo, embeddings: EmbeddingStack) -> 
     # gradients by the world size to match (comm_ops.GRADIENT_DIVISION), and so do dynamic tables:
     # every table sees the global-batch gradient at any world size.
     sharders = embeddings.sharders(gradient_division=get_gradient_division())
-    topology = Topology(world_size=info.world_size, compute_device=info.device.type)
+    # the planner's memory is the device's real memory (torchrec assumes 32 GB of HBM otherwise)
+    topology = Topology(
+        world_size=info.world_size,
+        compute_device=info.device.type,
+        hbm_cap=device_memory_bytes(info.device) if info.device.type == "cuda" else None,
+    )
     planner = EmbeddingShardingPlanner(topology=topology)
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     wrapper = None if use_ddp(info.world_size) else _no_data_parallel()

@@ -22,11 +22,21 @@ from hstu.embeddings import reference_table
 from hstu.embeddings.dynamic_config import BUCKET_SIZE, DynamicEmbeddingConfig
 from hstu.embeddings.reference_table import EMPTY_KEY, OPT_CODES, TableState
 
-__all__ = ["DynamicEmbeddingTable", "DynamicEmbeddingCollection", "UniqueIds", "unique_ids"]
+__all__ = [
+    "DynamicEmbeddingTable",
+    "DynamicEmbeddingCollection",
+    "UniqueIds",
+    "unique_ids",
+    "apply_increment",
+    "apply_collection_increment",
+    "concat_dumps",
+]
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# marked dumps a table remembers for incremental dumps (each: its step and its keys on the CPU)
+MAX_DUMP_MARKS = 4
 
 
 def _backend(device: torch.device, backend: str) -> ModuleType:
@@ -145,6 +155,10 @@ class DynamicEmbeddingTable(nn.Module):
         self.step = 0
         self.lr = config.learning_rate
         self._counters = torch.zeros(5, dtype=torch.int64, device=self.device)
+        # incremental dumps: token -> (step, sorted keys on the CPU, len(self._rescored)) at a
+        # marked dump, and the keys whose scores were set outside training since the first mark
+        self._marks: dict[int, tuple[int, torch.Tensor, int]] = {}
+        self._rescored: list[torch.Tensor] = []
         # the compiled insert skips empty trailing segments, so training lookups can hand it the
         # missing ids padded to a size known on the host (no device read); the reference cannot
         self._padded_insert = self.ops is not reference_table
@@ -368,6 +382,8 @@ class DynamicEmbeddingTable(nn.Module):
         slots = self.ops.find(self.state, ids)
         ok = slots >= 0
         self.state.scores[slots[ok]] = scores.to(self.device, torch.int64)[ok]
+        if self._marks:  # a later incremental dump must carry these rows
+            self._rescored.append(ids[ok].cpu())
 
     def size(self) -> int:
         return int(self.ops.size(self.state))
@@ -388,13 +404,33 @@ class DynamicEmbeddingTable(nn.Module):
         }
 
     # -- checkpoint ---------------------------------------------------------------------------------
-    def dump(self) -> dict[str, torch.Tensor]:
+    def dump(self, since: int | None = None, mark: int | None = None) -> dict[str, torch.Tensor]:
         """Live rows ordered by key, on CPU: keys, values [n, dim], optimizer_state [n, S], scores,
         plus metadata (step, embedding_dim, optimizer code). Dumps of all ranks concatenated
-        (`concat_dumps`) load into any number of ranks."""
+        (`concat_dumps`) load into any number of ranks.
+
+        Incremental dumps: ``mark`` (a token, e.g. a dump counter) remembers this dump's step and
+        key set under that token (the last `MAX_DUMP_MARKS` marks are kept); ``since=token``
+        then returns only the rows inserted or updated after that dump (trained, or rescored by
+        `set_scores`) plus ``deleted_keys``, the keys of that dump no longer in the table
+        (evicted or erased). `apply_increment` applies one to the earlier dump."""
         slots = self.ops.export(self.state)
         d = self.dim
-        return {
+        keys = self.state.keys[slots].cpu()
+        base = None
+        if since is not None:
+            if since not in self._marks:
+                raise ValueError(
+                    f"table {self.config.name!r}: dump(since={since}) names no marked dump (kept: "
+                    f"{sorted(self._marks)}); take a full dump with mark= first"
+                )
+            base = self._marks[since]
+            changed = self.state.touched[slots] > base[0]
+            rescored = self._rescored[base[2] :]
+            if rescored:
+                changed |= torch.isin(self.state.keys[slots], torch.cat(rescored).to(self.device))
+            slots = slots[changed]
+        out = {
             "keys": self.state.keys[slots].cpu(),
             "values": self.state.values[slots, :d].cpu(),
             "optimizer_state": self.state.values[slots, d : d + self.config.state_dim].cpu(),
@@ -403,6 +439,17 @@ class DynamicEmbeddingTable(nn.Module):
             "embedding_dim": torch.tensor(d, dtype=torch.int64),
             "optimizer": torch.tensor(OPT_CODES[self.config.optimizer], dtype=torch.int64),
         }
+        if base is not None:
+            out["since"] = torch.tensor(int(since), dtype=torch.int64)
+            out["deleted_keys"] = base[1][~torch.isin(base[1], keys)]
+        if mark is not None:
+            out["token"] = torch.tensor(int(mark), dtype=torch.int64)
+            if not self._marks:
+                self._rescored = []
+            self._marks[int(mark)] = (self.step, torch.sort(keys).values, len(self._rescored))
+            while len(self._marks) > MAX_DUMP_MARKS:
+                self._marks.pop(next(iter(self._marks)))
+        return out
 
     def load(self, dump: dict[str, torch.Tensor]) -> None:
         """Replace the contents with a dump (this rank keeps the ids it owns). Rows that do not fit
@@ -439,9 +486,15 @@ class DynamicEmbeddingTable(nn.Module):
                 opt_state[mine],
                 scores[mine],
             )
+        if "deleted_keys" in dump:
+            raise ValueError(
+                f"table {name!r}: this is an incremental dump; apply it to the full dump it "
+                "continues (apply_increment) and load the result"
+            )
         self.state = TableState.empty(
             self.state.keys.numel(), self.state.values.shape[1], self.device
         )
+        self._marks, self._rescored = {}, []  # earlier dumps no longer describe this table
         self.step = int(dump["step"])
         # Priority inside a bucket: higher score first, then smaller key.
         order = torch.argsort(keys, stable=True)
@@ -478,16 +531,74 @@ def table_host_ids(
 
 
 def concat_dumps(dumps: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Merge the per-rank dumps of one table into one (any rank count can load the result)."""
+    """Merge the per-rank dumps of one table into one (any rank count can load the result).
+    Incremental dumps of the same token merge alike (their deleted keys too)."""
     out = {
         k: torch.cat([d[k] for d in dumps]) for k in ("keys", "values", "optimizer_state", "scores")
     }
     order = torch.argsort(out["keys"])  # ordered by key, like a single table's dump
     out = {k: v[order] for k, v in out.items()}
     out["step"] = torch.stack([d["step"] for d in dumps]).max()
-    for k in ("embedding_dim", "optimizer"):
-        out[k] = dumps[0][k]
+    for k in ("embedding_dim", "optimizer", "token", "since"):
+        if k in dumps[0]:
+            out[k] = dumps[0][k]
+    if "deleted_keys" in dumps[0]:
+        out["deleted_keys"] = torch.sort(torch.cat([d["deleted_keys"] for d in dumps])).values
     return out
+
+
+def apply_increment(
+    base: dict[str, torch.Tensor], increment: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The full dump that ``increment`` (``dump(since=base's token)``) continues ``base`` into:
+    rows of deleted keys removed, changed rows replaced, new rows added; ordered by key. Apply a
+    chain one increment after the other."""
+    if "deleted_keys" not in increment:
+        raise ValueError("apply_increment: the second dump is not incremental (no deleted_keys)")
+    if "token" not in base or int(base["token"]) != int(increment["since"]):
+        raise ValueError(
+            f"apply_increment: the increment continues dump token {int(increment['since'])}, "
+            f"but the base dump has token "
+            f"{int(base['token']) if 'token' in base else 'none (not a marked dump)'}"
+        )
+    gone = torch.isin(base["keys"], increment["deleted_keys"]) | torch.isin(
+        base["keys"], increment["keys"]
+    )
+    rows = ("keys", "values", "optimizer_state", "scores")
+    out = {k: torch.cat([base[k][~gone], increment[k]]) for k in rows}
+    order = torch.argsort(out["keys"])
+    out = {k: v[order] for k, v in out.items()}
+    for k in ("step", "embedding_dim", "optimizer"):
+        out[k] = increment[k]
+    if "token" in increment:
+        out["token"] = increment["token"]
+    return out
+
+
+def _split_tables(dump: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in dump.items():
+        table, field_name = key.split("/", 1)
+        out.setdefault(table, {})[field_name] = value
+    return out
+
+
+def apply_collection_increment(
+    base: dict[str, torch.Tensor], increments: list[dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """A collection's full dump ``base`` (``dump(mark=True)``) moved forward by a chain of
+    incremental dumps (each ``dump(since=the previous one's token, mark=True)``), table by
+    table: equals a full dump taken when the last increment was."""
+    tables = _split_tables(base)
+    for inc in increments:
+        inc_tables = _split_tables(inc)
+        if set(inc_tables) != set(tables):
+            raise ValueError(
+                f"apply_collection_increment: the increment has tables {sorted(inc_tables)}, "
+                f"the base {sorted(tables)}"
+            )
+        tables = {n: apply_increment(tables[n], inc_tables[n]) for n in tables}
+    return {f"{n}/{k}": v for n, d in tables.items() for k, v in d.items()}
 
 
 class DynamicEmbeddingCollection(nn.Module):
@@ -523,6 +634,7 @@ class DynamicEmbeddingCollection(nn.Module):
                 self._feature_to_table[f] = c.name
         # A plain dict (a ModuleDict would reject names such as "items" or "keys"); the tables
         # are registered as children "table_<name>" so train()/eval() reach them.
+        self._dump_count = 0  # tokens of marked dumps
         self.tables: dict[str, DynamicEmbeddingTable] = {}
         for c in tables:
             self.tables[c.name] = self._make_table(c)
@@ -595,9 +707,22 @@ class DynamicEmbeddingCollection(nn.Module):
         """Flat `{table}/{stat}` numbers for TensorBoard."""
         return {f"{n}/{k}": v for n, t in self.tables.items() for k, v in t.stats().items()}
 
-    def dump(self) -> dict[str, torch.Tensor]:
-        """`{table}/{field}` tensors of every table (this rank's rows when sharded)."""
-        return {f"{n}/{k}": v for n, t in self.tables.items() for k, v in t.dump().items()}
+    def dump(self, since: int | None = None, mark: bool = False) -> dict[str, torch.Tensor]:
+        """`{table}/{field}` tensors of every table (this rank's rows when sharded).
+
+        ``mark=True`` numbers this dump (a `{table}/token` entry) so that a later
+        ``dump(since=token)`` writes only what changed since (see `DynamicEmbeddingTable.dump`;
+        `apply_collection_increment` applies it). Every rank of a sharded collection must mark
+        the same dumps."""
+        token = None
+        if mark:
+            self._dump_count += 1
+            token = self._dump_count
+        return {
+            f"{n}/{k}": v
+            for n, t in self.tables.items()
+            for k, v in t.dump(since=since, mark=token).items()
+        }
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         for n, t in self.tables.items():

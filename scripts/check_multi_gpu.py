@@ -245,6 +245,10 @@ def check(args: argparse.Namespace, precision: str, device: str, work: Path) -> 
     n = args.nproc
     bindings = _bindings(args, precision, device)
     half = max(args.steps // 2, 1)
+    # a reused --work-dir: this check's own run directories start empty (runs never write into
+    # an earlier run's directory, so stale ones would divert the new runs to "run-2")
+    for stale in work.glob(f"{precision}_*"):
+        shutil.rmtree(stale, ignore_errors=True)
     ckpt_root = work / f"{precision}_ckpt"
     one, m1, t1 = _launch(
         args,

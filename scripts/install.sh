@@ -3,6 +3,8 @@
 # on this machine (docs/design.md "Dependencies") and, on a CUDA machine, builds the compiled kernels.
 #   bash scripts/install.sh          # runtime
 #   bash scripts/install.sh --dev    # + pytest, ruff, CUTLASS headers (kernel compile checks)
+# It installs into the ACTIVE Python environment ($PYTHON or python3); create and activate a
+# virtual environment first (python3 -m venv .venv && . .venv/bin/activate). Never prompts.
 # CPU machine : torch==2.13.0 (CPU) + fbgemm-gpu-cpu==1.8.0 + torchrec==1.8.0 (--no-deps)
 # CUDA machine: the installed CUDA torch 2.(N+5) + fbgemm-gpu 1.N + torchrec 1.N, kernels built for
 #               HSTU_CUDA_ARCH_LIST (default 8.0 = A100).
@@ -17,6 +19,15 @@ for a in "$@"; do
 done
 PY=${PYTHON:-python3}
 PIP=("$PY" -m pip install --disable-pip-version-check -q)
+
+# where the packages go: the active environment, no questions asked (CI runs this unattended)
+env_prefix=$("$PY" -c "import sys; print(sys.prefix)")
+in_venv=$("$PY" -c "import os, sys; print(int(sys.prefix != sys.base_prefix or 'CONDA_PREFIX' in os.environ))")
+echo "[install] installing into the active Python environment: $env_prefix ($PY)"
+if [ "$in_venv" != 1 ]; then
+  echo "[install] not a virtual environment: to keep this project apart, create one first and re-run:" \
+    "python3 -m venv .venv && . .venv/bin/activate (CUDA machine: add --system-site-packages to keep its torch)"
+fi
 
 have_cuda_torch() {
   "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null

@@ -12,6 +12,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "dist_train_worker.py"
 
+# the tiny synthetic model of the launcher tests (a few seconds per run on one CPU core)
+TINY_BINDINGS = [
+    "TrainerArgs.max_train_iters=4",
+    "TrainerArgs.log_interval=2",
+    "TrainerArgs.eval_interval=0",
+    "TrainerArgs.max_eval_iters=2",
+    "TrainerArgs.train_batch_size=8",
+    "TrainerArgs.eval_batch_size=16",
+    "DatasetArgs.synthetic_num_users=120",
+    "DatasetArgs.synthetic_num_items=80",
+    "DatasetArgs.max_history_seqlen=16",
+    "NetworkArgs.num_layers=1",
+    "NetworkArgs.hidden_size=16",
+    "NetworkArgs.kv_channels=8",
+    "RetrievalArgs.num_negatives=8",
+]
+
 # the caller's variables that would leak into a launched run: HSTU_* switches, a surrounding
 # torchrun's rank/world variables
 _DROPPED_ENV = ("HSTU_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
@@ -58,3 +75,34 @@ def torchrun_losses(
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [loss for _, loss in json.loads((out / "losses.json").read_text())]
+
+
+def launch(
+    task: str,
+    args: list[str],
+    nproc: int | None = None,
+    allow_non_a100: bool = True,
+    timeout: float = 300,
+    **env: str,
+) -> subprocess.CompletedProcess:
+    """Runs scripts/pretrain_gr_<task>.py directly (``nproc`` None) or under torchrun with
+    ``nproc`` processes, in `launcher_env`; ``env`` adds variables."""
+    script = ROOT / "scripts" / f"pretrain_gr_{task}.py"
+    cmd = (
+        [sys.executable, str(script), *args]
+        if nproc is None
+        else torchrun_command(script, nproc, *args)
+    )
+    return subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=launcher_env(allow_non_a100=allow_non_a100, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def error_lines(text: str) -> list[str]:
+    """The lines of ``text`` that start with ``error:`` (the launchers' failure line)."""
+    return [line for line in text.splitlines() if line.startswith("error:")]

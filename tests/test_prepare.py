@@ -389,7 +389,7 @@ def test_sequence_file_errors(tmp_path):
 
 def test_cli_reports_errors_without_traceback(tmp_path, caplog):
     with caplog.at_level(logging.ERROR, logger="hstu"):
-        assert main(["--dataset", "sequences"]) == 1
+        assert main(["--dataset", "sequences"]) == 2  # usage / data errors exit 2
     assert "pass --source" in caplog.text
     with pytest.raises(SystemExit):  # argparse: unknown dataset name
         main(["--dataset", "ml-2m"])
@@ -413,7 +413,7 @@ def test_command_line_entry_points(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(sys, "argv", ["prepare", "--dataset", "ml-1m", "--source", str(tmp_path)])
     with caplog.at_level(logging.INFO, logger="hstu"), pytest.raises(SystemExit) as bad:
         runpy.run_module("hstu.data.prepare", run_name="__main__")
-    assert bad.value.code == 1
+    assert bad.value.code == 2
     assert "ratings.dat not found" in caplog.text
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import gin
 
+from hstu.config.limits import INT32_MAX, INT64_MAX, MAX_ITEM_ID, MAX_NUM_TASKS
+
 __all__ = [
     "ARG_CLASSES",
     "DatasetArgs",
@@ -68,6 +70,11 @@ NEGATIVE_SAMPLING: tuple[str, ...] = ("random", "in_batch", "mixed")
 # how a global batch is split over ranks (hstu.data.loader.BatchIterator)
 RANK_BALANCE: tuple[str, ...] = ("cost", "strided")
 _METRIC_RE = re.compile(r"^(HR|NDCG)@([1-9][0-9]*)$|^MRR$")
+# why the upper bounds (hstu.config.limits) hold, for the messages
+_DIM = "a tensor dimension: int32 in the CUDA kernels"
+_LEN = "a jagged sequence length: int32 in the CUDA kernels"
+_COUNT = "a step count: int64"
+_MEM = "the memory check at model build bounds it further"
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,7 +86,16 @@ def _binding(obj: Any, name: str) -> str:
     return f"{type(obj).__name__}.{name}"
 
 
-def _int(obj: Any, name: str, *, min_value: int | None = None, what: str = "") -> int:
+def _int(
+    obj: Any,
+    name: str,
+    *,
+    min_value: int | None = None,
+    max_value: int | None = None,
+    why: str = "",
+    what: str = "",
+) -> int:
+    """Check an int field; ``max_value`` bounds it from above, ``why`` says why (the message)."""
     value = getattr(obj, name)
     b = _binding(obj, name)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -97,8 +113,16 @@ def _int(obj: Any, name: str, *, min_value: int | None = None, what: str = "") -
         if min_value == 0:
             raise ValueError(f"{b}={value!r} must be a non-negative integer" + _hint(what))
         raise ValueError(f"{b}={value!r} must be an integer >= {min_value}" + _hint(what))
+    if max_value is not None and value > max_value:
+        raise ValueError(_too_large(b, value, max_value, why))
     object.__setattr__(obj, name, value)
     return value
+
+
+def _too_large(binding: str, value: Any, max_value: int, why: str) -> str:
+    limit = {INT32_MAX: "2^31 - 1", INT64_MAX: "2^63 - 1"}.get(max_value, "")
+    bound = f"{max_value}" + (f" = {limit}" if limit else "")
+    return f"{binding}={value!r} is too large: use at most {bound}" + _hint(why)
 
 
 def _hint(what: str) -> str:
@@ -207,23 +231,44 @@ class TrainerArgs:
     rank_balance: str = "cost"  # split of a global batch over ranks: "cost" (LPT) or "strided"
     gc_interval: int = 50  # Python GC: young generations every N steps (all ranks), 0 = automatic
     route_ids_ahead: bool = True  # several ranks: exchange dynamic-table ids a step ahead
+    # write into a run directory / ckpt_save_dir that holds another run or configuration
+    allow_existing_run_dir: bool = False
+    # resume weights, step, data position and RNG but a fresh dense optimizer state
+    ckpt_reset_optimizer: bool = False
+    ckpt_keep_last: int = 3  # checkpoints kept in ckpt_save_dir (older ones pruned); 0 = all
 
     def __post_init__(self) -> None:
-        _int(self, "train_batch_size", min_value=1)
-        _int(self, "eval_batch_size", min_value=1)
-        _int(self, "max_train_iters", min_value=0)
-        _int(self, "max_eval_iters", min_value=0, what="0 = the whole eval set")
-        _int(self, "eval_interval", min_value=0, what="0 = evaluate only at the end")
-        _int(self, "log_interval", min_value=1)
+        _int(self, "train_batch_size", min_value=1, max_value=INT32_MAX, why=_DIM)
+        _int(self, "eval_batch_size", min_value=1, max_value=INT32_MAX, why=_DIM)
+        _int(self, "max_train_iters", min_value=0, max_value=INT64_MAX, why=_COUNT)
+        _int(
+            self,
+            "max_eval_iters",
+            min_value=0,
+            max_value=INT64_MAX,
+            why=_COUNT,
+            what="0 = the whole eval set",
+        )
+        _int(
+            self,
+            "eval_interval",
+            min_value=0,
+            max_value=INT64_MAX,
+            why=_COUNT,
+            what="0 = evaluate only at the end",
+        )
+        _int(self, "log_interval", min_value=1, max_value=INT64_MAX, why=_COUNT)
         _int(
             self,
             "ckpt_save_interval",
             min_value=-1,
+            max_value=INT64_MAX,
+            why=_COUNT,
             what="0 = save only at the end, -1 = never save",
         )
         _str(self, "ckpt_save_dir")
         _str(self, "ckpt_load_dir")
-        _int(self, "seed", min_value=0)
+        _int(self, "seed", min_value=0, max_value=INT64_MAX, why="seeds: int64")
         _str(self, "log_dir", allow_empty=False)
         name = _str(self, "run_name")
         if "/" in name or "\\" in name or name in (".", ".."):
@@ -234,8 +279,18 @@ class TrainerArgs:
         _bool(self, "progress_bar")
         _float(self, "peak_tflops", min_value=0.0, what="0 = 312, the A100 bf16 peak")
         _choice(self, "rank_balance", RANK_BALANCE)
-        _int(self, "gc_interval", min_value=0, what="0 = Python's automatic collection")
+        _int(
+            self,
+            "gc_interval",
+            min_value=0,
+            max_value=INT64_MAX,
+            why=_COUNT,
+            what="0 = Python's automatic collection",
+        )
         _bool(self, "route_ids_ahead")
+        _bool(self, "allow_existing_run_dir")
+        _bool(self, "ckpt_reset_optimizer")
+        _int(self, "ckpt_keep_last", min_value=0, max_value=INT64_MAX, what="0 = keep all")
 
 
 @gin.configurable
@@ -262,11 +317,28 @@ class DatasetArgs:
                 + "; put a path in DatasetArgs.dataset_path instead"
             )
         _str(self, "dataset_path")
-        _int(self, "max_history_seqlen", min_value=1)
-        _int(self, "max_num_candidates", min_value=0)
+        hist = _int(self, "max_history_seqlen", min_value=1, max_value=INT32_MAX, why=_LEN)
+        cand = _int(self, "max_num_candidates", min_value=0, max_value=INT32_MAX, why=_LEN)
+        if hist + cand > INT32_MAX:
+            raise ValueError(
+                f"DatasetArgs.max_history_seqlen + DatasetArgs.max_num_candidates = {hist + cand} "
+                f"is too large: use at most {INT32_MAX} = 2^31 - 1 in total ({_LEN})"
+            )
         _bool(self, "shuffle")
-        _int(self, "synthetic_num_users", min_value=1)
-        _int(self, "synthetic_num_items", min_value=2)
+        _int(
+            self,
+            "synthetic_num_users",
+            min_value=1,
+            max_value=INT32_MAX,
+            why="user ids: int32; the memory check bounds it further",
+        )
+        _int(
+            self,
+            "synthetic_num_items",
+            min_value=2,
+            max_value=MAX_ITEM_ID,
+            why="item ids: int32, the range the tables index",
+        )
         _int(self, "synthetic_seed", min_value=0)
 
 
@@ -322,18 +394,45 @@ class NetworkArgs:
     )
 
     def __post_init__(self) -> None:
-        _int(self, "num_layers", min_value=1)
-        _int(self, "hidden_size", min_value=1)
-        _int(self, "num_attention_heads", min_value=1)
-        _int(self, "kv_channels", min_value=1)
+        _int(self, "num_layers", min_value=1, max_value=INT32_MAX, why=_MEM)
+        _int(self, "hidden_size", min_value=1, max_value=INT32_MAX, why=_DIM)
+        heads = _int(self, "num_attention_heads", min_value=1, max_value=INT32_MAX, why=_DIM)
+        kv = _int(self, "kv_channels", min_value=1, max_value=INT32_MAX, why=_DIM)
+        if 4 * heads * kv > INT32_MAX:
+            raise ValueError(
+                f"NetworkArgs.num_attention_heads x NetworkArgs.kv_channels = {heads * kv} is too "
+                f"large: the u, v, q, k projection is 4 x {heads * kv} wide, at most {INT32_MAX} "
+                "= 2^31 - 1; lower NetworkArgs.num_attention_heads or NetworkArgs.kv_channels"
+            )
         _float(self, "hidden_dropout", min_value=0.0, max_value=1.0, max_exclusive=True)
         _choice(self, "kernel_backend", KERNEL_BACKENDS)
         _choice(self, "dtype_str", DTYPES)
-        _int(self, "target_group_size", min_value=1)
-        _int(self, "max_attn_len", min_value=0, what="0 = no local window")
+        _int(self, "target_group_size", min_value=1, max_value=INT32_MAX, why=_LEN)
+        _int(
+            self,
+            "max_attn_len",
+            min_value=0,
+            max_value=INT32_MAX,
+            why=_LEN,
+            what="0 = no local window",
+        )
         _float(self, "attn_alpha", min_value=0.0, what="0 = 1/sqrt(kv_channels)")
-        _int(self, "scaling_seqlen", min_value=0, what="0 = the batch's max sequence length")
-        _int(self, "num_position_embeddings", min_value=0, what="0 = derived from DatasetArgs")
+        _int(
+            self,
+            "scaling_seqlen",
+            min_value=0,
+            max_value=INT32_MAX,
+            why=_LEN,
+            what="0 = the batch's max sequence length",
+        )
+        _int(
+            self,
+            "num_position_embeddings",
+            min_value=0,
+            max_value=INT32_MAX,
+            why=_LEN,
+            what="0 = derived from DatasetArgs",
+        )
         _choice(self, "attention_type", ATTENTION_TYPES)
         _bool(self, "fused_layer")
         _bool(self, "recompute_input_layernorm")
@@ -431,8 +530,15 @@ class EmbeddingArgs:
                 "torchrec backend keeps every table in one torchrec collection); use "
                 "contextual_tables='torchrec' or embedding_backend='dynamic'"
             )
-        _int(self, "item_capacity", min_value=0, what="0 = derived from the dataset")
-        _int(self, "user_capacity", min_value=0, what="0 = derived from the dataset")
+        for name in ("item_capacity", "user_capacity"):
+            _int(
+                self,
+                name,
+                min_value=0,
+                max_value=INT64_MAX,
+                why="table slots: int64; the memory check bounds it further",
+                what="0 = derived from the dataset",
+            )
         _choice(self, "sparse_optimizer_str", SPARSE_OPTIMIZERS)
         _float(self, "sparse_learning_rate", min_value=0.0, what="0 = OptimizerArgs.learning_rate")
         _choice(self, "initializer", INITIALIZERS)
@@ -458,7 +564,17 @@ class RankingArgs:
                     f"RankingArgs.prediction_head_arch={list(arch)!r} must hold positive "
                     f"integers (MLP hidden sizes), got {size!r}"
                 )
-        tasks = _int(self, "num_tasks", min_value=1)
+            if size > INT32_MAX:
+                raise ValueError(
+                    _too_large("RankingArgs.prediction_head_arch", list(arch), INT32_MAX, _DIM)
+                )
+        tasks = _int(
+            self,
+            "num_tasks",
+            min_value=1,
+            max_value=MAX_NUM_TASKS,
+            why="actions are an int64 bitmask, one bit per task",
+        )
         weights = _seq(self, "task_weights")
         for w in weights:
             if isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0 or w != w:
@@ -510,7 +626,13 @@ class RetrievalArgs:
     eval_exclude_history: bool = True  # don't rank items the user has already seen
 
     def __post_init__(self) -> None:
-        _int(self, "num_negatives", min_value=1)
+        _int(
+            self,
+            "num_negatives",
+            min_value=1,
+            max_value=INT32_MAX,
+            why=_DIM + "; the memory check bounds it further",
+        )
         _float(self, "temperature", min_value=0.0, min_exclusive=True)
         _choice(self, "negative_sampling", NEGATIVE_SAMPLING)
         metrics = _seq(self, "eval_metrics")
@@ -526,6 +648,8 @@ class RetrievalArgs:
                     f"RetrievalArgs.eval_metrics contains {m!r}, which is not supported: "
                     "use 'HR@K', 'NDCG@K' (K a positive integer) or 'MRR'"
                 )
+            if "@" in m and int(m.split("@")[1]) > INT32_MAX:
+                raise ValueError(_too_large("RetrievalArgs.eval_metrics", m, INT32_MAX, _DIM))
             normalised.append(m.strip().upper())
         dup = sorted({m for m in normalised if normalised.count(m) > 1})
         if dup:

@@ -5,7 +5,8 @@
 
 Without ``--source`` the official archive is downloaded to ``data/raw/`` (needs internet). The
 output directory gets ``sequences.npz`` and ``manifest.json`` (counts, id ranges, sha256 of every
-input, the command, the format version). A re-run whose inputs hash the same is a no-op ("up to
+input, shape, dtype and sha256 of every array, the command, the format version), written all or
+nothing; training checks the arrays against the manifest when it loads them. A re-run whose inputs hash the same is a no-op ("up to
 date") unless ``--force``. See docs/datasets.md.
 """
 
@@ -15,6 +16,7 @@ import argparse
 import json
 import logging
 import shlex
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
-from hstu.data.sequences import DATA_FILE, MANIFEST_FILE
+from hstu.config.limits import MAX_ITEM_ID
+from hstu.data.sequences import (
+    DATA_FILE,
+    MANIFEST_FILE,
+    SequenceData,
+    check_output_dir,
+    make_stage_dir,
+)
 from hstu.data.sources import (
     DATASETS,
     FORMAT_VERSION,
@@ -57,12 +66,12 @@ def default_output_dir(dataset: str) -> Path:
     return DEFAULT_DATA_ROOT / dataset
 
 
-def _command(dataset: str, source: Path | None, output: Path | None, fmt: str) -> str:
+def _command(dataset: str, source: Path | None, output: Path, fmt: str) -> str:
+    """The command that re-creates the output, from any directory (absolute paths)."""
     parts = ["python", "-m", "hstu.data.prepare", "--dataset", dataset]
     if source is not None:
-        parts += ["--source", str(source)]
-    if output is not None:
-        parts += ["--output", str(output)]
+        parts += ["--source", str(source.resolve())]
+    parts += ["--output", str(output.resolve())]
     if fmt != "auto":
         parts += ["--format", fmt]
     return shlex.join(parts)
@@ -73,19 +82,30 @@ def _range(a: np.ndarray) -> list[int]:
 
 
 def _is_up_to_date(out: Path, dataset: str, options: dict, inputs: list[dict]) -> bool:
+    """The output exists, was made from these inputs with these options, carries checksums and
+    its arrays still match them."""
     man_path = out / MANIFEST_FILE
     if not (man_path.is_file() and (out / DATA_FILE).is_file()):
         return False
     try:
         old = json.loads(man_path.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    if not isinstance(old, dict):
         return False
     if old.get("format_version") != FORMAT_VERSION or old.get("dataset") != dataset:
         return False
-    if old.get("options") != options:
-        return False
+    if old.get("options") != options or not isinstance(old.get("arrays"), dict):
+        return False  # no checksums: written before they existed, rebuild to add them
     old_inputs = [(i.get("role"), i.get("sha256")) for i in old.get("inputs", [])]
-    return old_inputs == [(i["role"], i["sha256"]) for i in inputs]
+    if old_inputs != [(i["role"], i["sha256"]) for i in inputs]:
+        return False
+    try:
+        SequenceData.load(out)
+    except (OSError, ValueError) as err:
+        logger.info("%s: the previous output does not check out (%s): rebuilding", dataset, err)
+        return False
+    return True
 
 
 def prepare_dataset(
@@ -101,8 +121,10 @@ def prepare_dataset(
     """Convert ``dataset`` from ``source`` (or the official download) into ``output``.
 
     Raises FileNotFoundError (a required file is missing: names it and where it looked),
-    DataFormatError (malformed input: names file, line numbers and text), DownloadError
-    (offline / bad archive) and ValueError (bad arguments).
+    DataFormatError (malformed, truncated or mislabelled input: names file, line numbers and
+    text), DownloadError (offline / bad archive), ValueError (bad arguments),
+    NotADirectoryError (the output path is a file), PermissionError / OSError (the output is
+    not writable, the disk is full): each one line. The output is written all or nothing.
     """
     spec = get_spec(dataset)
     if fmt not in FORMATS:
@@ -111,6 +133,8 @@ def prepare_dataset(
         raise ValueError(f"--format applies to the sequence-file datasets only, not {dataset!r}")
     progress = progress_default() if progress is None else progress
     out = Path(output) if output is not None else default_output_dir(dataset)
+    # an output path that is a file fails now, not after the build
+    check_output_dir(out)
 
     if source is None:
         if spec.url is None:
@@ -141,9 +165,12 @@ def prepare_dataset(
         manifest = json.loads((out / MANIFEST_FILE).read_text())
         return PrepareResult(output_dir=out, manifest=manifest, up_to_date=True)
 
+    # an unwritable output fails now, not after the build (the probe directory is removed)
+    shutil.rmtree(make_stage_dir(out), ignore_errors=True)
     logger.info("%s: building from %s", dataset, ", ".join(str(p) for p in files.values()))
     result = spec.build(files, BuildOptions(name=dataset, progress=progress, fmt=fmt))
     data = result.data
+    _check_id_range(data, files)
     for entry in inputs:
         entry["rows"] = result.rows_read.get(entry["role"])
     dropped_total = int(sum(result.dropped.values()))
@@ -151,7 +178,7 @@ def prepare_dataset(
         "format_version": FORMAT_VERSION,
         "dataset": dataset,
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": _command(dataset, None if source is None else Path(source), output, fmt),
+        "command": _command(dataset, None if source is None else Path(source), out, fmt),
         "options": options,
         "inputs": inputs,
         "rows_read": result.rows_read,
@@ -162,9 +189,8 @@ def prepare_dataset(
         "sequence_length_range": _range(data.lengths()),
         "stats": result.stats,
     }
-    # A stale manifest must not vouch for a half-written output if this run dies while saving;
-    # a failed build above leaves the previous output untouched.
-    (out / MANIFEST_FILE).unlink(missing_ok=True)
+    # written to a temporary directory and moved into place: a failed build above or a failed
+    # write leaves the previous output as it was, and no partial file
     data.save(out, manifest=manifest)
     manifest = json.loads((out / MANIFEST_FILE).read_text())
     logger.info(
@@ -177,6 +203,17 @@ def prepare_dataset(
         out,
     )
     return PrepareResult(output_dir=out, manifest=manifest, up_to_date=False)
+
+
+def _check_id_range(data: SequenceData, files: dict[str, Path]) -> None:
+    """Item ids index the item table: refuse ids above `MAX_ITEM_ID` (the converters check
+    their id columns with line numbers; this catches any converter that does not)."""
+    if data.num_interactions and int(data.item_ids.max()) > MAX_ITEM_ID:
+        where = ", ".join(str(p) for p in files.values())
+        raise DataFormatError(
+            f"{where}: item id {int(data.item_ids.max())} is above the largest id the item "
+            f"table indexes ({MAX_ITEM_ID} = 2^31 - 1); remap the item ids to a dense range"
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -207,7 +244,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point; returns the exit code (0 ok, 1 a reported error)."""
+    """CLI entry point; returns the exit code: 0 ok, 2 bad input data or arguments (a missing,
+    malformed, truncated or mislabelled file, an output path that is a file), 1 a runtime
+    failure (download failed, output not writable, disk full). Errors are one logged line."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("hstu").setLevel(logging.INFO)  # a handler may already exist (torchrec)
@@ -220,8 +259,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             fmt=args.format,
             raw_dir=args.raw_dir,
         )
-    except (FileNotFoundError, DataFormatError, DownloadError, ValueError) as e:
-        logger.error("%s", e)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError) as e:
+        logger.error("%s", e)  # DataFormatError and PreparedDataError are ValueErrors
+        return 2
+    except (DownloadError, OSError, MemoryError) as e:
+        logger.error("%s", e or type(e).__name__)
         return 1
     return 0
 

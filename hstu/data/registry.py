@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
+from hstu.config.limits import MAX_ITEM_ID, check_memory, process_counts
 from hstu.data.datasets import SampleSplits, build_ranking_samples, build_retrieval_samples
-from hstu.data.sequences import DATA_FILE, MANIFEST_FILE, SequenceData
-from hstu.data.synthetic import generate_synthetic
+from hstu.data.sequences import DATA_FILE, MANIFEST_FILE, PreparedDataError, SequenceData
+from hstu.data.synthetic import generate_synthetic, synthetic_generation_memory
 
 __all__ = [
     "SYNTHETIC_DATASET",
@@ -59,12 +60,16 @@ def _load_prepared(
             f"Prepare it with: {_prepare_command(name)}"
             + ("" if directory == Path("data") / name else f" --output {directory}")
         )
+    fix = _prepare_command(name) + f" --output {directory} --force"
     try:
-        data = SequenceData.load(directory)
+        # checks the arrays against the manifest (sizes, shapes, dtypes, checksums, counts)
+        data = SequenceData.load(directory, fix=fix)
+    except PreparedDataError:
+        raise  # one line naming the file and the command already
     except (ValueError, KeyError, json.JSONDecodeError, zipfile.BadZipFile, OSError) as err:
-        raise ValueError(
-            f"{data_file}: invalid prepared dataset: {err}. Re-create it with: "
-            f"{_prepare_command(name)}"
+        raise PreparedDataError(
+            f"{data_file}: invalid prepared dataset ({' '.join(str(err).split())}); re-create "
+            f"it with: {fix}"
         ) from err
     _check_ids(data, data_file, name)
     return data
@@ -85,6 +90,14 @@ def _check_ids(data: SequenceData, data_file: Path, name: str) -> None:
                 f"{data_file}: {key} holds a negative id ({int(arr.reshape(-1)[flat])} at flat "
                 f"index {int(flat)}); ids must be >= 0. Re-create it with: {_prepare_command(name)}"
             )
+    # the item table has max id + 1 rows (static backends): ids beyond the int32 range it indexes
+    if int(data.item_ids.max()) > MAX_ITEM_ID:
+        flat = int(np.argmax(data.item_ids > MAX_ITEM_ID))
+        raise ValueError(
+            f"{data_file}: item_ids holds {int(data.item_ids[flat])} at index {flat}, above the "
+            f"largest item id the tables index ({MAX_ITEM_ID} = 2^31 - 1); re-create it with "
+            f"the current converter, which checks ids: {_prepare_command(name)}"
+        )
     # Samples are cut by position, so positions must be in time order inside each user.
     same_user = np.repeat(np.arange(data.num_users), data.lengths())
     back = (np.diff(data.timestamps) < 0) & (same_user[1:] == same_user[:-1])
@@ -113,6 +126,16 @@ def load_sequence_data(dataset_args: Any, num_tasks: int = 8) -> SequenceData:
                     f"DatasetArgs.{field}={value!r} gives an empty synthetic dataset; use at least "
                     f"{1 if field == 'synthetic_num_users' else 2}"
                 )
+        # the generator's arrays must fit this host (each local process makes its own copy)
+        local = process_counts()[1]
+        plan = synthetic_generation_memory(
+            int(dataset_args.synthetic_num_users), int(dataset_args.synthetic_num_items)
+        )
+        check_memory(
+            {"host": plan.times(local)},
+            what="generating the synthetic dataset"
+            + (f" in each of {local} processes" if local > 1 else ""),
+        )
         data = generate_synthetic(
             num_users=int(dataset_args.synthetic_num_users),
             num_items=int(dataset_args.synthetic_num_items),

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
 from hstu.config.gin_utils import RunConfig
+from hstu.config.limits import DataSizes, check_run_memory
 from hstu.data.features import FeatureInfo
+from hstu.data.registry import SYNTHETIC_DATASET
 from hstu.data.sequences import SequenceData
 from hstu.embeddings.stack import EmbeddingStack
 from hstu.models.base import GenerativeRecommender
@@ -58,6 +61,11 @@ def build_model(
     info = feature_info(data, cfg)
     # the one comparison switch of the attention path (benchmarks and checks only)
     reference = force_reference_from_env(os.environ)
+    # sizes that cannot fit are refused here, before any table or layer is allocated
+    sizes = DataSizes.of(data, source=f"dataset {cfg.dataset.dataset_name!r}")
+    if cfg.dataset.dataset_name == SYNTHETIC_DATASET:
+        sizes = dataclasses.replace(sizes, synthetic=True)
+    check_run_memory(cfg, sizes, device_type=device_type, reference_attention=reference)
     torch.manual_seed(cfg.trainer.seed)
     cls = RankingGR if cfg.task == "ranking" else RetrievalGR
     stack = build_embedding_stack(

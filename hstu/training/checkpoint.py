@@ -12,25 +12,40 @@ ranks are done and renames the directory, then replaces ``latest`` atomically. A
 point leaves either the previous checkpoint as ``latest`` or the new one, never half of one. With
 several nodes, ``save_dir`` must be on a filesystem that every rank sees.
 
-Files are written with ``torch.save`` and read with ``weights_only=False`` (they hold optimizer
-and RNG states): load only checkpoints you wrote yourself.
+A failed write (disk full, permission, I/O error) on any rank removes the temporary directory,
+leaves ``latest`` and every earlier checkpoint as they were, and is raised on every rank as one
+:class:`CheckpointWriteError` (an ``OSError``) naming the checkpoint, e.g. "disk full while
+writing checkpoint ...".
 
-Format 2 (``meta.json`` ``format_version``) stores sharded tensors as world-size-independent
-records (``hstu.training.reshard``), so a checkpoint written by N ranks loads on M: every rank
-then reads every rank file (memory-mapped: only the pieces it copies are read from disk).
-Format 1 files hold torchrec ``ShardedTensor`` objects tied to their writer's rank and load only
-on the same world size.
+Files are written with ``torch.save`` and read with ``torch.load(weights_only=True)``: a rank file
+may hold tensors and plain Python values only (dicts, lists, tuples, numbers, strings), which
+``save`` checks before writing. A file holding anything else (a planted pickle whose
+``__reduce__`` would run code, in the zip or the legacy format) is refused on load with
+:class:`UnsafeCheckpointError` naming the file; nothing in it is executed.
+
+Format 3 (``meta.json`` ``format_version``) is format 2 with the NumPy RNG state stored as a
+tensor and plain values. Format 2 stores sharded tensors as world-size-independent records
+(``hstu.training.reshard``), so a checkpoint written by N ranks loads on M: every rank then reads
+every rank file (memory-mapped: only the pieces it copies are read from disk). Format 2 files
+hold the NumPy RNG state as a ``numpy.ndarray``: they load with exactly the NumPy array types
+allowed in addition, and the state is converted on load. Format 1 files hold torchrec
+``ShardedTensor`` objects, which cannot be loaded without running pickled code: they are refused
+with one line.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
 import time
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +53,58 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["Checkpointer", "capture_rng_state", "restore_rng_state", "LATEST_FILE", "META_FILE"]
+from hstu.comm import all_reduce_sum_host
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointWriteError",
+    "UnsafeCheckpointError",
+    "capture_rng_state",
+    "restore_rng_state",
+    "LATEST_FILE",
+    "META_FILE",
+]
 
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
 META_FILE = "meta.json"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+
+
+def _numpy_array_globals() -> list:
+    """What format 2 files need besides tensors: the NumPy RNG state's ndarray of uint32.
+
+    Exactly the ndarray reconstruction, ``numpy.dtype`` and the uint32 dtype class are allowed
+    (pickles of anything else are still refused), under both module names NumPy has used
+    (``numpy.core`` in 1.x, ``numpy._core`` in 2.x) whichever NumPy wrote the file.
+    """
+    core = getattr(np, "_core", None) or np.core
+    rebuild = core.multiarray._reconstruct
+    return [
+        (rebuild, "numpy.core.multiarray._reconstruct"),
+        (rebuild, "numpy._core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+    ]
+
+
+# leaves a rank file may hold (what torch.load(weights_only=True) rebuilds without extra globals)
+_SAFE_LEAVES = (torch.Tensor, int, float, bool, str, bytes, complex, type(None), torch.dtype)
+_SAFE_LEAVES += (torch.device, torch.Size)
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, permission, I/O error); one line naming it.
+
+    The partial write is removed and ``latest`` still names the previous checkpoint."""
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds objects that weights-only loading refuses (nothing in it ran)."""
+
+
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
@@ -77,12 +137,80 @@ def _barrier(world_size: int) -> None:
 
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
+
+
+def _one_line(text: object, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _check_safe(obj: Any, where: str) -> None:
+    """Raise TypeError unless ``obj`` holds only what weights-only loading rebuilds (tensors,
+    plain values and containers of them), so that every file ``save`` writes loads back."""
+    if isinstance(obj, _SAFE_LEAVES):
+        return
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int, float, bool, type(None), tuple)):
+                raise TypeError(f"{where}: key {k!r} ({type(k).__name__}) is not a plain value")
+            _check_safe(v, f"{where}[{k!r}]")
+        return
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        for i, v in enumerate(obj):
+            _check_safe(v, f"{where}[{i}]")
+        return
+    raise TypeError(
+        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}; checkpoints hold tensors "
+        "and plain Python values only (they are loaded with weights_only=True): convert it "
+        "before saving (sharded tensors: hstu.training.reshard.to_portable)"
+    )
+
+
+def _errors_in_chain(exc: BaseException | None):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC / EDQUOT anywhere in the chain, or torch's zip writer reporting a failed write
+    (``inline_container.cc``: "file write failed", "unexpected pos ...")."""
+    for e in _errors_in_chain(exc):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        msg = str(e).lower()
+        if isinstance(e, RuntimeError) and "inline_container" in msg:
+            if "write" in msg or "unexpected pos" in msg:
+                return True
+    return False
+
+
+def _free_space(path: Path) -> str:
+    for p in (path, *path.parents):
+        try:
+            return f"{shutil.disk_usage(p).free / 2**20:.1f} MiB free"
+        except OSError:
+            continue
+    return "free space unknown"
+
+
+def _agree(ok: bool, world_size: int) -> bool:
+    """True when every rank reports ``ok`` (a collective over the host group: also a barrier)."""
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        return all_reduce_sum_host([0.0 if ok else 1.0])[0] == 0.0
+    return ok
 
 
 class Checkpointer:
@@ -117,31 +245,104 @@ class Checkpointer:
             raise ValueError(f"Checkpointer.save: rank={rank} not in [0, world_size={world_size})")
         final = self.save_dir / _step_name(step)
         tmp = self.save_dir / (_step_name(step) + ".tmp")
-        if rank == 0:
-            self.save_dir.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():  # left by a crashed save of the same step
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        _barrier(world_size)
+        # Three phases, each closed by an agreement of all ranks (which is also the barrier): a
+        # failure on any rank makes every rank raise, after rank 0 removed the partial directory.
+        error: Exception | None = None
         try:
-            with open(tmp / _rank_file(rank), "wb") as f:
+            _check_safe(state, f"Checkpointer.save: state of rank {rank}")
+        except TypeError as e:
+            error = e
+        if rank == 0 and error is None:
+            try:
+                self.save_dir.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():  # left by a crashed save of the same step
+                    shutil.rmtree(tmp)
+                tmp.mkdir()
+            except Exception as e:
+                error = e
+        self._settle(error, world_size, rank, tmp, final, "create")
+        own = tmp / _rank_file(rank)
+        try:
+            with open(own, "wb") as f:
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
+        except Exception as e:
+            error = e
+            own.unlink(missing_ok=True)
         except BaseException:
-            # Best effort: drop the partial directory so nothing half-written lingers. Other ranks
-            # may be blocked in the barrier below; a failing rank is expected to end the job.
+            # interrupted: drop the partial directory so nothing half-written lingers
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _barrier(world_size)
+        self._settle(error, world_size, rank, tmp, final, "write")
         if rank == 0:
             try:
                 self._commit(step, tmp, final, world_size, extra_meta)
+            except Exception as e:
+                error = e
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-        _barrier(world_size)
+        self._settle(error, world_size, rank, tmp, final, "commit")
         return final
+
+    def _settle(
+        self,
+        error: Exception | None,
+        world_size: int,
+        rank: int,
+        tmp: Path,
+        final: Path,
+        phase: str,
+    ) -> None:
+        """Agree on the phase's outcome; on a failure anywhere, clean up and raise on every rank
+        (this rank's own error, translated; or one naming the phase another rank failed in)."""
+        if _agree(error is None, world_size):
+            return
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is None:
+            raise CheckpointWriteError(
+                f"another rank failed to {phase} checkpoint {final} (see its error); "
+                f"{self._still_latest()}"
+            )
+        translated = self._write_error(error, final)
+        if translated is error:
+            raise error
+        raise translated from error
+
+    def _still_latest(self) -> str:
+        try:
+            name = (self.save_dir / LATEST_FILE).read_text().strip()
+        except OSError:
+            name = ""
+        if name:
+            return f"the latest checkpoint is still {self.save_dir / name}"
+        return "no earlier checkpoint exists"
+
+    def _write_error(self, error: Exception, final: Path) -> Exception:
+        """One-line CheckpointWriteError for an I/O failure; other errors are returned as is."""
+        io = any(isinstance(e, OSError) for e in _errors_in_chain(error))
+        if _is_disk_full(error):
+            e = CheckpointWriteError(
+                f"disk full while writing checkpoint {final} ({_one_line(error, 160)}); the "
+                f"partial write was removed and {self._still_latest()}; free space on "
+                f"{self.save_dir} ({_free_space(self.save_dir)}) or point "
+                "TrainerArgs.ckpt_save_dir at a larger disk"
+            )
+            e.errno = errno.ENOSPC
+            return e
+        if io or (isinstance(error, RuntimeError) and "inline_container" in str(error)):
+            err_no = next(
+                (x.errno for x in _errors_in_chain(error) if isinstance(x, OSError)), None
+            )
+            e = CheckpointWriteError(
+                f"could not write checkpoint {final}: {_one_line(error, 200)}; the partial "
+                f"write was removed and {self._still_latest()}"
+            )
+            e.errno = err_no
+            return e
+        return error
 
     def _commit(
         self, step: int, tmp: Path, final: Path, world_size: int, extra_meta: dict | None
@@ -177,18 +378,26 @@ class Checkpointer:
         _fsync_dir(self.save_dir)
         _write_text_atomic(self.save_dir / LATEST_FILE, final.name + "\n")
         logger.info("saved checkpoint %s (world_size=%d)", final, world_size)
-        self._prune(keep=final.name)
+        try:
+            self._prune(keep=final.name)
+        except OSError as e:  # the new checkpoint is complete and latest already
+            logger.warning("could not prune old checkpoints in %s: %s", self.save_dir, e)
 
     def _prune(self, keep: str) -> None:
-        for stale in [*self.save_dir.glob("step_*.tmp"), *self.save_dir.glob("step_*.old")]:
-            if stale.is_dir():
-                shutil.rmtree(stale, ignore_errors=True)
+        stale = [self.save_dir.glob(f"step_*.{suffix}") for suffix in ("tmp", "old", "pruned")]
+        for path in [p for found in stale for p in found]:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
         if self.keep_last == 0:
             return
         steps = self.list_checkpoints(self.save_dir)
         for path in steps[: max(len(steps) - self.keep_last, 0)]:
             if path.name != keep:
-                shutil.rmtree(path, ignore_errors=True)
+                # renamed first: a kill during the removal leaves no step directory that has a
+                # meta.json but lacks rank files
+                doomed = path.with_name(path.name + ".pruned")
+                os.replace(path, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
                 logger.info("pruned checkpoint %s (keep_last=%d)", path, self.keep_last)
 
     # ---- discovery -----------------------------------------------------------------------------
@@ -227,6 +436,11 @@ class Checkpointer:
         latest = path / LATEST_FILE
         if latest.is_file():
             name = latest.read_text().strip()
+            if not _STEP_DIR.match(name):  # never a path elsewhere
+                raise FileNotFoundError(
+                    f"{latest} names {name[:80]!r}, which is not a step_XXXXXXXX directory; the "
+                    "checkpoint root is damaged"
+                )
             target = path / name
             swapped_out = path / (name + ".old")
             if not (target / META_FILE).is_file() and (swapped_out / META_FILE).is_file():
@@ -265,18 +479,36 @@ class Checkpointer:
     # ---- load ----------------------------------------------------------------------------------
 
     @staticmethod
-    def _load_file(file: Path, map_location: Any, mmap: bool = False) -> dict[str, Any]:
+    def _load_file(
+        file: Path, map_location: Any, mmap: bool = False, format_version: int = FORMAT_VERSION
+    ) -> dict[str, Any]:
+        """``torch.load(weights_only=True)`` of one rank file; format 2 files also allow the
+        NumPy array of their RNG state (converted to the current form on load)."""
         if not file.is_file():
             raise FileNotFoundError(f"checkpoint file {file} is missing")
-        if mmap:
+        extra = _numpy_array_globals() if format_version < 3 else []
+        with warnings.catch_warnings(), torch.serialization.safe_globals(extra):
+            # torch warns about pickles of a protocol it did not write itself (refused below)
+            warnings.filterwarnings("ignore", message=".*pickle protocol.*")
+            if mmap:
+                try:
+                    state = torch.load(
+                        file, map_location=map_location, weights_only=True, mmap=True
+                    )
+                    return _upgrade_rng(state)
+                except pickle.UnpicklingError as e:
+                    raise _unsafe(file, e, format_version) from None
+                except Exception:  # e.g. a legacy (non-zip) file: read it whole below
+                    logger.debug("memory-mapping %s failed; reading it whole", file)
             try:
-                return torch.load(file, map_location=map_location, weights_only=False, mmap=True)
-            except Exception:  # e.g. a legacy (non-zip) file: read it whole below
-                logger.debug("memory-mapping %s failed; reading it whole", file)
-        try:
-            return torch.load(file, map_location=map_location, weights_only=False)
-        except Exception as e:
-            raise ValueError(f"checkpoint file {file} is corrupt or unreadable: {e}") from e
+                state = torch.load(file, map_location=map_location, weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise _unsafe(file, e, format_version) from None
+            except Exception as e:
+                raise ValueError(
+                    f"checkpoint file {file} is corrupt or unreadable: {_one_line(e)}"
+                ) from e
+        return _upgrade_rng(state)
 
     @staticmethod
     def load(
@@ -305,7 +537,10 @@ class Checkpointer:
                 saved_world,
                 world_size,
             )
-        state = Checkpointer._load_file(step_dir / _rank_file(src_rank), map_location)
+        fmt = int(meta.get("format_version", 1))
+        state = Checkpointer._load_file(
+            step_dir / _rank_file(src_rank), map_location, format_version=fmt
+        )
         meta = dict(meta, resharded=resharded, loaded_from_rank=src_rank, path=str(step_dir))
         return int(meta["step"]), state, meta
 
@@ -320,24 +555,93 @@ class Checkpointer:
         """
         step_dir = Checkpointer.resolve(load_dir)
         meta = Checkpointer.read_meta(step_dir)
+        fmt = int(meta.get("format_version", 1))
         return [
-            Checkpointer._load_file(step_dir / _rank_file(r), map_location, mmap=mmap)
+            Checkpointer._load_file(
+                step_dir / _rank_file(r), map_location, mmap=mmap, format_version=fmt
+            )
             for r in range(int(meta["world_size"]))
         ]
+
+
+def _unsafe(file: Path, error: Exception, format_version: int) -> Exception:
+    """The one-line refusal of a file that weights-only loading rejected."""
+    text = str(error)
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    what = f"GLOBAL {found.group(1)}" if found else None
+    if what is None:
+        try:
+            with open(file, "rb") as f:
+                is_pickle = f.read(1) == b"\x80"  # a pickle stream starts with PROTO
+        except OSError:
+            is_pickle = False
+        if not is_pickle:  # neither a zip archive nor a pickle: damaged
+            return ValueError(f"checkpoint file {file} is corrupt or unreadable: not a torch file")
+        op = re.search(r"Unsupported operand \d+", text)
+        what = op.group(0) if op else "a pickle instruction weights-only loading refuses"
+    if format_version < 2 and found and "sharded_tensor" in found.group(1).lower():
+        return UnsafeCheckpointError(
+            f"checkpoint file {file} is in checkpoint format {format_version}, whose torchrec "
+            "ShardedTensor objects can only be loaded by running pickled code, so it is refused: "
+            "start a new run, or resume from a checkpoint of format 2 or later"
+        )
+    return UnsafeCheckpointError(
+        f"checkpoint file {file} holds pickled objects other than tensors and plain values "
+        f"({what}): refused, since loading them could run code (nothing in it was run); it was "
+        "not written by hstu or was modified, so resume from a checkpoint you trust"
+    )
 
 
 # ---- RNG state ---------------------------------------------------------------------------------
 
 
+def _numpy_rng_to_plain(state: dict[str, Any]) -> dict[str, Any]:
+    """NumPy's legacy-generator state (``np.random.get_state(legacy=False)``) with its uint32 key
+    array as an int64 tensor: loadable with weights_only=True."""
+    return {
+        "bit_generator": str(state["bit_generator"]),
+        "key": torch.from_numpy(np.asarray(state["state"]["key"], dtype=np.int64)),
+        "pos": int(state["state"]["pos"]),
+        "has_gauss": int(state["has_gauss"]),
+        "gauss": float(state["gauss"]),
+    }
+
+
+def _numpy_rng_from_saved(saved: Any) -> Any:
+    """The argument of ``np.random.set_state`` for a saved NumPy state (either form)."""
+    if isinstance(saved, Mapping):
+        key = saved["key"]
+        key = key.numpy() if isinstance(key, torch.Tensor) else np.asarray(key)
+        return {
+            "bit_generator": saved["bit_generator"],
+            "state": {"key": key.astype(np.uint32), "pos": int(saved["pos"])},
+            "has_gauss": int(saved["has_gauss"]),
+            "gauss": float(saved["gauss"]),
+        }
+    return saved  # format 2: the tuple of np.random.get_state(), ndarray included
+
+
+def _upgrade_rng(state: Any) -> Any:
+    """A loaded rank file with a format-2 NumPy RNG state converted to the current form."""
+    rng = state.get("rng") if isinstance(state, Mapping) else None
+    if isinstance(rng, Mapping) and isinstance(rng.get("numpy"), tuple):
+        name, key, pos, has_gauss, gauss = rng["numpy"][:5]
+        legacy = {"state": {"key": key, "pos": pos}, "has_gauss": has_gauss, "gauss": gauss}
+        rng = dict(rng, numpy=_numpy_rng_to_plain({"bit_generator": name, **legacy}))
+        state = dict(state, rng=rng)
+    return state
+
+
 def capture_rng_state() -> dict[str, Any]:
-    """Python, NumPy, torch CPU and (when CUDA is in use) the current CUDA device's RNG states.
+    """Python, NumPy, torch CPU and (when CUDA is in use) the current CUDA device's RNG states,
+    as tensors and plain Python values.
 
     Only the current device is captured: touching every visible GPU would create a CUDA context
     on each of them from every rank. A process that never initialised CUDA has nothing to save.
     """
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": _numpy_rng_to_plain(np.random.get_state(legacy=False)),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -347,13 +651,14 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state`; missing entries are left untouched."""
+    """Inverse of :func:`capture_rng_state` (also takes the format-2 NumPy tuple); missing
+    entries are left untouched."""
     if "python" in state:
         py = state["python"]
         # A round trip through some serialisers turns the inner tuple into a list.
         random.setstate((py[0], tuple(py[1]), py[2]))
     if "numpy" in state:
-        np.random.set_state(state["numpy"])
+        np.random.set_state(_numpy_rng_from_saved(state["numpy"]))
     if "torch" in state:
         torch.set_rng_state(state["torch"].cpu())
     cuda = state.get("cuda")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Sequence
 
 from hstu.config.gin_utils import TASKS, RunConfig, load_config
+from hstu.errors import EXIT_CONFIG, UsageError, error_line
 
 __all__ = ["LOG_LEVELS", "config_from_args", "parse_args"]
 
@@ -43,12 +45,20 @@ def _log_level(value: str) -> str:
     return level
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag raised as ``UsageError`` (one line, exit 2) instead of
+    argparse's usage block + ``prog: error: ...``."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser(task: str) -> argparse.ArgumentParser:
-    """The argument parser of the ``task`` launcher."""
+    """The argument parser of the ``task`` launcher (a bad flag raises ``UsageError``)."""
     if task not in TASKS:
         raise ValueError(f"task={task!r} is not supported: choose one of {', '.join(TASKS)}")
     script = f"pretrain_gr_{task}.py"
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=script,
         description=(
             f"Train an HSTU {task} model (run it under torchrun). Settings come from gin files "
@@ -93,13 +103,23 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str] | None, task: str) -> argparse.Namespace:
-    """Parse launcher flags. ``argv`` None means ``sys.argv[1:]``; bad flags exit with code 2.
+def parse_args(
+    argv: Sequence[str] | None, task: str, raise_errors: bool = False
+) -> argparse.Namespace:
+    """Parse launcher flags. ``argv`` None means ``sys.argv[1:]``. A bad flag prints one
+    ``error: ...`` line and exits with code 2, or raises ``UsageError`` with ``raise_errors``
+    (the launcher reports it once per job).
 
     The namespace has ``gin_config_file`` (list), ``gin_bindings`` (list), ``allow_non_a100``
     (bool), ``log_level`` (str, upper case, usable with ``logging``) and ``task``.
     """
-    ns = build_parser(task).parse_args(None if argv is None else list(argv))
+    try:
+        ns = build_parser(task).parse_args(None if argv is None else list(argv))
+    except UsageError as exc:
+        if raise_errors:
+            raise
+        print(error_line(exc), file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
     ns.task = task
     ns.log_level_int = getattr(logging, ns.log_level)
     return ns

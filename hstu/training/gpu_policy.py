@@ -2,9 +2,10 @@
 
 Both launchers call :func:`check_gpu` at the very start of ``main()`` on every rank, before
 loading data or building models (docs/design.md "Hardware policy"). Without the override anything
-but an A100 raises ``RuntimeError``; with ``--allow-non-a100`` or ``HSTU_ALLOW_NON_A100=1`` a
-non-A100 CUDA GPU runs with a loud warning and a machine without CUDA runs the CPU development
-mode (PyTorch reference ops, gloo backend).
+but an A100 raises :class:`GPURefusedError` (a ``RuntimeError``; the launchers print
+``error: RuntimeError: <refusal text>`` and exit 1); with ``--allow-non-a100`` or
+``HSTU_ALLOW_NON_A100=1`` a non-A100 CUDA GPU runs with a loud warning and a machine without CUDA
+runs the CPU development mode (PyTorch reference ops, gloo backend).
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from hstu.errors import EXIT_RUNTIME, RunError, UsageError
+
 __all__ = [
     "A100_CAPABILITY",
     "ALLOW_ENV_VAR",
     "DeviceMode",
+    "GPURefusedError",
     "allow_non_a100_from_env",
     "check_gpu",
     "refusal_message",
@@ -32,6 +36,12 @@ A100_OK_MESSAGE = "[GPU Check] Detected A100 GPU (SM 8.0) - OK"
 _NO_GPU_NAME = "no CUDA GPU"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
+
+
+class GPURefusedError(RunError):
+    """The hardware policy refused this device; ``str()`` is the exact text of docs/design.md."""
+
+    exit_code = EXIT_RUNTIME
 
 
 @dataclass(frozen=True)
@@ -107,7 +117,9 @@ def check_gpu(allow_non_a100: bool = False, local_rank: int | None = None) -> De
 
     ``allow_non_a100`` (``--allow-non-a100``) or ``HSTU_ALLOW_NON_A100=1`` turns a refusal into
     a warning. ``local_rank`` defaults to ``$LOCAL_RANK`` (set by torchrun) or 0.
-    Raises ``RuntimeError`` with the message of docs/design.md when the device is refused.
+    Raises :class:`GPURefusedError` (a ``RuntimeError``) with the message of docs/design.md when
+    the device is refused, ``UsageError`` (exit 2) when LOCAL_RANK has no device and
+    ``ValueError`` (exit 2) for a malformed HSTU_ALLOW_NON_A100 or LOCAL_RANK.
     """
     allow = bool(allow_non_a100) or allow_non_a100_from_env()
     rank = _local_rank() if local_rank is None else int(local_rank)
@@ -122,7 +134,7 @@ def check_gpu(allow_non_a100: bool = False, local_rank: int | None = None) -> De
             local_rank=rank,
         )
         if not allow:
-            raise RuntimeError(refusal_message(mode.name, mode.sm))
+            raise GPURefusedError(refusal_message(mode.name, mode.sm))
         _warn_override(
             mode,
             "running the CPU DEVELOPMENT MODE: PyTorch reference ops, gloo backend. "
@@ -132,7 +144,7 @@ def check_gpu(allow_non_a100: bool = False, local_rank: int | None = None) -> De
 
     count = torch.cuda.device_count()
     if rank >= count:
-        raise RuntimeError(
+        raise UsageError(
             f"LOCAL_RANK={rank} but only {count} CUDA device(s) are visible: start at most "
             f"{count} processes per node (torchrun --nproc_per_node={count})"
         )
@@ -151,7 +163,7 @@ def check_gpu(allow_non_a100: bool = False, local_rank: int | None = None) -> De
         logger.info(A100_OK_MESSAGE)
         return mode
     if not allow:
-        raise RuntimeError(refusal_message(mode.name, mode.sm))
+        raise GPURefusedError(refusal_message(mode.name, mode.sm))
     _warn_override(
         mode,
         f"running on a non-A100 GPU. The compiled kernels must have been built for SM "

@@ -16,12 +16,30 @@ from typing import Any
 
 import torch
 
-__all__ = ["MetricLogger", "read_scalars", "read_hparams", "HPARAM_METRIC_PREFIX"]
+__all__ = [
+    "MetricLogger",
+    "read_scalars",
+    "read_hparams",
+    "format_duration",
+    "HPARAM_METRIC_PREFIX",
+]
 
 logger = logging.getLogger(__name__)
 
 # hparams metrics are written under this prefix so they never collide with training curves.
 HPARAM_METRIC_PREFIX = "hparam/"
+
+
+def format_duration(seconds: float | None) -> str:
+    """``H:MM:SS`` (``D days, H:MM:SS`` past a day) for console lines; ``?`` when unknown."""
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    total = int(round(seconds))
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    clock = f"{hours}:{minutes:02d}:{secs:02d}"
+    return f"{days} day{'s' if days != 1 else ''}, {clock}" if days else clock
 
 
 def _to_float(value: Any) -> float:

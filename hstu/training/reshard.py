@@ -92,6 +92,7 @@ def to_portable(obj: Any) -> Any:
     """Copy of a (nested) state dict with every ShardedTensor/DTensor turned into a record.
 
     The pieces are the live local tensors (no copy); ``torch.save`` writes them as they are.
+    Records hold only tensors, ints and lists, so they load with ``weights_only=True``.
     """
     if is_sharded(obj):
         shape, pieces = _pieces(obj, "state")

@@ -40,7 +40,7 @@ from hstu.training.distributed import (
 )
 from hstu.training.flops import StackShape, peak_tflops_for, step_flops
 from hstu.training.gc_control import StepGC
-from hstu.training.logger import MetricLogger
+from hstu.training.logger import MetricLogger, format_duration
 from hstu.training.optim import build_dense_optimizer, build_lr_scheduler, clip_grad_norm
 from hstu.training.pipeline import SparseDistPipeline
 from hstu.training.reshard import (
@@ -49,6 +49,7 @@ from hstu.training.reshard import (
     unexpected_keys,
     upgrade_state_keys,
 )
+from hstu.training.rundir import config_identity, mark_started, setup_run_dir
 
 __all__ = ["TrainResult", "Trainer", "run_training"]
 
@@ -99,6 +100,23 @@ class _PendingStep:
     task_losses: torch.Tensor | None
 
 
+def _dense_optimizer_of(state: dict) -> str | None:
+    """The dense optimizer a rank file's ``dense_optimizer`` state belongs to, for files written
+    before the name was recorded in meta.json: "sgd", "adam", "adamw", "adam/adamw" (torch
+    versions whose param groups do not tell them apart) or None when it cannot be told."""
+    groups = (state.get("dense_optimizer") or {}).get("param_groups") or []
+    if not groups:
+        return None
+    group = groups[0]
+    if "momentum" in group and "dampening" in group:
+        return "sgd"
+    if "betas" in group:
+        if "decoupled_weight_decay" in group:
+            return "adamw" if group["decoupled_weight_decay"] else "adam"
+        return "adam/adamw"
+    return None
+
+
 class Trainer:
     """Holds the components of one run; ``fit()`` trains, evaluates and checkpoints."""
 
@@ -109,6 +127,10 @@ class Trainer:
         self.device = self.info.device
         torch.manual_seed(t.seed)
         np.random.seed(t.seed % (2**32))
+        # run directory before any work: output locations checked, a new run never reuses an
+        # earlier run's directory, resuming into one is explicit (hstu.training.rundir)
+        self.run = setup_run_dir(cfg, self.info.rank, self.info.world_size)
+        self.run_dir = self.run.path
 
         # data
         # ranking needs RankingArgs.num_tasks action signals; retrieval needs none (the synthetic
@@ -179,16 +201,8 @@ class Trainer:
         )
         self.peak_tflops = peak_tflops_for(self.device, t.peak_tflops)
 
-        # run directory, logging, checkpoints
-        run_name = (
-            t.run_name or f"{cfg.task}-{cfg.dataset.dataset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        )
-        self.run_dir = Path(t.log_dir) / run_name
-        ckpt_dir = t.ckpt_save_dir or str(self.run_dir / "checkpoints")
-        self.checkpointer = Checkpointer(ckpt_dir)
-        if self.info.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            cfg.save(self.run_dir)
+        # logging, checkpoints (the run directory was set up first thing)
+        self.checkpointer = Checkpointer(self.run.ckpt_dir, keep_last=t.ckpt_keep_last)
         self.tb = MetricLogger(str(self.run_dir), enabled=self.info.is_main)
         # Python GC at fixed steps on every rank (active inside fit() and the benchmarks' loops)
         self.gc = StepGC(t.gc_interval)
@@ -202,6 +216,8 @@ class Trainer:
         self.step = 0
         if t.ckpt_load_dir:
             self._load_checkpoint(t.ckpt_load_dir)
+        if self.info.is_main:
+            mark_started(self.run, cfg)  # from now on a run of the same name gets a new directory
         if self.info.is_main:
             logger.info(
                 "model: %d dense parameters, tables %s; run directory %s",
@@ -239,6 +255,10 @@ class Trainer:
             extra_meta={
                 "task": self.cfg.task,
                 "dataset": self.cfg.dataset.dataset_name,
+                # compared on resume before any state is loaded
+                "dense_optimizer": self.cfg.optimizer.optimizer_str,
+                "sparse_optimizer": self.cfg.embedding.sparse_optimizer_str,
+                "config_identity": config_identity(self.cfg),
                 **self.embeddings.checkpoint_meta(),
             },
         )
@@ -270,6 +290,8 @@ class Trainer:
         self.embeddings.check_checkpoint(
             meta.get("extra_meta", {}), state, f"checkpoint {load_dir}"
         )
+        reset = bool(self.cfg.trainer.ckpt_reset_optimizer)
+        self._check_optimizers(meta.get("extra_meta", {}), state, f"checkpoint {load_dir}", reset)
         # authoritative copy first: this rank's own file, or rank 0's when re-sharding
         sources = Checkpointer.load_all_ranks(meta["path"], mmap=True) if resharded else [state]
         # files written before the tables moved into model.embeddings name them one level up
@@ -291,13 +313,26 @@ class Trainer:
             f"{where} fused_optimizer",
         )
         self.model.fused_optimizer.load_state_dict(fused)
-        # the implementation flags (fused / foreach) are this run's choice for this device, not
-        # the saving run's (a checkpoint written on CPU, or before the fused Adam, resumes fused)
-        impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(sources[0]["dense_optimizer"])
-        for group, flags in zip(self.optimizer.param_groups, impl):
-            group.update(flags)
-        self.scheduler.load_state_dict(sources[0]["scheduler"])
+        if reset:
+            self._start_schedule_at(int(step))
+        else:
+            # the implementation flags (fused / foreach) are this run's choice for this device,
+            # not the saving run's (a file written on CPU, or before the fused Adam, resumes fused)
+            groups = self.optimizer.param_groups
+            impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in groups]
+            configured = list(self.scheduler.base_lrs)
+            self.optimizer.load_state_dict(sources[0]["dense_optimizer"])
+            for group, flags in zip(self.optimizer.param_groups, impl):
+                group.update(flags)
+            self.scheduler.load_state_dict(sources[0]["scheduler"])
+            if self.info.is_main and not np.allclose(self.scheduler.base_lrs, configured):
+                logger.warning(
+                    "resuming with the checkpoint's learning rate %s, not OptimizerArgs."
+                    "learning_rate=%s (the optimizer state carries it); set "
+                    "TrainerArgs.ckpt_reset_optimizer=True to apply the configured one",
+                    self.scheduler.base_lrs,
+                    configured,
+                )
         self.pipeline.load_state_dict(sources[0]["train_iter"])
         self._restore_rng(state["rng"], resharded, int(step))
         self.step = int(step)
@@ -308,6 +343,53 @@ class Trainer:
                 self.step,
                 saved_ws,
                 self.info.world_size,
+            )
+
+    def _check_optimizers(self, extra_meta: dict, state: dict, where: str, reset: bool) -> None:
+        """Refuses a checkpoint written with another dense optimizer (unless
+        TrainerArgs.ckpt_reset_optimizer) or another sparse optimizer, before any state is
+        loaded. Files from before the names were recorded: the dense one is told by its state."""
+        saved = extra_meta.get("dense_optimizer") or _dense_optimizer_of(state)
+        current = self.cfg.optimizer.optimizer_str
+        if saved and current not in saved.split("/") and not reset:
+            raise ValueError(
+                f"{where} was written with OptimizerArgs.optimizer_str='{saved}' but this run "
+                f"uses '{current}': resume with --gin-bindings "
+                f"\"OptimizerArgs.optimizer_str='{saved.split('/')[0]}'\", or set "
+                f"TrainerArgs.ckpt_reset_optimizer=True to start a fresh {current} state "
+                "(weights, step, data position and RNG are still restored)"
+            )
+        saved = extra_meta.get("sparse_optimizer")
+        current = self.cfg.embedding.sparse_optimizer_str
+        # sparse optimizer state in the file: torchrec's fused one, or table state the stack
+        # keeps outside state_dict() (any entry `_state` does not write itself)
+        own = {"step", "world_size", "model", "fused_optimizer", "dense_optimizer", "scheduler"}
+        own |= {"train_iter", "rng"}
+        has_sparse = bool(state.get("fused_optimizer", {}).get("state")) or bool(set(state) - own)
+        if saved and saved != current and has_sparse:
+            raise ValueError(
+                f"{where} was written with EmbeddingArgs.sparse_optimizer_str='{saved}' but this "
+                f"run uses '{current}': resume with --gin-bindings "
+                f"\"EmbeddingArgs.sparse_optimizer_str='{saved}'\" (the sparse optimizer's "
+                "state lives in the tables and is always restored)"
+            )
+
+    def _start_schedule_at(self, step: int) -> None:
+        """TrainerArgs.ckpt_reset_optimizer: the fresh dense optimizer continues the configured
+        learning-rate schedule at ``step`` (as if the schedule had run all along)."""
+        sched = self.scheduler
+        sched.last_epoch = step
+        lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        sched._last_lr = lrs  # what get_last_lr() reports
+        if self.info.is_main:
+            logger.info(
+                "TrainerArgs.ckpt_reset_optimizer: the dense optimizer (%s) starts fresh at step "
+                "%d with learning rate %s",
+                self.cfg.optimizer.optimizer_str,
+                step,
+                lrs,
             )
 
     def _restore_rng(self, saved: dict, resharded: bool, step: int) -> None:
@@ -527,9 +609,11 @@ class Trainer:
         )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        with self.gc:
-            self._fit_loop(result, bar)
-        bar.close()
+        try:
+            with self.gc:
+                self._fit_loop(result, bar)
+        finally:
+            bar.close()  # before any error line, so that it starts on a line of its own
         self._run_eval(result)
         result.final_metrics = result.evals[-1][1] if result.evals else {}
         if t.ckpt_save_interval >= 0:
@@ -545,6 +629,8 @@ class Trainer:
         """The training steps of `fit()` with their logging, evaluation and checkpoints."""
         t = self.cfg.trainer
         window_start = time.perf_counter()
+        # elapsed time and ETA of the console line: this session's steps, evaluations included
+        loop_start, loop_first_step = window_start, self.step
         window_steps = 0
         window_tokens = window_samples = window_flops = 0.0
         pending: list[_PendingStep] = []
@@ -602,20 +688,31 @@ class Trainer:
                     )
                 self.tb.scalars(scalars, self.step)
                 if self.info.is_main and bar.disable:
+                    run_s = time.perf_counter() - loop_start
+                    done = self.step - loop_first_step
+                    eta_s = (t.max_train_iters - self.step) * run_s / done if done else None
                     logger.info(
-                        "step %d/%d loss %.5f lr %.3g %.1f samples/s",
+                        "step %d/%d (%d%%) loss %.5f lr %.3g | %.2f steps/s %.1f samples/s | "
+                        "elapsed %s ETA %s",
                         self.step,
                         t.max_train_iters,
+                        100 * self.step // max(t.max_train_iters, 1),
                         stats["loss"],
                         scalars["train/lr"],
+                        window_steps / elapsed,
                         scalars["perf/samples_per_s"],
+                        format_duration(run_s),
+                        format_duration(eta_s),
                     )
                 window_start, window_steps = time.perf_counter(), 0
                 window_tokens = window_samples = window_flops = 0.0
+            paused = time.perf_counter()
             if eval_now and self.step < t.max_train_iters:
                 self._run_eval(result)
             if ckpt_now:
                 result.checkpoint_dir = self.save_checkpoint()
+            # the throughput of the next window counts training steps only
+            window_start += time.perf_counter() - paused
 
     def _run_eval(self, result: TrainResult) -> None:
         self.gc.full()  # every rank evaluates at the same step
@@ -642,10 +739,28 @@ class Trainer:
         cleanup(self.info)
 
 
+CONFIG_SUMMARY_FILENAME = "config_summary.txt"
+
+
+def _save_config_summary(cfg: RunConfig, run_dir: Path) -> None:
+    """The readable resolved configuration (changed fields marked ``*``) next to config.gin;
+    the console gets one line naming both files."""
+    path = Path(run_dir) / CONFIG_SUMMARY_FILENAME
+    path.write_text(cfg.log_summary() + "\n", encoding="utf-8")
+    logger.info(
+        "configuration: %s (resolved, loads back with --gin-config-file) and %s (readable, "
+        "changed settings marked *)",
+        Path(run_dir) / "config.gin",
+        path,
+    )
+
+
 def run_training(cfg: RunConfig, device_type: str = "cpu") -> TrainResult:
     """Builds a Trainer for ``cfg``, trains to TrainerArgs.max_train_iters and returns the results."""
     trainer = Trainer(cfg, device_type)
     try:
+        if trainer.info.is_main:
+            _save_config_summary(cfg, trainer.run_dir)
         return trainer.fit()
     finally:
         trainer.close()

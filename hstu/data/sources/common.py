@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import sys
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +24,12 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from hstu.config.limits import MAX_ITEM_ID
 from hstu.data.sequences import SequenceData
 
 __all__ = [
     "FORMAT_VERSION",
+    "ID_MAX",
     "DataFormatError",
     "BuildOptions",
     "BuildResult",
@@ -46,6 +49,10 @@ logger = logging.getLogger(__name__)
 
 # Bump when the output of any converter changes for the same inputs: old caches are then rebuilt.
 FORMAT_VERSION = 1
+
+_INT64_MAX = 2**63 - 1
+# Ids of the official formats: the int32 range (item ids index the item table, user ids alike)
+ID_MAX = MAX_ITEM_ID
 
 # How many offending lines an error message quotes.
 _MAX_REPORTED = 5
@@ -144,12 +151,52 @@ class _ProgressReader(io.RawIOBase):
         super().close()
 
 
+class _CheckedGzip(io.RawIOBase):
+    """Reads a gzip stream; a truncated, corrupt or not-gzip file raises `DataFormatError`
+    naming the file (instead of EOFError / BadGzipFile / zlib.error from deep in a parser)."""
+
+    def __init__(self, raw: BinaryIO, path: Path) -> None:
+        self._gz = gzip.GzipFile(fileobj=raw, mode="rb")
+        self._path = path
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        try:
+            return self._gz.readinto(b)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise gzip_error(self._path, e) from None
+
+    def close(self) -> None:
+        self._gz.close()
+        super().close()
+
+
+def gzip_error(path: Path, err: BaseException) -> DataFormatError:
+    """One line for a gzip file that cannot be read to its end."""
+    if isinstance(err, gzip.BadGzipFile):
+        with open(path, "rb") as f:
+            head = f.read(8)
+        return DataFormatError(
+            f"{path}: not a gzip file although its name ends in .gz (it starts with {head!r}); "
+            "if it is plain text, rename it without .gz, else download or copy it again"
+        )
+    if isinstance(err, EOFError):
+        return DataFormatError(
+            f"{path}: the gzip file is truncated (it ends before its end-of-stream marker); "
+            "download or copy it again"
+        )
+    return DataFormatError(f"{path}: corrupt gzip data ({err}); download or copy it again")
+
+
 def open_binary(path: Path, progress: bool = False, desc: str | None = None) -> BinaryIO:
-    """Open a (possibly gzip-compressed) file for binary reading; the bar counts on-disk bytes."""
+    """Open a (possibly gzip-compressed) file for binary reading; the bar counts on-disk bytes.
+    A damaged ``.gz`` raises `DataFormatError` naming the file when the damage is read."""
     bar = byte_bar(path.stat().st_size, desc or f"read {path.name}", progress)
     raw = io.BufferedReader(_ProgressReader(open(path, "rb"), bar), buffer_size=1 << 20)
     if path.suffix == ".gz":
-        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+        return io.BufferedReader(_CheckedGzip(raw, path), buffer_size=1 << 20)  # type: ignore[return-value]
     return raw  # type: ignore[return-value]
 
 
@@ -228,11 +275,19 @@ def _check_numeric(
     s = chunk[col.name]
     problem = f"must be {'an integer' if col.kind == 'int' else 'a number'}"
     if col.kind == "int" and pd.api.types.is_integer_dtype(s.dtype):
-        arr = s.to_numpy(dtype=np.int64)  # the common case: exact, no float round-trip
+        if pd.api.types.is_unsigned_integer_dtype(s.dtype):  # values up to 2^64 - 1
+            u = s.to_numpy(dtype=np.uint64)
+            huge = u > np.uint64(_INT64_MAX)
+            arr = np.where(huge, np.uint64(0), u).astype(np.int64)
+        else:
+            huge = np.zeros(len(s), dtype=bool)
+            arr = s.to_numpy(dtype=np.int64)  # the common case: exact, no float round-trip
         bad = np.zeros(arr.shape, dtype=bool)
     else:
         arr = pd.to_numeric(s, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
         bad = np.isnan(arr)
+        with np.errstate(invalid="ignore"):
+            huge = np.abs(arr) >= 2.0**63 if col.kind == "int" else np.zeros(len(s), dtype=bool)
         if col.kind == "int":
             with np.errstate(invalid="ignore"):
                 bad |= arr != np.floor(arr)
@@ -253,6 +308,7 @@ def _check_numeric(
             )
 
     check(bad, problem, with_sep=True)
+    check(huge, "is out of the int64 range (values must be below 2^63)")
     if col.min_value is not None:
         neg = " (negative ids are not allowed)" if col.min_value == 0 else ""
         check(arr < col.min_value, f"must be >= {col.min_value:g}{neg}")

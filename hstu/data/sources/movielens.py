@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from hstu.data.sources.common import (
+    ID_MAX,
     BuildOptions,
     BuildResult,
     Column,
@@ -124,8 +125,8 @@ def _read_star_ratings(
         header=False,
         names=list(names),
         columns=[
-            Column(user, min_value=0),
-            Column(item, min_value=0),
+            Column(user, min_value=0, max_value=ID_MAX),
+            Column(item, min_value=0, max_value=ID_MAX),
             Column(rating, min_value=1, max_value=5),
             Column(time, min_value=0),
         ],
@@ -152,7 +153,7 @@ def build_ml_1m(files: dict[str, Path], opts: BuildOptions) -> BuildResult:
         header=False,
         names=["UserID", "Gender", "Age", "Occupation", "Zip-code"],
         columns=[
-            Column("UserID", min_value=0),
+            Column("UserID", min_value=0, max_value=ID_MAX),
             Column("Gender", kind="str", required=False),
             Column("Age", min_value=0),
             Column("Occupation", min_value=0),
@@ -201,7 +202,7 @@ def build_ml_100k(files: dict[str, Path], opts: BuildOptions) -> BuildResult:
         header=False,
         names=["user_id", "age", "gender", "occupation", "zip_code"],
         columns=[
-            Column("user_id", min_value=0),
+            Column("user_id", min_value=0, max_value=ID_MAX),
             Column("age", min_value=0),
             Column("gender", kind="str", required=False),
             Column("occupation", kind="str", required=False),

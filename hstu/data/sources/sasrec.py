@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hstu.config.limits import INT64_MAX as _INT64_MAX
+from hstu.config.limits import MAX_ITEM_ID
 from hstu.data.sources.common import (
     BuildOptions,
     BuildResult,
@@ -83,11 +85,16 @@ def parse_sequence_file(
         ids = np.array(tokens).astype(np.int64)
     except (ValueError, OverflowError):
         bad_lines = np.zeros(len(lines), dtype=bool)
+        huge = np.zeros(len(lines), dtype=bool)
         for i, line in enumerate(lines):
             try:
-                [int(t) for t in line.split()]
+                values = [int(t) for t in line.split()]
             except ValueError:
                 bad_lines[i] = True
+                continue
+            huge[i] = any(v > _INT64_MAX or v < -_INT64_MAX - 1 for v in values)
+        if not bad_lines.any() and huge.any():
+            raise fail(huge, "id out of the int64 range (ids must be below 2^63)") from None
         hint = ""
         first = lines[int(np.argmax(bad_lines))]
         if any(s in first for s in (",", ";", "|", "::")):
@@ -111,6 +118,15 @@ def parse_sequence_file(
     is_user[starts] = True
     users = np.repeat(ids[starts], counts - 1)
     items = ids[~is_user]
+    too_big = items > MAX_ITEM_ID
+    if too_big.any():  # item ids index the item table (max id + 1 rows)
+        big = np.zeros(len(lines), dtype=bool)
+        big[line_of_token[~is_user][too_big]] = True
+        raise fail(
+            big,
+            f"item id above {MAX_ITEM_ID} (2^31 - 1, the largest id the item table indexes); "
+            "remap the item ids to a dense range",
+        )
     return users, items, fmt, len(lines)
 
 

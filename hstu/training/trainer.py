@@ -629,7 +629,7 @@ class Trainer:
         """The training steps of `fit()` with their logging, evaluation and checkpoints."""
         t = self.cfg.trainer
         window_start = time.perf_counter()
-        # elapsed time and ETA of the console line: this session's steps, evaluations included
+        # elapsed time and ETA of the console line: the steps of this process, evaluations included
         loop_start, loop_first_step = window_start, self.step
         window_steps = 0
         window_tokens = window_samples = window_flops = 0.0

@@ -13,7 +13,7 @@ from hstu.config.gin_utils import load_config
 from hstu.data.batch import ITEM_FEATURE
 from hstu.data.registry import build_samples, load_sequence_data
 from hstu.embeddings.dynamic_table import DynamicEmbeddingCollection
-from hstu.embeddings.stack import EXTRA_ITEM_FEATURE, EmbeddingStack
+from hstu.embeddings.stack import EXTRA_ITEM_FEATURE, EmbeddingStack, format_memory_plan
 from hstu.models.builder import build_embedding_stack, feature_info
 from hstu.training.checkpoint import Checkpointer
 from hstu.training.reshard import upgrade_state_keys
@@ -201,3 +201,33 @@ def test_checkpoint_with_the_earlier_table_names_resumes_exactly(tmp_path):
         cfg(tmp_path / "c", "TrainerArgs.max_train_iters=6", f"TrainerArgs.ckpt_load_dir='{ckpt}'")
     )
     assert old.losses == resumed.losses
+
+
+def test_memory_plan_counts_rows_state_and_placement():
+    cfg, data, _ = _setup("ranking")
+    info = feature_info(data, cfg)
+    plan = {
+        r["table"]: r
+        for r in build_embedding_stack(cfg, info, extra_item_feature=False).memory_plan(4, "cuda")
+    }
+    item = plan["item_table"]
+    # torchrec table, row-wise Adagrad: the row (padded to 20 floats) + one state float per row
+    assert (item["kind"], item["rows"], item["width"]) == ("torchrec", 200, 20)
+    assert item["bytes"] == 200 * (20 + 1) * 4
+    assert item["bytes_per_rank"] == -(-item["bytes"] // 4)
+    assert item["where"] == "HBM, row-wise over 4 rank(s)"
+    cfg, data, _ = _setup(
+        "ranking", "EmbeddingArgs.embedding_backend='dynamic'", "EmbeddingArgs.item_capacity=1000"
+    )
+    plan = {
+        r["table"]: r
+        for r in build_embedding_stack(cfg, info, extra_item_feature=False).memory_plan(1, "cpu")
+    }
+    item = plan["item_table"]
+    # dynamic: every slot of the capacity, row (18 + 1 state floats -> 20) + 24 B of metadata
+    assert (item["kind"], item["rows"]) == ("dynamic", 1000)
+    assert item["bytes"] == 1000 * (20 * 4 + 24)
+    assert item["where"] == "host memory, row-wise over 1 rank(s)"
+    text = format_memory_plan(list(plan.values()))
+    assert text.splitlines()[0].split()[:3] == ["table", "kind", "rows"]
+    assert "item_table" in text and "1,000" in text

@@ -42,7 +42,13 @@ from hstu.embeddings.static import (
     build_embedding_collection,
 )
 
-__all__ = ["EmbeddingStack", "EXTRA_ITEM_FEATURE", "USER_ID_FEATURE", "SparseInput"]
+__all__ = [
+    "EmbeddingStack",
+    "EXTRA_ITEM_FEATURE",
+    "USER_ID_FEATURE",
+    "SparseInput",
+    "format_memory_plan",
+]
 
 # A second feature on the item table: negatives and corpus lookups ride along with the batch so
 # every call of the (possibly sharded) collection sees the same feature keys.
@@ -299,6 +305,50 @@ class EmbeddingStack(nn.Module):
             return coll.global_stats()
         return coll.stats()
 
+    def memory_plan(self, world_size: int, device_type: str) -> list[dict[str, object]]:
+        """Where each table lives and what it holds, per rank: name, rows, width, bytes (values
+        and optimizer state; dynamic tables at full capacity with their slot metadata) and
+        placement. Logged at start (`format_memory_plan`)."""
+        memory = "HBM" if device_type == "cuda" else "host memory"
+        rows_out = []
+        dense_states = 2  # the dense optimizer's moments (Adam), plus the gradient
+        for spec in self.table_specs:
+            width = spec.embedding_dim
+            if spec.dynamic:
+                config = next(
+                    c for c in self.dynamic_collection.embedding_configs() if c.name == spec.name
+                )
+                row_floats = -(-(config.embedding_dim + config.state_dim) // 4) * 4
+                total = spec.capacity * (row_floats * 4 + 24)  # + key, score, last-used step
+                kind, rows = "dynamic", spec.capacity
+            elif self.dense_tables is not None:
+                total = spec.num_embeddings * width * 4 * (2 + dense_states) * world_size
+                kind, rows = "plain", spec.num_embeddings
+            else:
+                states = {"sgd": 0, "rowwise_adagrad": 0, "adagrad": width, "adam": 2 * width}
+                per_row = width + states[self.args.sparse_optimizer_str]
+                per_row += 1 if self.args.sparse_optimizer_str == "rowwise_adagrad" else 0
+                total = spec.num_embeddings * per_row * 4
+                kind, rows = "torchrec", spec.num_embeddings
+            if kind == "plain":
+                where = f"{memory}, replicated on {world_size} rank(s)"
+                per_rank = total // world_size
+            else:
+                where = f"{memory}, row-wise over {world_size} rank(s)"
+                per_rank = -(-total // world_size)
+            rows_out.append(
+                {
+                    "table": spec.name,
+                    "kind": kind,
+                    "rows": rows,
+                    "width": width,
+                    "bytes": total,
+                    "bytes_per_rank": per_rank,
+                    "where": where,
+                }
+            )
+        return rows_out
+
     # ---- input dist ahead of the step ------------------------------------------------------
     def enable_input_dist_ahead(self) -> bool:
         """Prepares `start_input_dist` (a collective call: every rank at the same point);
@@ -442,3 +492,26 @@ class EmbeddingStack(nn.Module):
             k: JaggedTensor(values=jt.values()[:, : self.hidden_size], lengths=jt.lengths())
             for k, jt in out.items()
         }
+
+
+def format_memory_plan(plan: list[dict[str, object]]) -> str:
+    """The plan of `EmbeddingStack.memory_plan` as a small text table."""
+
+    def size(n: object) -> str:
+        value = float(n)
+        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if value < 1024 or unit == "TiB":
+                return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+            value /= 1024
+        return f"{value:.3g} TiB"  # pragma: no cover
+
+    header = ("table", "kind", "rows", "width", "bytes", "per rank", "where")
+    lines = [
+        (str(r["table"]), str(r["kind"]), f"{r['rows']:,}", str(r["width"]), size(r["bytes"]))
+        + (size(r["bytes_per_rank"]), str(r["where"]))
+        for r in plan
+    ]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
+    return "\n".join(out)

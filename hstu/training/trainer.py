@@ -25,6 +25,7 @@ from hstu.config.gin_utils import RunConfig
 from hstu.data.batch import Batch
 from hstu.data.loader import BatchIterator, PrefetchIterator, linear_cost_coefficient
 from hstu.data.registry import build_samples, load_sequence_data
+from hstu.embeddings.stack import format_memory_plan
 from hstu.models.base import GenerativeRecommender
 from hstu.models.builder import build_model
 from hstu.modules.metrics import RankingMetrics, RetrievalEvaluator, ks_from_metric_names
@@ -225,6 +226,8 @@ class Trainer:
                 [(s.name, s.num_embeddings, s.embedding_dim) for s in self.core.table_specs],
                 self.run_dir,
             )
+            plan = self.embeddings.memory_plan(self.info.world_size, self.device.type)
+            logger.info("embedding tables:\n%s", format_memory_plan(plan))
             choices = self.core.encoder.kernel_choices(self.device)
             logger.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in choices.items()))
 

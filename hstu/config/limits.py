@@ -49,6 +49,8 @@ __all__ = [
     "MemoryEstimate",
     "MemoryTerm",
     "available_memory",
+    "dense_optimizer_states",
+    "table_bytes",
     "check_memory",
     "check_run_memory",
     "estimate_memory",
@@ -232,10 +234,47 @@ def _driver(obj: Any, name: str, fix: str = "") -> Driver:
     return Driver(f"{type(obj).__name__}.{name}", value, num, fix)
 
 
-def _dense_optimizer_states(opt: Any) -> int:
+def dense_optimizer_states(opt: Any) -> int:
+    """fp32 states per parameter of the dense optimizer (`OptimizerArgs`): Adam's two moments,
+    SGD's momentum buffer."""
     if opt.optimizer_str in ("adam", "adamw"):
         return 2
     return 1 if float(getattr(opt, "momentum", 0.0)) > 0 else 0
+
+
+def table_bytes(
+    kind: str,
+    rows: int,
+    width: int,
+    *,
+    sparse_optimizer: str,
+    dense_states: int,
+    world_size: int,
+) -> tuple[int, int]:
+    """(bytes per rank, bytes on all ranks) of one embedding table, the one formula of the
+    estimate and of the tables' memory plan (`EmbeddingStack.memory_plan`).
+
+    ``kind``: "torchrec" (rows x width fp32 + the sparse optimizer's per-element state,
+    row-wise over the ranks), "dynamic" (``rows`` = capacity; every slot of a rank's shard, rounded up to whole
+    buckets: the row padded to 4 floats with its optimizer columns, plus key, score and last-use
+    step) or "plain" (replicated on every rank with its gradient and ``dense_states`` dense
+    optimizer states)."""
+    ws = max(1, int(world_size))
+    if kind == "dynamic":
+        slots = math.ceil(math.ceil(rows / ws) / _DYNAMIC_BUCKET) * _DYNAMIC_BUCKET
+        cols = _DYNAMIC_STATE_COLS.get(sparse_optimizer)
+        if cols is None:  # adagrad: one per element, adam: two per element + the step
+            cols = width if sparse_optimizer == "adagrad" else 2 * width + 1
+        per_rank = slots * (_ceil4(width + cols) * 4 + _DYNAMIC_SLOT_BYTES)
+        return per_rank, per_rank * ws
+    if kind == "plain":
+        per_rank = rows * width * 4 * (2 + dense_states)
+        return per_rank, per_rank * ws
+    if kind == "torchrec":
+        # (row-wise Adagrad's one float per row is left out: a low estimate)
+        total = int(rows * width * 4 * (1 + _SPARSE_STATES.get(sparse_optimizer, 0.0)))
+        return math.ceil(total / ws), total
+    raise ValueError(f"table_bytes: kind={kind!r} is not one of 'torchrec', 'dynamic', 'plain'")
 
 
 def _dense_parameter_count(cfg: Any, sizes: DataSizes, n_ctx: int) -> int:
@@ -299,7 +338,7 @@ def estimate_memory(
     h = int(net.hidden_size)
     inner = int(net.num_attention_heads) * int(net.kv_channels)
     n_ctx = len(sizes.contextual_cardinalities) if net.use_contextual_features else 0
-    dense_states = _dense_optimizer_states(cfg.optimizer)
+    dense_states = dense_optimizer_states(cfg.optimizer)
     size_drivers = (_driver(net, "hidden_size"),)
 
     # ---- embedding tables ----------------------------------------------------------------
@@ -312,7 +351,6 @@ def estimate_memory(
         if net.use_contextual_features
     }
     item_rows = max(1, int(sizes.item_rows))
-    sparse_states = _SPARSE_STATES.get(emb.sparse_optimizer_str, 0.0)
     if sizes.synthetic:
         item_driver = _driver(ds, "synthetic_num_items")
         user_driver = _driver(ds, "synthetic_num_users")
@@ -330,6 +368,11 @@ def estimate_memory(
             ctx_rows.get("user_id", 1),
             ctx_rows.get("user_id", 1),
         )
+    kinds = {
+        "sparse_optimizer": emb.sparse_optimizer_str,
+        "dense_states": dense_states,
+        "world_size": ws,
+    }
     sharded = 0.0  # split over the ranks (torchrec, dynamic)
     replicated = 0.0  # on every rank, with gradients and dense optimizer states (dense tables)
     host_copy = 0.0  # static tables are initialised on the CPU by every process
@@ -341,12 +384,7 @@ def estimate_memory(
             is_item = name == "item_table"
             requested = int(emb.item_capacity if is_item else emb.user_capacity)
             capacity = requested or 2 * rows
-            slots = math.ceil(math.ceil(capacity / ws) / _DYNAMIC_BUCKET) * _DYNAMIC_BUCKET
-            cols = _DYNAMIC_STATE_COLS.get(emb.sparse_optimizer_str)
-            if cols is None:  # adagrad: h, adam: 2h + 1
-                cols = h if emb.sparse_optimizer_str == "adagrad" else 2 * h + 1
-            width = _ceil4(h + cols)
-            sharded += slots * ws * (width * 4 + _DYNAMIC_SLOT_BYTES)
+            sharded += table_bytes("dynamic", capacity, h, **kinds)[1]
             field_name = "item_capacity" if is_item else "user_capacity"
             if requested or not sizes.synthetic:
                 drivers.append(
@@ -361,15 +399,15 @@ def estimate_memory(
         host_copy += rows * table_dim * 4
         dense_table = backend == "dense" or (dynamic and emb.contextual_tables == "dense")
         if dense_table:
-            replicated += rows * table_dim * 4 * (2 + dense_states)
+            replicated += table_bytes("plain", rows, table_dim, **kinds)[0]
         else:
-            sharded += rows * table_dim * 4 * (1 + sparse_states)
+            sharded += table_bytes("torchrec", rows, table_dim, **kinds)[1]
     if not dynamic or sizes.synthetic:
         drivers = [item_driver, *([user_driver] if sizes.synthetic else []), *drivers]
-    table_bytes = int(sharded / ws + replicated)
+    tables_total = int(sharded / ws + replicated)
     tables = MemoryTerm(
         "embedding tables",
-        table_bytes,
+        tables_total,
         "rows x width x 4 B x (1 + optimizer states), dynamic tables: capacity rows",
         (*dict.fromkeys(drivers), *size_drivers),
     )

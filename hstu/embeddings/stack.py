@@ -26,6 +26,7 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from hstu.config.args import EmbeddingArgs
+from hstu.config.limits import format_bytes, table_bytes
 from hstu.data.batch import ITEM_FEATURE, Batch
 from hstu.data.features import FeatureInfo
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
@@ -305,49 +306,42 @@ class EmbeddingStack(nn.Module):
             return coll.global_stats()
         return coll.stats()
 
-    def memory_plan(self, world_size: int, device_type: str) -> list[dict[str, object]]:
-        """Where each table lives and what it holds, per rank: name, rows, width, bytes (values
-        and optimizer state; dynamic tables at full capacity with their slot metadata) and
-        placement. Logged at start (`format_memory_plan`)."""
+    def memory_plan(
+        self, world_size: int, device_type: str, dense_states: int = 2
+    ) -> list[dict[str, object]]:
+        """Where each table lives and what it holds: name, kind, rows (a dynamic table's
+        capacity), width, bytes per rank and on all ranks (`hstu.config.limits.table_bytes`,
+        the formula of the start-up memory check), and placement. ``dense_states``: the dense
+        optimizer's states per parameter (plain tables). Logged at start (`format_memory_plan`)."""
         memory = "HBM" if device_type == "cuda" else "host memory"
-        rows_out = []
-        dense_states = 2  # the dense optimizer's moments (Adam), plus the gradient
+        plan = []
         for spec in self.table_specs:
-            width = spec.embedding_dim
             if spec.dynamic:
-                config = next(
-                    c for c in self.dynamic_collection.embedding_configs() if c.name == spec.name
-                )
-                row_floats = -(-(config.embedding_dim + config.state_dim) // 4) * 4
-                total = spec.capacity * (row_floats * 4 + 24)  # + key, score, last-used step
                 kind, rows = "dynamic", spec.capacity
-            elif self.dense_tables is not None:
-                total = spec.num_embeddings * width * 4 * (2 + dense_states) * world_size
-                kind, rows = "plain", spec.num_embeddings
             else:
-                states = {"sgd": 0, "rowwise_adagrad": 0, "adagrad": width, "adam": 2 * width}
-                per_row = width + states[self.args.sparse_optimizer_str]
-                per_row += 1 if self.args.sparse_optimizer_str == "rowwise_adagrad" else 0
-                total = spec.num_embeddings * per_row * 4
-                kind, rows = "torchrec", spec.num_embeddings
-            if kind == "plain":
-                where = f"{memory}, replicated on {world_size} rank(s)"
-                per_rank = total // world_size
-            else:
-                where = f"{memory}, row-wise over {world_size} rank(s)"
-                per_rank = -(-total // world_size)
-            rows_out.append(
+                kind = "plain" if self.dense_tables is not None else "torchrec"
+                rows = spec.num_embeddings
+            per_rank, total = table_bytes(
+                kind,
+                rows,
+                spec.embedding_dim,
+                sparse_optimizer=self.args.sparse_optimizer_str,
+                dense_states=dense_states,
+                world_size=world_size,
+            )
+            placement = "replicated on" if kind == "plain" else "row-wise over"
+            plan.append(
                 {
                     "table": spec.name,
                     "kind": kind,
                     "rows": rows,
-                    "width": width,
+                    "width": spec.embedding_dim,
                     "bytes": total,
                     "bytes_per_rank": per_rank,
-                    "where": where,
+                    "where": f"{memory}, {placement} {world_size} rank(s)",
                 }
             )
-        return rows_out
+        return plan
 
     # ---- input dist ahead of the step ------------------------------------------------------
     def enable_input_dist_ahead(self) -> bool:
@@ -496,19 +490,10 @@ class EmbeddingStack(nn.Module):
 
 def format_memory_plan(plan: list[dict[str, object]]) -> str:
     """The plan of `EmbeddingStack.memory_plan` as a small text table."""
-
-    def size(n: object) -> str:
-        value = float(n)
-        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-            if value < 1024 or unit == "TiB":
-                return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
-            value /= 1024
-        return f"{value:.3g} TiB"  # pragma: no cover
-
     header = ("table", "kind", "rows", "width", "bytes", "per rank", "where")
     lines = [
-        (str(r["table"]), str(r["kind"]), f"{r['rows']:,}", str(r["width"]), size(r["bytes"]))
-        + (size(r["bytes_per_rank"]), str(r["where"]))
+        (str(r["table"]), str(r["kind"]), f"{r['rows']:,}", str(r["width"]))
+        + (format_bytes(r["bytes"]), format_bytes(r["bytes_per_rank"]), str(r["where"]))
         for r in plan
     ]
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]

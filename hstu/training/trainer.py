@@ -22,6 +22,7 @@ from torch.profiler import record_function
 from tqdm import tqdm
 
 from hstu.config.gin_utils import RunConfig
+from hstu.config.limits import dense_optimizer_states
 from hstu.data.batch import Batch
 from hstu.data.loader import BatchIterator, PrefetchIterator, linear_cost_coefficient
 from hstu.data.registry import build_samples, load_sequence_data
@@ -226,7 +227,11 @@ class Trainer:
                 [(s.name, s.num_embeddings, s.embedding_dim) for s in self.core.table_specs],
                 self.run_dir,
             )
-            plan = self.embeddings.memory_plan(self.info.world_size, self.device.type)
+            plan = self.embeddings.memory_plan(
+                self.info.world_size,
+                self.device.type,
+                dense_optimizer_states(cfg.optimizer),
+            )
             logger.info("embedding tables:\n%s", format_memory_plan(plan))
             choices = self.core.encoder.kernel_choices(self.device)
             logger.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in choices.items()))

@@ -106,3 +106,14 @@ def launch(
 def error_lines(text: str) -> list[str]:
     """The lines of ``text`` that start with ``error:`` (the launchers' failure line)."""
     return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def prepare_sequences_cli(source, output) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``python -m hstu.data.prepare --dataset sequences`` on ``source`` in a subprocess:
+    (the finished process, its stderr lines that start with "ERROR")."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hstu.data.prepare", "--dataset", "sequences", "--source",
+         str(source), "--output", str(output)],
+        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    return proc, [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dist_helpers import ROOT, launcher_env
+from dist_helpers import ROOT, launcher_env, prepare_sequences_cli
 
 from hstu.data.prepare import main as prepare_main
 from hstu.data.prepare import prepare_dataset
@@ -259,14 +259,9 @@ def test_damaged_gzip_in_a_csv_dataset(tmp_path):
 
 def test_prepare_cli_damaged_input_in_a_subprocess(tmp_path):
     src = _gz(tmp_path, b"1 2\n1 3\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "hstu.data.prepare", "--dataset", "sequences", "--source", str(src),
-         "--output", str(tmp_path / "out")],
-        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc, errors = prepare_sequences_cli(src, tmp_path / "out")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")]
     assert len(errors) == 1 and f"{src}: not a gzip file" in errors[0]
 
 

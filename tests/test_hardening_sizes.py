@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import ROOT, launcher_env
+from dist_helpers import ROOT, launcher_env, prepare_sequences_cli
 
 from hstu.config import ConfigError, load_config
 from hstu.config.limits import (
@@ -518,14 +518,9 @@ def test_launcher_synthetic_and_negatives_refusals(tmp_path):
 def test_prepare_cli_id_error_is_one_line(tmp_path):
     src = tmp_path / "seq.txt"
     src.write_text("1 3\n1 9223372036854775808\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "hstu.data.prepare", "--dataset", "sequences", "--source", str(src),
-         "--output", str(tmp_path / "out")],
-        cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc, errors = prepare_sequences_cli(src, tmp_path / "out")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")]
     assert len(errors) == 1 and str(src) in errors[0] and "int64 range" in errors[0]
 
 

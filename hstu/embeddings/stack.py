@@ -149,6 +149,7 @@ class EmbeddingStack(nn.Module):
             list(info.contextual_feature_names) if use_contextual_features else []
         )
         self.extra_item_feature = bool(extra_item_feature)
+        self._input_dist_ahead = False  # set by enable_input_dist_ahead
         backend = args.embedding_backend
         dense_static = backend == "dense" or (
             backend == "dynamic" and args.contextual_tables == "dense"
@@ -351,14 +352,15 @@ class EmbeddingStack(nn.Module):
         coll = self.dynamic_collection
         if not isinstance(coll, ShardedDynamicEmbeddingCollection) or self.extra_item_feature:
             return False
-        return coll.enable_async_input_dist()
+        self._input_dist_ahead = coll.enable_async_input_dist()
+        return self._input_dist_ahead
 
     def start_input_dist(self, batch: Batch) -> SparseInput | None:
         """Starts sending the dynamic-table ids of the CPU ``batch`` to their owner ranks (on
         the collection's exchange thread); None where `enable_input_dist_ahead` did not apply.
         Every rank must start the same sequence of batches."""
         coll = self.dynamic_collection
-        if not isinstance(coll, ShardedDynamicEmbeddingCollection) or coll._exchange is None:
+        if not self._input_dist_ahead:
             return None
         if not batch.is_on_cpu:
             raise ValueError("start_input_dist takes the CPU batch (before it is moved)")

@@ -6,7 +6,11 @@ sum_b H * L_b^2 * (Dqk + Dv), forward+backward = 3.5x, CUDA events, median of >=
 Prints one JSON object per line:
 
     python scripts/bench_attention.py [--shapes short_d64,mid_d128] [--iters 30] [--warmup 10]
-        [--graph] [--extra] [--out f.jsonl]
+        [--graph] [--extra] [--bias position_time] [--out f.jsonl]
+
+--bias adds the relative attention bias (docs/design.md) to the kernel and the reference alike:
+one weight row shared by the heads, positions up to N - 1, 128 time buckets, timestamps with
+gaps spread over 1 .. 10^6 on a log scale; rows carry "bias".
 
 "cutlass" rows time eager calls (Python, autograd and launch overhead included, as an eager
 training step sees them); "cutlass_op" "bwd" rows time the backward op alone (2.5x forward
@@ -75,6 +79,26 @@ def make_inputs(b: int, h: int, d: int, n: int, targets: int, contexts: int, dev
     return lengths, offsets.to(device), q, k, v, do, kw
 
 
+BIAS_KINDS = ("none", "position", "time", "position_time")
+
+
+def bias_inputs(kind: str, lengths: torch.Tensor, n: int, device="cuda") -> dict:
+    """The relative-bias keyword arguments of `hstu_attention_cuda` / the reference."""
+    if kind == "none":
+        return {}
+    gen = torch.Generator().manual_seed(2)
+    total = int(lengths.sum())
+    out: dict = {}
+    if kind in ("position", "position_time"):
+        out["pos_weight"] = (torch.randn(1, 2 * n - 1, generator=gen) * 0.1).to(device)
+        out["max_pos"] = n - 1
+    if kind in ("time", "position_time"):
+        gaps = torch.floor(10 ** (torch.rand(total, generator=gen) * 6.0)).long()
+        out["timestamps"] = torch.cumsum(gaps, 0).to(device)
+        out["time_weight"] = (torch.randn(1, 129, generator=gen) * 0.1).to(device)
+    return out
+
+
 def fwd_flops(lengths: torch.Tensor, h: int, d: int) -> float:
     return float(h * (lengths.double() ** 2).sum() * (d + d))
 
@@ -138,6 +162,7 @@ def main() -> None:
         action="store_true",
         help="also time the kernel calls replayed from a CUDA graph (GPU time alone)",
     )
+    ap.add_argument("--bias", choices=BIAS_KINDS, default="none")
     ap.add_argument(
         "--extra",
         action="store_true",
@@ -154,6 +179,8 @@ def main() -> None:
 
     def emit(rec: dict) -> None:
         rec = {"bench": "hstu_attention", "gpu": gpu, **rec}
+        if args.bias != "none":
+            rec["bias"] = args.bias
         if knobs:
             rec["env"] = knobs
         emit_json(rec, args.out)
@@ -166,6 +193,7 @@ def main() -> None:
             runs.append((name + "_det", SHAPES[name], {"deterministic": True}, name))
     for label, (b, h, d, n, tgt, ctx), extra, _ in runs:
         lengths, offsets, q, k, v, do, kw = make_inputs(b, h, d, n, tgt, ctx)
+        kw.update(bias_inputs(args.bias, lengths, n))
         flops = fwd_flops(lengths, h, d)
         shape = dict(
             shape=label, B=b, H=h, d=d, N=n, targets=tgt, contextual=ctx, tokens=int(lengths.sum())
@@ -200,6 +228,13 @@ def main() -> None:
             }
         )
         # The backward alone: the raw op (no autograd), same arguments as the autograd wrapper.
+        bias_kw = {
+            key: kw[key]
+            for key in ("timestamps", "pos_weight", "time_weight", "max_pos")
+            if key in kw
+        }
+        if "time_weight" in bias_kw:
+            bias_kw["time_edges"] = reference.time_bucket_edges(128, q.device)
         bwd_args = (
             do,
             q,
@@ -217,8 +252,8 @@ def main() -> None:
             bool(extra.get("deterministic", False)),
         )
 
-        def bwd_op(_a=bwd_args):
-            torch.ops.hstu_attention.bwd(*_a)
+        def bwd_op(_a=bwd_args, _b=bias_kw):
+            torch.ops.hstu_attention.bwd(*_a, **_b)
 
         b_ms = median_ms(bwd_op, args.iters, args.warmup)
         emit(
@@ -280,7 +315,12 @@ def main() -> None:
             try:
                 sub_len = lengths[:nb]
                 sub_tok = int(sub_len.sum())
-                sub_kw = {key: val[:nb] for key, val in kw.items()}
+                sub_kw = {
+                    key: val[:nb] if key in ("num_targets", "num_contexts") else val
+                    for key, val in kw.items()
+                }
+                if "timestamps" in kw:
+                    sub_kw["timestamps"] = kw["timestamps"][:sub_tok]
                 r_f, r_fb, r_mem, _ = bench_impl(
                     reference.hstu_attention,
                     q[:sub_tok],

@@ -4,34 +4,48 @@
     0.9 of a dim-128 table with 2^24 (16M) slots;
 (b) one training step (lookup + backward + fused Adam) of a DynamicEmbeddingCollection vs
     torchrec's fused TBE EmbeddingCollection sharded by DistributedModelParallel (FUSED kernel),
-    same dim, optimizer, ids (64K with duplicates), measured in the same run.
+    same dim, optimizer, ids (64K with duplicates), measured in the same run;
+(c) ``--hybrid``: a training step (lookup + backward + fused row-wise Adagrad) of a table whose
+    rows live in host memory with an HBM cache (``storage='hybrid'``) vs the same table entirely
+    in HBM (when it fits), on the same ids: ``--ids`` per step drawn Zipf(``--zipf``) over
+    ``--rows`` ids, the table filled first (``--prefill``). Reports the step time of both, their
+    ratio, whether the losses were identical, and the cache's hit rate and traffic. Default: the
+    target case, 120M x 128 fp32 (~61 GB of rows) with an 8 GiB cache, 64K ids per step.
 
     python scripts/bench_embedding.py [--slots-log2 24] [--skip-tbe] [--skip-table] [--out f.jsonl]
+    python scripts/bench_embedding.py --hybrid [--rows 120000000] [--cache 8589934592] [--ids 65536]
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import statistics
 import sys
+import time
 
+import numpy as np
 import torch
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]  # this checkout's hstu; bench_common
 
-from bench_common import base_parser, emit_json, median_ms  # noqa: E402
+from bench_common import base_parser, emit_json, median_ms, resolve_device  # noqa: E402
 
+from hstu.config.limits import available_memory, format_bytes, table_memory  # noqa: E402
 from hstu.embeddings import cuda_table  # noqa: E402
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig  # noqa: E402
 from hstu.embeddings.dynamic_table import (  # noqa: E402
     DynamicEmbeddingCollection,
     DynamicEmbeddingTable,
+    make_dynamic_table,
 )
+from hstu.embeddings.hybrid_table import HybridDynamicEmbeddingTable  # noqa: E402
 
 
 def emit(out: str, **kw) -> None:
     """One JSON row (with the GPU's name) on stdout, also appended to ``out`` when given."""
-    kw["gpu"] = torch.cuda.get_device_name()
+    kw["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     emit_json(kw, out)
 
 
@@ -191,14 +205,184 @@ def bench_train_step(skip_tbe: bool, out: str = "") -> None:
     emit(out, bench="train_step_ratio", dynamic_over_tbe=dyn_ms / tbe_ms, target="<= 1.25")
 
 
-def main() -> None:
-    p = base_parser(__doc__, out="")
+# ---- (c) hybrid table vs the same table in HBM ---------------------------------------------
+
+
+def zipf_ids(n: int, rows: int, s: float, gen: np.random.Generator) -> np.ndarray:
+    """``n`` ids in [0, rows), id k - 1 drawn with probability ~ k^-s (inverse CDF of the
+    continuous power law, floored): id 0 is the most popular."""
+    u = gen.random(n)
+    if abs(s - 1.0) < 1e-9:
+        x = np.exp(u * np.log(rows + 1.0))
+    else:
+        a = 1.0 - s
+        x = ((float(rows) ** a - 1.0) * u + 1.0) ** (1.0 / a)
+    return np.minimum(x.astype(np.int64) - 1, rows - 1).clip(min=0)
+
+
+def _hybrid_config(args, storage: str) -> DynamicEmbeddingConfig:
+    cache = float(args.cache) if float(args.cache) <= 1.0 else int(float(args.cache))
+    return DynamicEmbeddingConfig(
+        "bench",
+        args.dim,
+        args.rows,
+        ["f"],
+        optimizer="rowwise_adagrad",
+        learning_rate=0.01,
+        storage=storage,
+        hbm_cache=cache,
+    )
+
+
+def _run_table(args, storage: str, batches: list[torch.Tensor], dev: torch.device) -> dict:
+    """Builds the table, fills it (``--prefill``), runs the warm-up and timed steps; returns the
+    row to emit and the per-step losses."""
+    t0 = time.perf_counter()
+    table = make_dynamic_table(_hybrid_config(args, storage), dev)
+    hybrid = isinstance(table, HybridDynamicEmbeddingTable)
+    build_s = time.perf_counter() - t0
+    # fill: every id of the first prefill x rows, in chunks the hybrid table's cache can take
+    # (the same chunks for both tables, so that both hold the same rows), from the least to the
+    # most popular id: the cache then starts with the popular rows, as after long training
+    t0 = time.perf_counter()
+    cfg = _hybrid_config(args, "hybrid")
+    chunk = max(1, min(1 << 20, cfg.cache_rows(cfg.num_slots) // 2))
+    with torch.no_grad():
+        for hi in range(int(args.prefill * args.rows), 0, -chunk):
+            ids = torch.arange(max(0, hi - chunk), hi)
+            table(ids.to(dev), host_ids=ids)
+    sync(dev)
+    fill_s = time.perf_counter() - t0
+    losses, times = [], []
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        out = table(ids.to(dev, non_blocking=True), host_ids=ids)
+        loss = out.square().sum()
+        loss.backward()
+        return loss.detach()
+
+    for ids in batches[: args.warmup]:
+        losses.append(step(ids))
+    before = table.stats()
+    for ids in batches[args.warmup :]:
+        sync(dev)
+        t0 = time.perf_counter()
+        losses.append(step(ids))
+        sync(dev)
+        times.append(1000.0 * (time.perf_counter() - t0))
+    after = table.stats()
+    steps = len(times)
+    row = dict(
+        bench="hybrid_train_step",
+        impl=storage,
+        rows=args.rows,
+        dim=args.dim,
+        ids=args.ids,
+        zipf=args.zipf,
+        unique=float(np.mean([torch.unique(b).numel() for b in batches[args.warmup :]])),
+        steps=steps,
+        ms=statistics.median(times),
+        ms_mean=statistics.fmean(times),
+        table_hit_rate=(after["hits"] - before["hits"]) / (after["lookups"] - before["lookups"]),
+        build_s=build_s,
+        fill_s=fill_s,
+        device=dev.type,
+    )
+    if hybrid:
+        lookups = after["cache_lookups"] - before["cache_lookups"]
+        hits = after["cache_hits"] - before["cache_hits"]
+        row.update(
+            cache=args.cache,
+            cache_rows=table.cache_rows,
+            cache_bytes=table.cache_rows * (table.width * 4 + 16),
+            host_bytes=table.host.rows.numel() * 4,
+            host_mapped=table.host.mapped,
+            cache_hit_rate=hits / lookups if lookups else 0.0,
+            fetched_per_step=(after["cache_fetches"] - before["cache_fetches"]) / steps,
+            written_per_step=(after["cache_writebacks"] - before["cache_writebacks"]) / steps,
+        )
+    return {"row": row, "losses": torch.stack(losses).cpu()}
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def bench_hybrid(args) -> None:
+    dev = torch.device(resolve_device(args.device))
+    if dev.type == "cuda":
+        cuda_table.require_kernels()
+    gen = np.random.default_rng(0)
+    batches = [
+        torch.from_numpy(zipf_ids(args.ids, args.rows, args.zipf, gen))
+        for _ in range(args.warmup + args.steps)
+    ]
+    if dev.type == "cuda":
+        batches = [b.pin_memory() for b in batches]
+    hbm_need = table_memory(
+        "dynamic",
+        args.rows,
+        args.dim,
+        sparse_optimizer="rowwise_adagrad",
+        dense_states=0,
+        world_size=1,
+    ).device
+    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else available_memory("host")[0]
+    runs = {}
+    # the all-HBM table, where it fits (with room for the step's temporaries)
+    if hbm_need < 0.95 * free:
+        runs["hbm"] = _run_table(args, "hbm", batches, dev)
+        emit(args.out, **runs["hbm"]["row"])
+        gc.collect()  # the table goes before the hybrid one is built
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    else:
+        emit(
+            args.out,
+            bench="hybrid_train_step",
+            impl="hbm",
+            rows=args.rows,
+            dim=args.dim,
+            skipped=f"does not fit: needs {format_bytes(hbm_need)}, free {format_bytes(free)}",
+        )
+    runs["hybrid"] = _run_table(args, "hybrid", batches, dev)
+    emit(args.out, **runs["hybrid"]["row"])
+    if "hbm" in runs:
+        emit(
+            args.out,
+            bench="hybrid_over_hbm",
+            rows=args.rows,
+            hybrid_over_hbm=runs["hybrid"]["row"]["ms"] / runs["hbm"]["row"]["ms"],
+            same_losses=bool(torch.equal(runs["hybrid"]["losses"], runs["hbm"]["losses"])),
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = base_parser(__doc__, out="", device="auto", steps=50, warmup=20)
     p.add_argument("--slots-log2", type=int, default=24)
     p.add_argument("--skip-tbe", action="store_true")
     p.add_argument("--skip-table", action="store_true")
-    args = p.parse_args()
+    p.add_argument("--hybrid", action="store_true", help="(c): hybrid table vs all-HBM table")
+    p.add_argument("--rows", type=int, default=120_000_000, help="(c) table rows (capacity)")
+    p.add_argument("--dim", type=int, default=128, help="(c) embedding width")
+    p.add_argument("--ids", type=int, default=65536, help="(c) ids per step")
+    p.add_argument(
+        "--cache",
+        type=float,
+        default=8 * 2**30,
+        help="(c) HBM cache: bytes (> 1) or a fraction of the rows (<= 1)",
+    )
+    p.add_argument("--zipf", type=float, default=1.05, help="(c) Zipf exponent of the ids")
+    p.add_argument(
+        "--prefill", type=float, default=1.0, help="(c) fraction of the rows inserted first"
+    )
+    args = p.parse_args(argv)
+    if args.hybrid:
+        bench_hybrid(args)
+        return
     if not torch.cuda.is_available():
-        raise SystemExit("bench_embedding.py needs a CUDA GPU")
+        raise SystemExit("bench_embedding.py needs a CUDA GPU (except --hybrid)")
     cuda_table.require_kernels()
     if not args.skip_table:
         bench_table(args.slots_log2, args.out)

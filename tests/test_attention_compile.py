@@ -14,8 +14,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_DIR = ROOT / "kernels" / "hstu_attention"
-# The smallest head dim compiles fastest; one forward and one backward instantiation.
-FILES = ["fwd_bf16_hdim64.cu", "bwd_fp16_hdim64.cu"]
+# The smallest head dim compiles fastest; one forward and one backward instantiation, without
+# and with the relative attention bias.
+FILES = [
+    "fwd_bf16_hdim64.cu",
+    "bwd_fp16_hdim64.cu",
+    "fwd_bias_fp16_hdim64.cu",
+    "bwd_bias_bf16_hdim64.cu",
+]
 
 
 def _cutlass_include() -> str | None:
@@ -37,12 +43,16 @@ def test_kernel_sources_have_no_torch_includes() -> None:
             assert banned not in text, f"{path.name} includes {banned[10:]}: keep it in api.cpp"
 
 
-def test_one_instantiation_per_dtype_headdim_direction() -> None:
+def test_one_instantiation_per_dtype_headdim_direction_bias() -> None:
     names = {p.name for p in (KERNEL_DIR / "instantiations").glob("*.cu")}
-    for direction in ("fwd", "bwd"):
-        for dtype in ("bf16", "fp16"):
-            for d in (32, 64, 128, 256):
-                assert f"{direction}_{dtype}_hdim{d}.cu" in names
+    expected = {
+        f"{direction}_{bias}{dtype}_hdim{d}.cu"
+        for direction in ("fwd", "bwd")
+        for bias in ("", "bias_")
+        for dtype in ("bf16", "fp16")
+        for d in (32, 64, 128, 256)
+    }
+    assert names == expected
 
 
 @pytest.mark.parametrize("name", FILES)

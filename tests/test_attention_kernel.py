@@ -248,10 +248,37 @@ def test_meta_shapes() -> None:
     offs = torch.empty(3, device="meta", dtype=torch.int32)
     out = torch.ops.hstu_attention.fwd(q, q, q, offs, 8, None, None, 1, 0, 0.1, 0.1, True)
     assert out.shape == (10, 2, 64) and out.device.type == "meta"
-    dq, dk, dv = torch.ops.hstu_attention.bwd(
+    dq, dk, dv, dpos, dtime = torch.ops.hstu_attention.bwd(
         q, q, q, q, offs, 8, None, None, 1, 0, 0.1, 0.1, True, False
     )
     assert dq.shape == dk.shape == dv.shape == (10, 2, 64)
+    assert dpos.numel() == 0 and dtime.numel() == 0  # no bias weights given
+    pos_w = torch.empty(1, 17, device="meta")
+    time_w = torch.empty(2, 129, device="meta")
+    ts = torch.empty(10, device="meta", dtype=torch.int64)
+    edges = torch.empty(129, device="meta", dtype=torch.int64)
+    grads = torch.ops.hstu_attention.bwd(
+        q,
+        q,
+        q,
+        q,
+        offs,
+        8,
+        None,
+        None,
+        1,
+        0,
+        0.1,
+        0.1,
+        True,
+        False,
+        timestamps=ts,
+        pos_weight=pos_w,
+        time_weight=time_w,
+        time_edges=edges,
+        max_pos=8,
+    )
+    assert grads[3].shape == (1, 17) and grads[4].shape == (2, 129)
 
 
 # --- error paths: bad input raises before any launch -------------------------------------------

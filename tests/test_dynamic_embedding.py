@@ -311,3 +311,32 @@ def test_low_precision_output_and_stats_keys():
     assert set(t.stats()) >= {"rows", "occupancy", "inserts", "evictions", "hit_rate", "overflows"}
     with pytest.raises(ValueError, match="output_dtype"):
         cfg(output_dtype="float64")
+
+
+def test_insert_keys_places_keys_exactly_as_insert():
+    """The metadata-only insert (the slot directory of hybrid tables) takes the same slots,
+    evicts the same keys and sets the same scores as the insert op; it writes no rows."""
+    gen = torch.Generator().manual_seed(0)
+    full = R.TableState.empty(128, 8, torch.device("cpu"))
+    meta = R.TableState.empty(128, 8, torch.device("cpu"))
+    meta.values = torch.empty(0, 8)  # a directory holds no rows
+    for step in range(1, 30):
+        keys = torch.unique(torch.randint(0, 400, (40,), generator=gen))
+        found = R.find(full, keys, True, step)
+        assert torch.equal(found, R.find(meta, keys, True, step))
+        new = keys[found < 0]
+        b = R.bucket_of(new, full.num_buckets)
+        order = torch.argsort(b, stable=True)
+        seg_b, counts = torch.unique_consecutive(b[order], return_counts=True)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+        scores = torch.randint(0, 50, (new.numel(),), generator=gen)
+        args = (new[order], offsets, seg_b, scores[order], step)
+        s1, e1 = R.insert(full, *args, 6, 3, (1, 0.0, 1.0, 0.0, 0.0))
+        s2, e2 = R.insert_keys(meta, *args)
+        assert torch.equal(s1, s2) and int(e1) == int(e2)
+        for name in ("keys", "scores", "touched"):
+            assert torch.equal(getattr(full, name), getattr(meta, name)), name
+        ok = s1 >= 0
+        want = R.init_rows(new[order][ok], 6, 3, (1, 0.0, 1.0, 0.0, 0.0))
+        assert torch.equal(full.values[s1[ok], :6], want)
+    assert int(e1) >= 0 and R.size(full) == 128  # the table filled and evicted

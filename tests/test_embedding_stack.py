@@ -233,3 +233,73 @@ def test_memory_plan_counts_rows_state_and_placement():
     text = format_memory_plan(list(plan.values()))
     assert text.splitlines()[0].split()[:3] == ["table", "kind", "rows"]
     assert "item_table" in text and "1,000" in text
+
+
+def test_memory_plan_of_a_hybrid_table_splits_hbm_and_host_memory():
+    cfg, data, _ = _setup(
+        "ranking",
+        "EmbeddingArgs.embedding_backend='dynamic'",
+        "EmbeddingArgs.item_capacity=1000",
+        "EmbeddingArgs.storage='hybrid'",
+        "EmbeddingArgs.hbm_cache=0.25",
+    )
+    stack = build_embedding_stack(cfg, feature_info(data, cfg), extra_item_feature=False)
+    plan = {r["table"]: r for r in stack.memory_plan(2, "cuda")}
+    item = plan["item_table"]
+    # 2 ranks: 500 rows each -> 512 slots; rows of 18 + 1 state floats -> 20 (80 B); cache:
+    # a quarter of the slots (128 rows) with 16 B of key and slot each
+    assert item["storage"] == "hybrid"
+    assert item["device_bytes_per_rank"] == 512 * 28 + 128 * (80 + 16)
+    assert item["host_bytes_per_rank"] == 512 * 80
+    assert item["bytes_per_rank"] == item["device_bytes_per_rank"] + item["host_bytes_per_rank"]
+    assert item["where"] == "host memory + 128-row cache in HBM, row-wise over 2 rank(s)"
+    text = format_memory_plan(list(plan.values()))
+    assert "HBM/rank" in text.splitlines()[0] and "128-row cache" in text
+    # the tables it builds are hybrid, and hold the bytes the plan says (CPU: both tiers)
+    table = stack.dynamic_collection.tables["item_table"]
+    assert type(table).__name__ == "HybridDynamicEmbeddingTable"
+    one = {r["table"]: r for r in stack.memory_plan(1, "cpu")}["item_table"]
+    held = sum(x.numel() * x.element_size() for x in vars(table.state).values())
+    held += table.host.rows.numel() * 4 + table.cache.values.numel() * 4
+    held += (table.cache.keys.numel() + table.cache_slot.numel()) * 8 + table.slot_row.numel() * 4
+    assert held == one["bytes_per_rank"]
+
+
+def test_training_with_hybrid_tables_gives_the_same_losses(tmp_path):
+    """A whole run (ranking, dynamic item and user tables, a checkpoint and a resume) with the
+    rows in host memory gives exactly the losses of the all-HBM run. The item table's cache
+    (192 rows, ~170 distinct items a batch, 200 items) evicts and writes back every step."""
+    common = SMALL + [
+        "TrainerArgs.train_batch_size=16",
+        "TrainerArgs.eval_interval=0",
+        "TrainerArgs.max_eval_iters=1",
+        "TrainerArgs.log_interval=1",
+        "TrainerArgs.run_name='run'",
+        "EmbeddingArgs.embedding_backend='dynamic'",
+        "EmbeddingArgs.item_capacity=256",  # 200 items, ~140 distinct per batch
+        "EmbeddingArgs.user_capacity=512",
+        "EmbeddingArgs.sparse_optimizer_str='adagrad'",
+    ]
+
+    def run(name, *extra):
+        cfg = load_config("ranking", [], common + [f"TrainerArgs.log_dir='{tmp_path / name}'",
+                                                   *extra])  # fmt: skip
+        return run_training(cfg)
+
+    hbm = run("hbm", "TrainerArgs.max_train_iters=6")
+    hybrid_args = ("EmbeddingArgs.storage='hybrid'", "EmbeddingArgs.hbm_cache=0.7")
+    hybrid = run("hybrid", "TrainerArgs.max_train_iters=6", *hybrid_args)
+    assert hybrid.losses == hbm.losses
+    # a checkpoint of the hybrid run resumes under the all-HBM storage, and the other way
+    resumed = run(
+        "resumed",
+        "TrainerArgs.max_train_iters=9",
+        f"TrainerArgs.ckpt_load_dir='{hybrid.checkpoint_dir}'",
+    )
+    resumed_hybrid = run(
+        "resumed_hybrid",
+        "TrainerArgs.max_train_iters=9",
+        f"TrainerArgs.ckpt_load_dir='{hbm.checkpoint_dir}'",
+        *hybrid_args,
+    )
+    assert resumed.losses == resumed_hybrid.losses

@@ -534,3 +534,129 @@ def test_available_memory():
     assert "host memory" in desc
     if not torch.cuda.is_available():
         assert available_memory("cuda")[0] == 0
+
+
+# ---- hybrid dynamic tables (rows in host memory, an HBM cache) -----------------------------------
+
+_ROWS_120M = [
+    "EmbeddingArgs.embedding_backend='dynamic'",
+    "EmbeddingArgs.item_capacity=120000000",
+    "NetworkArgs.hidden_size=128",
+    "NetworkArgs.kv_channels=64",
+]
+GPU_80GB_128GB_HOST = {"cuda": (80 * GiB, "an 80 GB GPU"), "host": (120 * GiB, "its host")}
+
+
+def test_hybrid_tables_count_the_cache_in_hbm_and_the_rows_in_host_memory():
+    from hstu.config.limits import table_memory
+
+    sizes = synthetic_sizes(60, 40)
+    kw = dict(sparse_optimizer="rowwise_adagrad", dense_states=2, world_size=1)
+    hbm = table_memory("dynamic", 120_000_000, 128, **kw)
+    hybrid = table_memory("dynamic", 120_000_000, 128, storage="hybrid", hbm_cache=8 * GiB, **kw)
+    # rows of 128 + 1 state columns -> 132 floats (528 B); 120M slots
+    assert (hbm.device, hbm.host) == (120_000_000 * (528 + 24), 0)
+    assert hybrid.cache_rows == 8 * GiB // (528 + 16) // 32 * 32
+    assert hybrid.device == 120_000_000 * 28 + hybrid.cache_rows * (528 + 16)
+    assert hybrid.host == 120_000_000 * 528
+    est = estimate_memory(
+        _cfg("ranking", *_ROWS_120M, "EmbeddingArgs.storage='hybrid'",
+             f"EmbeddingArgs.hbm_cache={8 * GiB}"),
+        sizes,
+        device_type="cuda",
+    )  # fmt: skip
+    cuda = {t.what: t.bytes for t in est["cuda"].terms}
+    host = {t.what: t.bytes for t in est["host"].terms}
+    assert hybrid.device <= cuda["embedding tables"] < hybrid.device + GiB
+    assert host["hybrid table rows"] >= hybrid.host
+    check_memory(est, GPU_80GB_128GB_HOST)  # 12 GB of HBM, 63 GB of host memory: fits
+    # the same table all in HBM does not fit on a 48 GB GPU ...
+    all_hbm = estimate_memory(_cfg("ranking", *_ROWS_120M), sizes, device_type="cuda")
+    with pytest.raises(MemoryBudgetError) as info:
+        check_memory(all_hbm, {"cuda": (48 * GiB, "a 48 GB GPU"), "host": (120 * GiB, "host")})
+    msg = str(info.value)
+    assert msg.startswith("EmbeddingArgs.item_capacity=120000000: ")
+    assert "dynamic table 'item_table' (120,000,000 rows x 128, hbm)" in msg
+    assert "61.7 GiB of it per process" in msg and "a 48 GB GPU is 48 GiB" in msg
+    assert "fewer rows (lower EmbeddingArgs.item_capacity)" in msg
+    assert "more GPUs (at least 2 of this size)" in msg
+    assert "EmbeddingArgs.storage='hybrid' (its rows, 59 GiB, fit in host memory" in msg
+    # ... and in CPU development mode the cache is host memory too
+    cpu = estimate_memory(
+        _cfg("ranking", "EmbeddingArgs.embedding_backend='dynamic'",
+             "EmbeddingArgs.item_capacity=100000", "EmbeddingArgs.storage='hybrid'"),
+        sizes,
+    )["host"]  # fmt: skip
+    mem = table_memory("dynamic", 100_000, 16, storage="hybrid", **kw)
+    assert {t.name: t.bytes for t in cpu.tables}["item_table"] == mem.device + mem.host
+
+
+def test_table_larger_than_the_host_needs_several_hosts():
+    sizes = synthetic_sizes(60, 40)
+    huge = ["EmbeddingArgs.embedding_backend='dynamic'", "EmbeddingArgs.item_capacity=1500000000",
+            "NetworkArgs.hidden_size=128", "NetworkArgs.kv_channels=64",
+            f"EmbeddingArgs.hbm_cache={8 * GiB}"]  # fmt: skip
+    with pytest.raises(MemoryBudgetError) as info:  # all in HBM: hybrid would not fit either
+        check_memory(
+            estimate_memory(_cfg("ranking", *huge), sizes, device_type="cuda"), GPU_80GB_128GB_HOST
+        )
+    msg = str(info.value)
+    assert "EmbeddingArgs.storage='hybrid' does not help" in msg
+    assert "needs several hosts' memory" in msg
+    hybrid = _cfg("ranking", *huge, "EmbeddingArgs.storage='hybrid'")
+    with pytest.raises(MemoryBudgetError) as info:  # hybrid: the rows overflow the host
+        check_memory(estimate_memory(hybrid, sizes, device_type="cuda"), GPU_80GB_128GB_HOST)
+    msg = str(info.value)
+    assert msg.startswith("EmbeddingArgs.item_capacity=1500000000: ")
+    assert "of host memory" in msg and "hybrid table rows" in msg
+    assert "needs several hosts' memory" in msg and "its host is 120 GiB" in msg
+
+
+@pytest.mark.parametrize("storage", ["hbm", "hybrid"])
+def test_impossible_table_is_refused_fast_before_allocating(monkeypatch, storage):
+    """A table no machine here can hold: build_model refuses it (CPU: the same code path the
+    GPU takes with its own limits) within seconds, before any table exists."""
+    import time
+
+    cfg = _cfg(
+        "ranking",
+        "EmbeddingArgs.embedding_backend='dynamic'",
+        "EmbeddingArgs.item_capacity=1000000000000",
+        f"EmbeddingArgs.storage='{storage}'",
+    )
+    data = generate_synthetic(60, 40, 0, 8)
+    monkeypatch.setattr(
+        "hstu.models.builder.EmbeddingStack", lambda *a, **k: pytest.fail("a table was built")
+    )
+    t0 = time.perf_counter()
+    with pytest.raises(MemoryBudgetError) as info:
+        build_model(cfg, data)
+    assert time.perf_counter() - t0 < 10
+    msg = str(info.value)
+    assert msg.startswith("EmbeddingArgs.item_capacity=1000000000000: this ranking run needs")
+    assert "item_table" in msg and "of host memory" in msg and "fewer rows" in msg
+    # the table itself refuses too, right before it would allocate (any way it is built)
+    from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
+    from hstu.embeddings.dynamic_table import make_dynamic_table
+
+    t0 = time.perf_counter()
+    with pytest.raises(MemoryBudgetError, match=r"dynamic table 'big' \(rank 0 of 1: "):
+        make_dynamic_table(DynamicEmbeddingConfig("big", 128, 10**12, storage=storage))
+    assert time.perf_counter() - t0 < 10
+
+
+def test_table_allocation_check_names_the_fixes():
+    from hstu.config.limits import check_table_allocation
+
+    gpu = {"cuda": (40 * GiB, "free GPU memory"), "host": (100 * GiB, "host memory")}
+    with pytest.raises(MemoryBudgetError) as info:
+        check_table_allocation("table 't'", "cuda", 60 * GiB, hybrid_host_bytes=55 * GiB,
+                               available=gpu)  # fmt: skip
+    assert "EmbeddingArgs.storage='hybrid' (its rows, 55 GiB, fit in host memory" in str(info.value)
+    with pytest.raises(MemoryBudgetError, match="lower EmbeddingArgs.hbm_cache"):
+        check_table_allocation("table 't'", "cuda", 50 * GiB, 10 * GiB, storage="hybrid",
+                               available=gpu)  # fmt: skip
+    with pytest.raises(MemoryBudgetError, match="needs several hosts' memory"):
+        check_table_allocation("table 't'", "cuda", GiB, 200 * GiB, storage="hybrid",
+                               available=gpu)  # fmt: skip
+    check_table_allocation("table 't'", "cuda", GiB, 50 * GiB, storage="hybrid", available=gpu)

@@ -14,6 +14,7 @@ from hstu.embeddings.dynamic_table import (
     apply_collection_increment,
     apply_increment,
     concat_dumps,
+    make_dynamic_table,
 )
 
 ROWS = ("keys", "values", "optimizer_state", "scores")
@@ -32,7 +33,7 @@ def _table(
         learning_rate=0.1,
         **kw,
     )
-    return DynamicEmbeddingTable(cfg, device)
+    return make_dynamic_table(cfg, device)
 
 
 def _train(table: DynamicEmbeddingTable, gen: torch.Generator, steps: int, vocab: int) -> None:
@@ -48,12 +49,21 @@ def _assert_same(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "policy,device",
-    [("lru", "cpu"), ("lfu", "cpu"), pytest.param("lru", "cuda", marks=pytest.mark.gpu)],
+    "policy,device,storage",
+    [
+        ("lru", "cpu", "hbm"),
+        ("lfu", "cpu", "hbm"),
+        # rows in host memory, a 32-row cache: rows changed in either tier
+        ("lru", "cpu", "hybrid"),
+        ("lfu", "cpu", "hybrid"),
+        pytest.param("lru", "cuda", "hbm", marks=pytest.mark.gpu),
+        pytest.param("lru", "cuda", "hybrid", marks=pytest.mark.gpu),
+    ],
 )
-def test_full_dump_plus_increments_equals_full_dump(policy, device):
+def test_full_dump_plus_increments_equals_full_dump(policy, device, storage):
     gen = torch.Generator().manual_seed(0)
-    table = _table(policy, device=device)  # 64 slots, 200 ids: evictions all along
+    # 64 slots, 200 ids: evictions all along
+    table = _table(policy, device=device, storage=storage, hbm_cache=0.5)
     _train(table, gen, 4, vocab=200)
     chain = [table.dump(mark=1)]
     for token in (2, 3, 4):
@@ -71,7 +81,7 @@ def test_full_dump_plus_increments_equals_full_dump(policy, device):
         merged = apply_increment(merged, inc)
     _assert_same(merged, table.dump())
     # the merged dump loads like a full one
-    fresh = _table(policy, device=device)
+    fresh = _table(policy, device=device, storage=storage)
     fresh.load(merged)
     _assert_same(fresh.dump(), table.dump())
 

@@ -146,9 +146,15 @@ def test_attention_in_the_report(fused):
     assert forced.kernel_choices("cuda")["attention"].startswith("reference (reference_attention")
     soft = HSTUEncoder(1, 16, fused=fused, attention_type="softmax", **KW)
     assert soft.kernel_choices("cuda")["attention"].startswith("softmax")
-    if not fused:
-        biased = HSTUEncoder(1, 16, relative_bias_len=8, **KW)
-        assert biased.kernel_choices("cuda")["attention"].startswith("reference (relative")
+    # the relative attention bias runs in-kernel (fused or not); the report says so
+    for kind, text in (("position", "position"), ("position_time", "position + time")):
+        biased = HSTUEncoder(
+            1, 16, fused=fused, relative_attention_bias=kind, max_relative_position=7, **KW
+        )
+        on_gpu = biased.kernel_choices("cuda")["attention"]
+        assert on_gpu.startswith(f"cutlass (relative {text} bias in-kernel"), on_gpu
+        on_cpu = biased.kernel_choices("cpu")["attention"]
+        assert on_cpu.startswith("reference (CPU development mode; relative"), on_cpu
 
 
 def test_encoder_rejects_fused_only_choices_without_the_fused_layer():
@@ -207,7 +213,7 @@ def test_attention_path_is_the_hardware_policy():
     assert path("cpu") == "reference"
     assert path("cuda") == "cutlass"
     assert path(torch.device("cuda", 1)) == "cutlass"
-    assert path("cuda", bias=True) == "reference"  # the kernel has no bias input
+    assert path("cuda", bias=True) == "reference"  # the kernel takes no dense bias tensor
     assert path("cuda", force_reference=True) == "reference"  # tests / benchmarks only
     assert set(attention.ATTENTION_PATHS) == {"cutlass", "reference"}
     # the fused layer asks the same function for the kernel's ops

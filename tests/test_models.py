@@ -36,10 +36,12 @@ def test_ranking_shapes_and_loss_value():
     torch.testing.assert_close(out["loss"], expected)
 
 
-def test_ranking_candidates_do_not_see_each_other():
+@pytest.mark.parametrize("bias", ["none", "position_time"])
+def test_ranking_candidates_do_not_see_each_other(bias):
     """Target tokens attend only to history (+ themselves): changing one candidate's item must not
-    change another candidate's logits (docs/design.md target mask with target_group_size=1)."""
-    _, _, splits, model = _setup("ranking")
+    change another candidate's logits (docs/design.md target mask with target_group_size=1), with
+    the relative position + time bias too (it adds to the scores of the same valid pairs)."""
+    _, _, splits, model = _setup("ranking", f"NetworkArgs.relative_attention_bias='{bias}'")
     model.eval()
     idx = [i for i in range(len(splits.eval)) if splits.eval.collate([i]).num_candidates[0] >= 3][
         :1

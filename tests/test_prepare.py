@@ -488,6 +488,7 @@ DATASET_CONFIGS = {
     "ml_20m_retrieval.gin": ("retrieval", "ml-20m"),
     "ml_20m_ranking.gin": ("ranking", "ml-20m"),
     "ml_100k_ranking.gin": ("ranking", "ml-100k"),
+    "ml_100k_retrieval.gin": ("retrieval", "ml-100k"),
     "kuairand_pure_ranking.gin": ("ranking", "kuairand-pure"),
     "kuairand_1k_ranking.gin": ("ranking", "kuairand-1k"),
     "kuairand_27k_ranking.gin": ("ranking", "kuairand-27k"),

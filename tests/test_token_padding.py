@@ -30,7 +30,14 @@ def _model(task: str, pad: str, *extra: str):
 
 @pytest.mark.parametrize(
     ("task", "extra"),
-    [("ranking", ()), ("retrieval", ()), ("ranking", ("NetworkArgs.fused_layer=True",))],
+    [
+        ("ranking", ()),
+        ("retrieval", ()),
+        ("ranking", ("NetworkArgs.fused_layer=True",)),
+        # the time bias reads Batch.timestamps: the padding rows must not disturb them either
+        ("ranking", ("NetworkArgs.relative_attention_bias='position_time'",)),
+        ("retrieval", ("NetworkArgs.relative_attention_bias='position_time'",)),
+    ],
 )
 def test_padding_changes_no_output_or_gradient(task, extra):
     splits, plain = _model(task, "off", *extra)

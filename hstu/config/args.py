@@ -18,7 +18,14 @@ from typing import Any
 
 import gin
 
-from hstu.config.limits import INT32_MAX, INT64_MAX, MAX_ITEM_ID, MAX_NUM_TASKS
+from hstu.config.limits import (
+    INT32_MAX,
+    INT64_MAX,
+    MAX_ITEM_ID,
+    MAX_NUM_TASKS,
+    STORAGES,
+    parse_hbm_cache,
+)
 
 __all__ = [
     "ARG_CLASSES",
@@ -51,8 +58,11 @@ DENSE_OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
 LR_SCHEDULERS: tuple[str, ...] = ("constant", "cosine", "linear")
 EMBEDDING_BACKENDS: tuple[str, ...] = ("torchrec", "dynamic", "dense")
 CONTEXTUAL_TABLES: tuple[str, ...] = ("torchrec", "dense")
-# "position": learned relative position bias in every HSTU layer (Meta HSTU's position part)
-RELATIVE_ATTENTION_BIAS: tuple[str, ...] = ("none", "position")
+# NetworkArgs.relative_attention_bias: which learned relative attention bias terms every HSTU
+# layer adds inside the SiLU (Meta HSTU's position and bucketed-time bias; docs/design.md)
+RELATIVE_ATTENTION_BIAS: tuple[str, ...] = ("none", "position", "time", "position_time")
+# NetworkArgs.num_time_buckets: at most this many (the compiled attention kernel's limit)
+MAX_TIME_BUCKETS = 256
 # NetworkArgs.fused_gate_kernel: the fused layer's LayerNorm(attn)*u*dropout implementation
 FUSED_GATE_KERNELS: tuple[str, ...] = ("auto", "cuda", "compiled")
 # boolean NetworkArgs fields that switch code paths of the fused layer (default True = on)
@@ -306,6 +316,9 @@ class DatasetArgs:
     synthetic_num_users: int = 2000
     synthetic_num_items: int = 1000
     synthetic_seed: int = 0
+    # planted time effect of the synthetic data (0 = off): the share of steps whose next item
+    # follows the time gap since the previous interaction (docs/datasets.md)
+    synthetic_time_effect: float = 0.0
 
     def __post_init__(self) -> None:
         name = _str(self, "dataset_name", allow_empty=False)
@@ -340,6 +353,7 @@ class DatasetArgs:
             why="item ids: int32, the range the tables index",
         )
         _int(self, "synthetic_seed", min_value=0)
+        _float(self, "synthetic_time_effect", min_value=0.0, max_value=1.0)
 
 
 @gin.configurable
@@ -369,7 +383,7 @@ class NetworkArgs:
     num_position_embeddings: int = 0  # 0 = derived from DatasetArgs
     attention_type: str = "hstu"  # "softmax" = SASRec-style baseline in the same layer
     # True: FusedHSTULayer (one autograd Function, the fast path on GPU: docs/benchmarks.md);
-    # False: HSTULayer, the unfused twin (runs everywhere, also with relative_attention_bias)
+    # False: HSTULayer, the unfused twin (the reference the tests compare against)
     fused_layer: bool = False
     recompute_input_layernorm: bool = False  # fused layer: recompute LayerNorm(x) in backward
     recompute_uvqk_silu: bool = False  # fused layer: store only the uvqk pre-activation
@@ -383,7 +397,11 @@ class NetworkArgs:
     # fused layer, CUDA: torch.compile the elementwise PyTorch stages (False: eager; debugging)
     fused_stage_compile: bool = True
     # Meta HSTU reference (research/) settings; the defaults keep this framework's own choices
-    relative_attention_bias: str = "none"  # "position": learned bias per relative position
+    # learned relative attention bias inside the SiLU: none | position | time | position_time
+    # ("time" needs a dataset with timestamps; docs/design.md "Relative attention bias")
+    relative_attention_bias: str = "none"
+    num_time_buckets: int = 128  # time bias: log-spaced buckets of the time gap (1 to 256)
+    relative_attention_bias_per_head: bool = False  # one weight row per head (False: shared)
     scale_item_embeddings: bool = False  # item embedding * sqrt(hidden_size) before positions
     position_init_std: float = 0.02  # std of the position embedding rows
     uvqk_init_std: float = 0.0  # 0 = Xavier uniform W_uvqk; > 0 = N(0, std)
@@ -442,18 +460,20 @@ class NetworkArgs:
         _bool(self, "fused_layernorm_kernel")
         _bool(self, "fused_stage_compile")
         _choice(self, "relative_attention_bias", RELATIVE_ATTENTION_BIAS)
+        _int(
+            self,
+            "num_time_buckets",
+            min_value=1,
+            max_value=MAX_TIME_BUCKETS,
+            why="the compiled attention kernel's limit",
+        )
+        _bool(self, "relative_attention_bias_per_head")
         _bool(self, "scale_item_embeddings")
         _float(self, "position_init_std", min_value=0.0)
         _float(self, "uvqk_init_std", min_value=0.0, what="0 = Xavier uniform")
         _bool(self, "final_layernorm")
         _bool(self, "use_contextual_features")
         _choice(self, "pad_tokens", PAD_TOKENS)
-        if self.fused_layer and self.relative_attention_bias != "none":
-            raise ValueError(
-                f"NetworkArgs.relative_attention_bias={self.relative_attention_bias!r} needs "
-                "NetworkArgs.fused_layer=False (the fused layer has no attention bias; the "
-                "unfused layer runs biased attention through the PyTorch reference)"
-            )
         if not self.fused_layer and self.fused_gate_kernel != "auto":
             raise ValueError(
                 f"NetworkArgs.fused_gate_kernel={self.fused_gate_kernel!r} applies only to the "
@@ -520,6 +540,12 @@ class EmbeddingArgs:
     initializer: str = "normal"
     init_std: float = 0.02  # std (normal), half-width (uniform) or the value (constant)
     eviction_policy: str = "lru"
+    # dynamic tables: "hbm" keeps every row in GPU memory; "hybrid" keeps the rows (and their
+    # optimizer state) in host memory and the hot ones in an HBM cache of `hbm_cache`
+    storage: str = "hbm"
+    # hybrid tables' HBM cache, per table and GPU: a fraction of the rows in (0, 1] (float) or
+    # bytes (int > 1)
+    hbm_cache: float | int = 0.1
 
     def __post_init__(self) -> None:
         _choice(self, "embedding_backend", EMBEDDING_BACKENDS)
@@ -544,6 +570,15 @@ class EmbeddingArgs:
         _choice(self, "initializer", INITIALIZERS)
         _float(self, "init_std", min_value=0.0)
         _choice(self, "eviction_policy", EVICTION_POLICIES)
+        _choice(self, "storage", STORAGES)
+        if self.storage == "hybrid" and self.embedding_backend != "dynamic":
+            raise ValueError(
+                f"EmbeddingArgs.storage='hybrid' applies to dynamic tables, but "
+                f"EmbeddingArgs.embedding_backend='{self.embedding_backend}'; set "
+                "EmbeddingArgs.embedding_backend='dynamic' (or EmbeddingArgs.storage='hbm')"
+            )
+        cache = parse_hbm_cache(self.hbm_cache, "EmbeddingArgs.hbm_cache")
+        object.__setattr__(self, "hbm_cache", cache)
 
 
 @gin.configurable

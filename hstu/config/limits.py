@@ -30,6 +30,7 @@ This module imports nothing from hstu (the data layer provides the dataset's siz
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -48,7 +49,14 @@ __all__ = [
     "MemoryBudgetError",
     "MemoryEstimate",
     "MemoryTerm",
+    "STORAGES",
+    "TableMemory",
+    "TableUse",
     "available_memory",
+    "check_table_allocation",
+    "hbm_cache_rows",
+    "parse_hbm_cache",
+    "table_memory",
     "dense_optimizer_states",
     "table_bytes",
     "check_memory",
@@ -77,6 +85,13 @@ _SPARSE_STATES = {"sgd": 0.0, "rowwise_adagrad": 0.0, "adagrad": 1.0, "adam": 2.
 _DYNAMIC_STATE_COLS = {"sgd": 0, "rowwise_adagrad": 1}
 _DYNAMIC_SLOT_BYTES = 24  # key, score, touched: int64 each
 _DYNAMIC_BUCKET = 32
+# where a dynamic table's rows live (EmbeddingArgs.storage): all in HBM, or all in host memory
+# with the hot ones cached in HBM (hstu.embeddings.hybrid_table)
+STORAGES: tuple[str, ...] = ("hbm", "hybrid")
+# hybrid tables: each slot of the directory (in HBM) holds key, score, last-use step (int64) and
+# the row of the HBM cache holding it (int32); each cache row records its key and slot (int64)
+_HYBRID_SLOT_BYTES = _DYNAMIC_SLOT_BYTES + 4
+_CACHE_ROW_META_BYTES = 16
 # saved activations per token and layer, in elements: x and LayerNorm(x) (2 hidden), u, v, q, k
 # and their SiLU (8 x heads x kv_channels); the gate's tensors are left out (a low estimate)
 _ACT_HIDDEN, _ACT_INNER = 2, 8
@@ -180,11 +195,35 @@ class MemoryTerm:
 
 
 @dataclass(frozen=True)
+class TableUse:
+    """One embedding table's share of a `MemoryEstimate`, for the refusal message: ``bytes`` in
+    that memory (per process, times the processes of this host for host memory), the setting
+    that sets its rows (``binding``), and, for a dynamic table held in HBM, ``host_bytes``: what
+    its rows would take in this host's memory with ``EmbeddingArgs.storage='hybrid'``."""
+
+    name: str
+    kind: str
+    rows: int
+    width: int
+    storage: str
+    bytes: int
+    world_size: int = 1
+    binding: str = ""
+    host_bytes: int = 0
+
+    def describe(self) -> str:
+        where = f", {self.storage}" if self.kind == "dynamic" else ""
+        return f"{self.kind} table {self.name!r} ({self.rows:,} rows x {self.width}{where})"
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
-    """The estimate of one memory (``where``: "host" or "cuda"), as a sum of terms."""
+    """The estimate of one memory (``where``: "host" or "cuda"), as a sum of terms; ``tables``:
+    the embedding tables' shares of it (named in a refusal)."""
 
     where: str
     terms: tuple[MemoryTerm, ...] = field(default_factory=tuple)
+    tables: tuple[TableUse, ...] = field(default_factory=tuple)
 
     @property
     def total(self) -> int:
@@ -198,7 +237,11 @@ class MemoryEstimate:
         terms = tuple(
             MemoryTerm(t.what, t.bytes * int(n), t.formula, t.drivers) for t in self.terms
         )
-        return MemoryEstimate(self.where, terms)
+        tables = tuple(
+            dataclasses.replace(t, bytes=t.bytes * int(n), host_bytes=t.host_bytes * int(n))
+            for t in self.tables
+        )
+        return MemoryEstimate(self.where, terms, tables)
 
     def summary(self) -> str:
         parts = [f"{t.what} {format_bytes(t.bytes)}" for t in self.terms if t.bytes > 0]
@@ -242,6 +285,112 @@ def dense_optimizer_states(opt: Any) -> int:
     return 1 if float(getattr(opt, "momentum", 0.0)) > 0 else 0
 
 
+def parse_hbm_cache(value: Any, binding: str) -> float | int:
+    """A validated ``hbm_cache`` setting (``binding`` names it in errors): a fraction of a
+    table's rows in (0, 1] (a float), or a byte count > 1 (an int; an integral float above 1,
+    such as ``8e9`` in a gin file, counts as bytes)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{binding}={value!r} must be a number: a fraction of the table's rows in (0, 1] "
+            f"or a byte count > 1, got {type(value).__name__}"
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{binding}={value!r} must be a finite number")
+    if isinstance(value, float) and 0.0 < value <= 1.0:
+        return value
+    if isinstance(value, float) and value > 1.0 and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and value > 1:
+        if value > INT64_MAX:
+            raise ValueError(f"{binding}={value!r} is too large: use at most {INT64_MAX} bytes")
+        return value
+    raise ValueError(
+        f"{binding}={value!r} is not a cache size: give a fraction of the table's rows in "
+        "(0, 1] (e.g. 0.1; 1.0 = every row) or a byte count > 1 (e.g. 8589934592 for 8 GiB)"
+    )
+
+
+def _dynamic_width(width: int, sparse_optimizer: str) -> int:
+    """fp32 columns of a dynamic table's row: the embedding and its optimizer state, padded to 4
+    (hstu.embeddings.dynamic_config.OPTIMIZER_STATE_DIM)."""
+    cols = _DYNAMIC_STATE_COLS.get(sparse_optimizer)
+    if cols is None:  # adagrad: one per element, adam: two per element + the step
+        cols = width if sparse_optimizer == "adagrad" else 2 * width + 1
+    return _ceil4(width + cols)
+
+
+def hbm_cache_rows(hbm_cache: float | int, slots: int, row_floats: int) -> int:
+    """Rows of a hybrid table's HBM cache (one rank's shard of ``slots`` slots, rows of
+    ``row_floats`` fp32): a fraction of the slots, or as many rows (with their 16 B of
+    metadata) as the byte count holds; a multiple of 32, at least 32, at most ``slots``."""
+    slots = max(_DYNAMIC_BUCKET, int(slots))
+    if isinstance(hbm_cache, float):
+        rows = math.ceil(hbm_cache * slots / _DYNAMIC_BUCKET) * _DYNAMIC_BUCKET
+    else:
+        rows = int(hbm_cache) // (row_floats * 4 + _CACHE_ROW_META_BYTES)
+        rows = rows // _DYNAMIC_BUCKET * _DYNAMIC_BUCKET
+    return min(max(rows, _DYNAMIC_BUCKET), math.ceil(slots / _DYNAMIC_BUCKET) * _DYNAMIC_BUCKET)
+
+
+@dataclass(frozen=True)
+class TableMemory:
+    """One table's bytes per rank in device memory (HBM on a GPU) and in host memory; on a CPU
+    run both are host memory. ``cache_rows``: the HBM cache of a hybrid dynamic table."""
+
+    device: int
+    host: int
+    world_size: int = 1
+    cache_rows: int = 0
+
+    @property
+    def per_rank(self) -> int:
+        return self.device + self.host
+
+    @property
+    def total(self) -> int:
+        return self.per_rank * self.world_size
+
+
+def table_memory(
+    kind: str,
+    rows: int,
+    width: int,
+    *,
+    sparse_optimizer: str,
+    dense_states: int,
+    world_size: int,
+    storage: str = "hbm",
+    hbm_cache: float | int = 0.1,
+) -> TableMemory:
+    """Where one embedding table's bytes are, per rank: the one formula of the start-up
+    estimate and of the tables' memory plan (`EmbeddingStack.memory_plan`).
+
+    ``kind``: "torchrec" (rows x width fp32 + the sparse optimizer's per-element state,
+    row-wise over the ranks), "dynamic" (``rows`` = capacity; every slot of a rank's shard,
+    rounded up to whole buckets) or "plain" (replicated on every rank with its gradient and
+    ``dense_states`` dense optimizer states). A dynamic table with ``storage='hbm'`` holds per
+    slot its row (padded to 4 floats with its optimizer columns) and key, score and last-use
+    step in device memory; with ``storage='hybrid'`` the rows are in host memory and the device
+    holds the slot directory (28 B per slot) and the cache (``hbm_cache``, see
+    `hbm_cache_rows`)."""
+    ws = max(1, int(world_size))
+    if kind == "dynamic":
+        slots = math.ceil(math.ceil(rows / ws) / _DYNAMIC_BUCKET) * _DYNAMIC_BUCKET
+        row_floats = _dynamic_width(width, sparse_optimizer)
+        if storage == "hybrid":
+            cache = hbm_cache_rows(hbm_cache, slots, row_floats)
+            device = slots * _HYBRID_SLOT_BYTES + cache * (row_floats * 4 + _CACHE_ROW_META_BYTES)
+            return TableMemory(device, slots * row_floats * 4, ws, cache)
+        return TableMemory(slots * (row_floats * 4 + _DYNAMIC_SLOT_BYTES), 0, ws)
+    if kind == "plain":
+        return TableMemory(rows * width * 4 * (2 + dense_states), 0, ws)
+    if kind == "torchrec":
+        # (row-wise Adagrad's one float per row is left out: a low estimate)
+        total = int(rows * width * 4 * (1 + _SPARSE_STATES.get(sparse_optimizer, 0.0)))
+        return TableMemory(math.ceil(total / ws), 0, ws)
+    raise ValueError(f"table_bytes: kind={kind!r} is not one of 'torchrec', 'dynamic', 'plain'")
+
+
 def table_bytes(
     kind: str,
     rows: int,
@@ -250,31 +399,26 @@ def table_bytes(
     sparse_optimizer: str,
     dense_states: int,
     world_size: int,
+    storage: str = "hbm",
+    hbm_cache: float | int = 0.1,
 ) -> tuple[int, int]:
-    """(bytes per rank, bytes on all ranks) of one embedding table, the one formula of the
-    estimate and of the tables' memory plan (`EmbeddingStack.memory_plan`).
-
-    ``kind``: "torchrec" (rows x width fp32 + the sparse optimizer's per-element state,
-    row-wise over the ranks), "dynamic" (``rows`` = capacity; every slot of a rank's shard, rounded up to whole
-    buckets: the row padded to 4 floats with its optimizer columns, plus key, score and last-use
-    step) or "plain" (replicated on every rank with its gradient and ``dense_states`` dense
-    optimizer states)."""
-    ws = max(1, int(world_size))
-    if kind == "dynamic":
-        slots = math.ceil(math.ceil(rows / ws) / _DYNAMIC_BUCKET) * _DYNAMIC_BUCKET
-        cols = _DYNAMIC_STATE_COLS.get(sparse_optimizer)
-        if cols is None:  # adagrad: one per element, adam: two per element + the step
-            cols = width if sparse_optimizer == "adagrad" else 2 * width + 1
-        per_rank = slots * (_ceil4(width + cols) * 4 + _DYNAMIC_SLOT_BYTES)
-        return per_rank, per_rank * ws
-    if kind == "plain":
-        per_rank = rows * width * 4 * (2 + dense_states)
-        return per_rank, per_rank * ws
+    """(bytes per rank, bytes on all ranks) of one embedding table, device and host memory
+    together (`table_memory` splits them). A torchrec table's total is not a multiple of the
+    ranks: its per-rank share is rounded up."""
+    m = table_memory(
+        kind,
+        rows,
+        width,
+        sparse_optimizer=sparse_optimizer,
+        dense_states=dense_states,
+        world_size=world_size,
+        storage=storage,
+        hbm_cache=hbm_cache,
+    )
     if kind == "torchrec":
-        # (row-wise Adagrad's one float per row is left out: a low estimate)
         total = int(rows * width * 4 * (1 + _SPARSE_STATES.get(sparse_optimizer, 0.0)))
-        return math.ceil(total / ws), total
-    raise ValueError(f"table_bytes: kind={kind!r} is not one of 'torchrec', 'dynamic', 'plain'")
+        return m.per_rank, total
+    return m.per_rank, m.total
 
 
 def _dense_parameter_count(cfg: Any, sizes: DataSizes, n_ctx: int) -> int:
@@ -376,40 +520,67 @@ def estimate_memory(
     sharded = 0.0  # split over the ranks (torchrec, dynamic)
     replicated = 0.0  # on every rank, with gradients and dense optimizer states (dense tables)
     host_copy = 0.0  # static tables are initialised on the CPU by every process
+    host_rows = 0  # per process: the rows of hybrid dynamic tables (host memory)
+    uses: list[TableUse] = []  # per table: its device-side bytes per process
+    host_uses: list[TableUse] = []  # per table: its host-tier bytes per process (hybrid)
     drivers: list[Driver] = []
     dynamic = backend == "dynamic"
+    storage = getattr(emb, "storage", "hbm")
+    hbm_cache = getattr(emb, "hbm_cache", 0.1)
     for name, rows in [*ctx_rows.items(), ("item_table", item_rows)]:
         is_dynamic = dynamic and name in ("item_table", "user_id")
+        table_name = name if name == "item_table" else f"ctx_{name}"
         if is_dynamic:
             is_item = name == "item_table"
             requested = int(emb.item_capacity if is_item else emb.user_capacity)
             capacity = requested or 2 * rows
-            sharded += table_bytes("dynamic", capacity, h, **kinds)[1]
+            mem = table_memory(
+                "dynamic", capacity, h, storage=storage, hbm_cache=hbm_cache, **kinds
+            )
+            sharded += mem.device * ws
+            host_rows += mem.host
             field_name = "item_capacity" if is_item else "user_capacity"
+            binding = f"EmbeddingArgs.{field_name}"
+            # what the rows alone would take in host memory as a hybrid table
+            as_hybrid = table_memory("dynamic", capacity, h, storage="hybrid", **kinds).host
+            use = TableUse(table_name, "dynamic", capacity, h, storage, mem.device, ws, binding,
+                           0 if storage == "hybrid" else as_hybrid)  # fmt: skip
+            uses.append(use)
+            if mem.host:
+                host_uses.append(dataclasses.replace(use, bytes=mem.host, host_bytes=0))
             if requested or not sizes.synthetic:
                 drivers.append(
                     Driver(
-                        f"EmbeddingArgs.{field_name}",
+                        binding,
                         requested if requested else f"0 (2 x {rows} rows of the data)",
                         None if requested else 1.0,
-                        f"set EmbeddingArgs.{field_name} to a capacity that fits",
+                        f"set {binding} to a capacity that fits",
                     )
                 )
             continue
         host_copy += rows * table_dim * 4
         dense_table = backend == "dense" or (dynamic and emb.contextual_tables == "dense")
+        kind = "plain" if dense_table else "torchrec"
+        mem = table_memory(kind, rows, table_dim, **kinds)
         if dense_table:
-            replicated += table_bytes("plain", rows, table_dim, **kinds)[0]
+            replicated += mem.device
         else:
             sharded += table_bytes("torchrec", rows, table_dim, **kinds)[1]
+        uses.append(TableUse(table_name, kind, rows, table_dim, "", mem.device, ws))
     if not dynamic or sizes.synthetic:
         drivers = [item_driver, *([user_driver] if sizes.synthetic else []), *drivers]
     tables_total = int(sharded / ws + replicated)
+    formula = "rows x width x 4 B x (1 + optimizer states), dynamic tables: capacity rows"
+    if host_rows:
+        formula += "; hybrid tables: 28 B per slot + the HBM cache's rows"
     tables = MemoryTerm(
-        "embedding tables",
-        tables_total,
-        "rows x width x 4 B x (1 + optimizer states), dynamic tables: capacity rows",
-        (*dict.fromkeys(drivers), *size_drivers),
+        "embedding tables", tables_total, formula, (*dict.fromkeys(drivers), *size_drivers)
+    )
+    hybrid_rows = MemoryTerm(
+        "hybrid table rows",
+        int(host_rows),
+        "capacity x row width x 4 B (row + optimizer state, padded to 4 floats), in host memory",
+        tables.drivers,
     )
 
     # ---- dense parameters ----------------------------------------------------------------
@@ -518,19 +689,38 @@ def estimate_memory(
         else (Driver(f"the size of {sizes.source}", sizes.array_bytes, sizes.array_bytes),),
     )
     if not cuda:
-        # every process of this host holds its part of everything
+        # every process of this host holds its part of everything (a hybrid table's "device"
+        # tier is host memory too in the CPU development mode)
+        if host_rows:
+            terms[0] = dataclasses.replace(tables, bytes=tables.bytes + int(host_rows))
+            tier = {h.name: h.bytes for h in host_uses}
+            uses = [dataclasses.replace(u, bytes=u.bytes + tier.get(u.name, 0)) for u in uses]
         host_terms = [MemoryTerm(x.what, x.bytes * lws, x.formula, x.drivers) for x in terms]
-        return {"host": MemoryEstimate("host", (*host_terms, data_term))}
+        est = MemoryEstimate("host", (*host_terms, data_term), tuple(uses))
+        return {"host": _times_tables(est, lws)}
     host_tables = MemoryTerm(
         "embedding tables (initialised on the CPU)",
         int(host_copy) * lws,
         "static table rows x width x 4 B, once per process on this host",
         tables.drivers,
     )
+    host_terms = [host_tables, data_term]
+    if host_rows:
+        host_terms.insert(1, dataclasses.replace(hybrid_rows, bytes=int(host_rows) * lws))
+    host_est = _times_tables(MemoryEstimate("host", tuple(host_terms), tuple(host_uses)), lws)
     return {
-        "cuda": MemoryEstimate("cuda", tuple(terms)),
-        "host": MemoryEstimate("host", (host_tables, data_term)),
+        "cuda": MemoryEstimate("cuda", tuple(terms), tuple(uses)),
+        "host": host_est,
     }
+
+
+def _times_tables(est: MemoryEstimate, n: int) -> MemoryEstimate:
+    """``est`` with its tables' shares multiplied by ``n`` (the processes of this host; the
+    terms already are)."""
+    tables = tuple(
+        dataclasses.replace(t, bytes=t.bytes * n, host_bytes=t.host_bytes * n) for t in est.tables
+    )
+    return MemoryEstimate(est.where, est.terms, tables)
 
 
 # ---- what is available --------------------------------------------------------------------------
@@ -582,12 +772,19 @@ def check_memory(
 
     ``available``: ``{where: (bytes, description)}``; default `available_memory` of each.
     A limit of 0 bytes (unknown) passes. The message names the setting that grew most in the
-    largest term, the estimate (with its parts), the limit and the fix.
+    largest term, the estimate (with its parts), the limit and the fix; when the embedding
+    tables are what does not fit, it names the largest table, its bytes and the fixes for it
+    (fewer rows, more GPUs, ``EmbeddingArgs.storage='hybrid'`` when its rows fit in host memory,
+    or several hosts when even the host memory cannot hold them).
     """
     if skip_memory_check():
         return
+
+    def limit_of(where: str) -> tuple[int, str]:
+        return (available or {}).get(where) or available_memory(where)
+
     for where, est in estimates.items():
-        limit, desc = (available or {}).get(where) or available_memory(where)
+        limit, desc = limit_of(where)
         if limit <= 0 or est.total <= limit:
             continue
         term = est.largest()
@@ -603,11 +800,129 @@ def check_memory(
             if cause is None or d.label != cause.label
         ]
         also = f" (the {term.what} also grow with {', '.join(others[:4])})" if others else ""
+        # a dynamic table is what does not fit, by its rows (not a width that grew): its fixes
+        rows_grew = cause is None or not cause.label.startswith("NetworkArgs.")
+        largest = max(est.tables, key=lambda x: x.bytes) if est.tables else None
+        if (
+            largest is not None
+            and largest.kind == "dynamic"
+            and term.what in _TABLE_TERMS
+            and rows_grew
+        ):
+            fix = _table_fix(where, est.tables, limit, limit_of)
+            also = ""
         raise MemoryBudgetError(
             f"{head}{what} needs an estimated {format_bytes(est.total)} of {memory} "
             f"({est.summary()}; {term.what}: {term.formula}) but {desc} is "
             f"{format_bytes(limit)}; {fix}{also}, or set {SKIP_MEMORY_CHECK_ENV}=1 if the "
             "estimate is wrong"
+        )
+
+
+_TABLE_TERMS = ("embedding tables", "hybrid table rows")
+
+
+def _table_fix(where: str, tables: tuple[TableUse, ...], limit: int, limit_of) -> str:
+    """The fixes for the largest table (a dynamic one) of a memory (``where``) that the tables
+    overflow: fewer rows, more GPUs, hybrid storage when its rows fit in host memory, a smaller
+    HBM cache, or several hosts."""
+    t = max(tables, key=lambda x: x.bytes)
+    rows = f"fewer rows (lower {t.binding})" if t.binding else "fewer rows"
+    # the GPUs (or processes) over which the table's bytes here would fit, rows split row-wise
+    gpus = max(2, math.ceil(t.bytes * t.world_size / max(1, limit)))
+    head = f"the largest is {t.describe()}, {format_bytes(t.bytes)} of it per process"
+    if where == "cuda" and t.storage == "hybrid":  # the directory and the cache
+        return (
+            f"{head} (its slot directory, 28 B per row, and its HBM cache): lower "
+            f"EmbeddingArgs.hbm_cache, use {rows}, or more GPUs (at least {gpus} of this size)"
+        )
+    if where == "cuda":
+        host_limit, host_desc = limit_of("host")
+        if host_limit <= 0 or t.host_bytes <= host_limit:
+            return (
+                f"{head}: use {rows}, more GPUs (at least {gpus} of this size), or "
+                f"EmbeddingArgs.storage='hybrid' (its rows, {format_bytes(t.host_bytes)}, fit "
+                f"in host memory ({host_desc} {format_bytes(host_limit)}): HBM then holds the "
+                "cache of EmbeddingArgs.hbm_cache and 28 B per row)"
+            )
+        return (
+            f"{head}: use {rows} or more GPUs (at least {gpus} of this size); "
+            f"EmbeddingArgs.storage='hybrid' does not help: its rows take "
+            f"{format_bytes(t.host_bytes)} of host memory and {host_desc} is "
+            f"{format_bytes(host_limit)}, so it needs several hosts' memory (more GPUs on more "
+            "hosts)"
+        )
+    if t.storage == "hybrid":
+        return (
+            f"{head} (the rows of a hybrid table live in host memory): it needs several hosts' "
+            f"memory: spread it over more GPUs on more hosts (each holds 1/N of the rows; at "
+            f"least {gpus} processes' worth), or use {rows}"
+        )
+    return f"{head}: use {rows}, or spread it over more hosts (at least {gpus} processes' worth)"
+
+
+# allocations below this are not checked (no memory query for small tables)
+_CHECK_ALLOCATION_FROM = 64 * 2**20
+
+
+def check_table_allocation(
+    what: str,
+    device_type: str,
+    device_bytes: int,
+    host_bytes: int = 0,
+    *,
+    storage: str = "hbm",
+    hybrid_host_bytes: int = 0,
+    available: Mapping[str, tuple[int, str]] | None = None,
+) -> None:
+    """Refuses (`MemoryBudgetError`, one line) to allocate a dynamic table (or one rank's
+    shard of it), ``what``, that cannot fit: ``device_bytes`` on its device (HBM on a GPU;
+    host memory on the CPU) and ``host_bytes`` of host memory (a hybrid table's rows).
+    ``hybrid_host_bytes``: the host memory its rows would take with ``storage='hybrid'`` (for
+    the fix). Called right before the table allocates; the start-up estimate
+    (`estimate_memory`) refuses a whole run earlier with the same fixes."""
+    if skip_memory_check() or device_bytes + host_bytes < _CHECK_ALLOCATION_FROM:
+        return
+
+    def limit_of(where: str) -> tuple[int, str]:
+        return (available or {}).get(where) or available_memory(where)
+
+    cuda = device_type == "cuda"
+    needs = (
+        {"cuda": device_bytes, "host": host_bytes} if cuda else {"host": device_bytes + host_bytes}
+    )
+    for where, need in needs.items():
+        limit, desc = limit_of(where)
+        if limit <= 0 or need <= limit:
+            continue
+        memory = "GPU memory" if where == "cuda" else "host memory"
+        if where == "cuda" and storage == "hbm":
+            host_limit, host_desc = limit_of("host")
+            if host_limit <= 0 or hybrid_host_bytes <= host_limit:
+                fix = (
+                    "use a smaller capacity, more GPUs (the rows are split row-wise), or "
+                    f"EmbeddingArgs.storage='hybrid' (its rows, {format_bytes(hybrid_host_bytes)}, "
+                    f"fit in host memory: {host_desc} {format_bytes(host_limit)})"
+                )
+            else:
+                fix = (
+                    "use a smaller capacity or more GPUs; EmbeddingArgs.storage='hybrid' does "
+                    f"not help (its rows take {format_bytes(hybrid_host_bytes)}, {host_desc} is "
+                    f"{format_bytes(host_limit)}): it needs several hosts' memory"
+                )
+        elif where == "cuda":
+            fix = "lower EmbeddingArgs.hbm_cache, use a smaller capacity, or more GPUs"
+        elif storage == "hybrid" and cuda:
+            fix = (
+                "it needs several hosts' memory: spread its rows over more GPUs on more hosts, "
+                "or use a smaller capacity"
+            )
+        else:
+            fix = "use a smaller capacity, or spread the rows over more processes or hosts"
+        raise MemoryBudgetError(
+            f"{what} needs {format_bytes(need)} of {memory} but {desc} is "
+            f"{format_bytes(limit)}; {fix}, or set {SKIP_MEMORY_CHECK_ENV}=1 if the estimate is "
+            "wrong"
         )
 
 

@@ -26,6 +26,12 @@ class Batch:
     labels: ranking only, [sum(num_candidates)] int64 action bitmask of each candidate, in order.
     target_item_ids: retrieval evaluation only, [B] int64 held-out next item of each sample.
     user_ids: [B] int64 raw user ids (for bookkeeping, history exclusion, debugging).
+    timestamps: [sum(item lengths)] int64, jagged exactly like ``item_id`` (same lengths, same
+      order): the time of each history item, then each candidate's own time (its interaction's
+      time in the dataset). None when the dataset has no real timestamps
+      (`SequenceData.has_timestamps`, e.g. SASRec-style files).
+    target_timestamps: retrieval evaluation only, [B] int64 time of each held-out next item (the
+      time of the request the query answers); None otherwise and without real timestamps.
     global_counts: training batches from a `BatchIterator` given per-sample loss counts: (loss
       terms, samples) of the whole global batch, all ranks together, known without communication
       (the trainer then skips its per-step host all-reduce of the local counts).
@@ -41,6 +47,8 @@ class Batch:
     user_ids: torch.Tensor
     labels: torch.Tensor | None = None
     target_item_ids: torch.Tensor | None = None
+    timestamps: torch.Tensor | None = None
+    target_timestamps: torch.Tensor | None = None
     global_counts: tuple[float, float] | None = field(default=None, compare=False)
     host: Batch | None = field(default=None, repr=False, compare=False)
 

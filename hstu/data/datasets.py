@@ -17,6 +17,10 @@ Retrieval (leave-one-out):
         items; the model predicts item p + 1 from the prefix ending at p inside each window.
         Windows of fewer than 2 items are dropped.
 Users with fewer than 2 interactions have no usable sample and are skipped (and counted).
+
+Timestamps: when the data has real ones (`SequenceData.has_timestamps`), every batch carries the
+time of each of its items (history and candidates, jagged like ``item_id``) and retrieval eval
+batches the time of each held-out target; otherwise none.
 """
 
 from __future__ import annotations
@@ -90,14 +94,18 @@ def _make_batch(
     history_ends: np.ndarray,
     item_ends: np.ndarray,
     labels: np.ndarray | None,
-    target_item_ids: np.ndarray | None,
+    target_positions: np.ndarray | None,
 ) -> Batch:
     """Assemble a `Batch` whose sample b has items [item_starts, item_ends) of the CSR arrays,
-    the first ``history_ends - item_starts`` of them history (with actions)."""
+    the first ``history_ends - item_starts`` of them history (with actions). Timestamps follow
+    the items (each item's own time) when the data has real ones. ``target_positions``
+    (retrieval evaluation): the held-out item of each sample, whose id and time the batch
+    carries as targets."""
     b = int(user_rows.shape[0])
     names = list(data.user_feature_names)
     ctx = data.user_features[user_rows]  # [B, F]
-    item_values = data.item_ids[_ranges(item_starts, item_ends)]
+    item_positions = _ranges(item_starts, item_ends)
+    item_values = data.item_ids[item_positions]
     action_values = data.actions[_ranges(item_starts, history_ends)]
     values = np.concatenate([ctx.T.reshape(-1), item_values, action_values]).astype(np.int64)
     lengths = np.concatenate(
@@ -112,6 +120,7 @@ def _make_batch(
         values=torch.from_numpy(values),
         lengths=torch.from_numpy(lengths),
     )
+    timed = data.has_timestamps
     return Batch(
         features=features,
         contextual_feature_names=names,
@@ -119,8 +128,14 @@ def _make_batch(
         user_ids=torch.from_numpy(data.user_ids[user_rows].astype(np.int64)),
         labels=None if labels is None else torch.from_numpy(labels.astype(np.int64)),
         target_item_ids=None
-        if target_item_ids is None
-        else torch.from_numpy(target_item_ids.astype(np.int64)),
+        if target_positions is None
+        else torch.from_numpy(data.item_ids[target_positions].astype(np.int64)),
+        timestamps=torch.from_numpy(data.timestamps[item_positions].astype(np.int64))
+        if timed
+        else None,
+        target_timestamps=torch.from_numpy(data.timestamps[target_positions].astype(np.int64))
+        if timed and target_positions is not None
+        else None,
     )
 
 
@@ -174,7 +189,7 @@ class RankingSamples:
             cs,
             ce,
             labels=self.data.actions[_ranges(cs, ce)],
-            target_item_ids=None,
+            target_positions=None,
         )
 
 
@@ -223,7 +238,7 @@ class RetrievalSamples:
 
     def collate(self, indices: np.ndarray | list[int]) -> Batch:
         """`Batch` of the given samples: item_id and action = the window (num_candidates = 0);
-        eval batches also carry ``target_item_ids``."""
+        eval batches also carry ``target_item_ids`` (and ``target_timestamps``)."""
         idx = _as_index_array(indices, len(self), f"RetrievalSamples[{self.split}]")
         s, e = self.starts[idx], self.ends[idx]
         return _make_batch(
@@ -233,7 +248,7 @@ class RetrievalSamples:
             e,
             e,
             labels=None,
-            target_item_ids=self.data.item_ids[e] if self.is_eval else None,
+            target_positions=e if self.is_eval else None,
         )
 
 

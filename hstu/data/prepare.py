@@ -32,6 +32,7 @@ from hstu.data.sequences import (
     SequenceData,
     check_output_dir,
     make_stage_dir,
+    time_order_problem,
 )
 from hstu.data.sources import (
     DATASETS,
@@ -171,6 +172,7 @@ def prepare_dataset(
     result = spec.build(files, BuildOptions(name=dataset, progress=progress, fmt=fmt))
     data = result.data
     _check_id_range(data, files)
+    _check_timestamps(data, files)
     for entry in inputs:
         entry["rows"] = result.rows_read.get(entry["role"])
     dropped_total = int(sum(result.dropped.values()))
@@ -214,6 +216,16 @@ def _check_id_range(data: SequenceData, files: dict[str, Path]) -> None:
             f"{where}: item id {int(data.item_ids.max())} is above the largest id the item "
             f"table indexes ({MAX_ITEM_ID} = 2^31 - 1); remap the item ids to a dense range"
         )
+
+
+def _check_timestamps(data: SequenceData, files: dict[str, Path]) -> None:
+    """Timestamps must be >= 0 and in order inside each user (the converters check their time
+    columns with line numbers and sort each user by time; this catches any converter that does
+    not)."""
+    problem = time_order_problem(data)
+    if problem is not None:
+        where = ", ".join(str(p) for p in files.values())
+        raise DataFormatError(f"{where}: {problem}; fix the input's time column")
 
 
 def _parser() -> argparse.ArgumentParser:

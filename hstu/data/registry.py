@@ -12,7 +12,14 @@ import numpy as np
 
 from hstu.config.limits import MAX_ITEM_ID, check_memory, process_counts
 from hstu.data.datasets import SampleSplits, build_ranking_samples, build_retrieval_samples
-from hstu.data.sequences import DATA_FILE, MANIFEST_FILE, PreparedDataError, SequenceData
+from hstu.data.sequences import (
+    DATA_FILE,
+    MANIFEST_FILE,
+    PreparedDataError,
+    SequenceData,
+    rerun_command,
+    time_order_problem,
+)
 from hstu.data.synthetic import generate_synthetic, synthetic_generation_memory
 
 __all__ = [
@@ -71,12 +78,22 @@ def _load_prepared(
             f"{data_file}: invalid prepared dataset ({' '.join(str(err).split())}); re-create "
             f"it with: {fix}"
         ) from err
-    _check_ids(data, data_file, name)
+    _check_ids(data, data_file, name, rerun_command(_read_manifest(manifest), fix))
     return data
 
 
-def _check_ids(data: SequenceData, data_file: Path, name: str) -> None:
-    """Reject empty data and negative ids with messages naming the file."""
+def _read_manifest(path: Path) -> dict:
+    """The manifest as a dict ({} if it cannot be read: it was read once already)."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _check_ids(data: SequenceData, data_file: Path, name: str, fix: str) -> None:
+    """Reject empty data, negative ids and timestamps out of order with messages naming the
+    file and the command that re-creates it (``fix``)."""
     if data.num_users == 0 or data.num_interactions == 0:
         raise ValueError(
             f"{data_file}: dataset {name!r} is empty ({data.num_users} users, "
@@ -98,24 +115,23 @@ def _check_ids(data: SequenceData, data_file: Path, name: str) -> None:
             f"largest item id the tables index ({MAX_ITEM_ID} = 2^31 - 1); re-create it with "
             f"the current converter, which checks ids: {_prepare_command(name)}"
         )
-    # Samples are cut by position, so positions must be in time order inside each user.
-    same_user = np.repeat(np.arange(data.num_users), data.lengths())
-    back = (np.diff(data.timestamps) < 0) & (same_user[1:] == same_user[:-1])
-    if back.any():
-        i = int(np.flatnonzero(back)[0]) + 1
+    # Samples are cut by position, so positions must be in time order inside each user; the
+    # time attention bias reads the timestamps themselves, which are Unix times (>= 0).
+    problem = time_order_problem(data)
+    if problem is not None:
         raise ValueError(
-            f"{data_file}: timestamps go backwards inside user {int(data.user_ids[same_user[i]])} "
-            f"(row {i}: {int(data.timestamps[i - 1])} -> {int(data.timestamps[i])}); each user's "
-            f"interactions must be sorted by time. Re-create it with: {_prepare_command(name)}"
+            f"{data_file}: {problem} (DatasetArgs.dataset_name={name!r}). The converters sort "
+            f"each user by time and refuse negative times: re-create it with: {fix}"
         )
 
 
 def load_sequence_data(dataset_args: Any, num_tasks: int = 8) -> SequenceData:
     """The `SequenceData` that ``dataset_args`` (a `DatasetArgs`) names.
 
-    ``"synthetic"`` is generated from ``synthetic_num_users``, ``synthetic_num_items`` and
-    ``synthetic_seed`` (with ``num_tasks`` action bits); any other name is loaded from
-    ``dataset_path`` or ``data/<name>/`` as written by ``python -m hstu.data.prepare``.
+    ``"synthetic"`` is generated from ``synthetic_num_users``, ``synthetic_num_items``,
+    ``synthetic_seed`` and ``synthetic_time_effect`` (with ``num_tasks`` action bits); any other
+    name is loaded from ``dataset_path`` or ``data/<name>/`` as written by
+    ``python -m hstu.data.prepare``.
     """
     name = str(dataset_args.dataset_name)
     if name == SYNTHETIC_DATASET:
@@ -136,18 +152,24 @@ def load_sequence_data(dataset_args: Any, num_tasks: int = 8) -> SequenceData:
             what="generating the synthetic dataset"
             + (f" in each of {local} processes" if local > 1 else ""),
         )
+        time_effect = _synthetic_time_effect(dataset_args)
         data = generate_synthetic(
             num_users=int(dataset_args.synthetic_num_users),
             num_items=int(dataset_args.synthetic_num_items),
             seed=int(dataset_args.synthetic_seed),
             num_tasks=int(num_tasks),
+            time_effect=time_effect,
         )
+        problem = time_order_problem(data)
+        if problem is not None:  # the generator guarantees order; a failure here is a bug
+            raise RuntimeError(f"synthetic dataset (DatasetArgs.synthetic_*): {problem}")
         logger.info(
-            "synthetic dataset: %d users, %d items, %d interactions (seed %d)",
+            "synthetic dataset: %d users, %d items, %d interactions (seed %d%s)",
             data.num_users,
             int(data.item_corpus().size),
             data.num_interactions,
             int(dataset_args.synthetic_seed),
+            f", time effect {time_effect:g}" if time_effect else "",
         )
         return data
     dataset_path = str(getattr(dataset_args, "dataset_path", "") or "")
@@ -172,6 +194,21 @@ def load_sequence_data(dataset_args: Any, num_tasks: int = 8) -> SequenceData:
         data.num_interactions,
     )
     return data
+
+
+def _synthetic_time_effect(dataset_args: Any) -> float:
+    """``DatasetArgs.synthetic_time_effect`` (0 = off, where the field is absent too), checked."""
+    value = getattr(dataset_args, "synthetic_time_effect", 0.0)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or not 0.0 <= float(value) <= 1.0
+    ):
+        raise ValueError(
+            f"DatasetArgs.synthetic_time_effect={value!r} must be a number in [0, 1] (the share "
+            "of steps whose next item follows the time gap; 0 = off)"
+        )
+    return float(value)
 
 
 def build_samples(data: SequenceData, dataset_args: Any, task: str) -> SampleSplits:

@@ -25,10 +25,13 @@ __all__ = [
     "CHECKSUM",
     "DATA_FILE",
     "MANIFEST_FILE",
+    "POSITION_TIMESTAMP_DATASETS",
     "PreparedDataError",
     "SequenceData",
     "array_checksum",
     "check_output_dir",
+    "manifest_has_timestamps",
+    "time_order_problem",
 ]
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,11 @@ ARRAY_NAMES = ("user_ids", "offsets", "item_ids", "actions", "timestamps", "user
 # hashlib algorithm of the array checksums: sha256 runs at ~1.7 GB/s on this project's CPU
 # (hardware SHA), blake2b at ~0.9 GB/s; the manifest key names the algorithm
 CHECKSUM = "sha256"
+# converters whose "timestamps" are only the interaction's position in the file (SASRec-style
+# files): a prepared dataset of theirs without the manifest key ``has_timestamps`` (written before
+# the key existed) is read as having no real timestamps; every other one as having them
+POSITION_TIMESTAMP_DATASETS = ("sequences", "amazon-beauty")
+_POSITION_MARKER = "position in the file"  # extra["timestamps"] of those converters
 
 
 @dataclass
@@ -51,6 +59,10 @@ class SequenceData:
     actions [N] int64 (bitmask over ``action_names``: bit k set = task k positive),
     timestamps [N] int64 (non-decreasing within each user),
     user_features [U, F] int64 (categorical contextual features, ids >= 0).
+
+    ``has_timestamps``: whether ``timestamps`` are real times (Unix seconds or milliseconds, as
+    the source gives them). False for the SASRec-style files, whose "timestamps" are only the
+    order of the file; batches of such data carry no timestamps (`Batch.timestamps` is None).
     """
 
     name: str
@@ -63,6 +75,7 @@ class SequenceData:
     user_feature_names: list[str] = field(default_factory=list)
     action_names: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    has_timestamps: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -174,6 +187,7 @@ class SequenceData:
             "user_feature_names": list(self.user_feature_names),
             "user_feature_cardinalities": self.user_feature_cardinalities,
             "action_names": list(self.action_names),
+            "has_timestamps": bool(self.has_timestamps),
             "extra": self.extra,
         }
         meta.update(manifest or {})
@@ -234,6 +248,7 @@ class SequenceData:
                 user_feature_names=list(meta.get("user_feature_names", [])),
                 action_names=list(meta.get("action_names", [])),
                 extra=dict(meta.get("extra", {})),
+                has_timestamps=manifest_has_timestamps(meta),
                 **arrays,
             )
         except (KeyError, TypeError, ValueError) as err:
@@ -241,6 +256,47 @@ class SequenceData:
                 f"{data_path}: invalid prepared dataset ({_one_line(err)}); re-create it with: "
                 f"{command}"
             ) from None
+
+
+def manifest_has_timestamps(meta: dict) -> bool:
+    """Whether a prepared dataset's timestamps are real, from its manifest: the key
+    ``has_timestamps``, else (manifests written before it existed) False only for the
+    SASRec-style converters, whose timestamps are file positions."""
+    flag = meta.get("has_timestamps")
+    if isinstance(flag, bool):
+        return flag
+    extra = meta.get("extra")
+    if isinstance(extra, dict) and extra.get("timestamps") == _POSITION_MARKER:
+        return False
+    return meta.get("dataset") not in POSITION_TIMESTAMP_DATASETS
+
+
+def time_order_problem(data: SequenceData) -> str | None:
+    """What is wrong with ``data``'s timestamps, or None: a negative timestamp, or timestamps
+    going backwards inside a user (samples are cut by position, so positions must be in time
+    order). One sentence naming the first offending row."""
+    ts = data.timestamps
+    if ts.size and int(ts.min()) < 0:
+        i = int(np.argmax(ts < 0))
+        row = int(np.searchsorted(data.offsets, i, side="right")) - 1
+        return (
+            f"negative timestamp {int(ts[i])} at row {i} (user {int(data.user_ids[row])}); "
+            "timestamps must be >= 0 (Unix time)"
+        )
+    if ts.size < 2:
+        return None
+    back = np.diff(ts) < 0
+    # a step from one user's last row to the next user's first row may go back: not a problem
+    starts = data.offsets[1:-1]
+    back[starts[(starts > 0) & (starts < ts.size)] - 1] = False
+    if not back.any():
+        return None
+    i = int(np.argmax(back)) + 1
+    row = int(np.searchsorted(data.offsets, i, side="right")) - 1
+    return (
+        f"timestamps go backwards inside user {int(data.user_ids[row])} (row {i}: "
+        f"{int(ts[i - 1])} -> {int(ts[i])}); each user's interactions must be sorted by time"
+    )
 
 
 # ---- the manifest's proof of the arrays ----------------------------------------------------------

@@ -8,7 +8,12 @@ DistributedModelParallel shards them (``EmbeddingCollectionSharder`` and
 """
 
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
-from hstu.embeddings.dynamic_table import DynamicEmbeddingCollection, DynamicEmbeddingTable
+from hstu.embeddings.dynamic_table import (
+    DynamicEmbeddingCollection,
+    DynamicEmbeddingTable,
+    make_dynamic_table,
+)
+from hstu.embeddings.hybrid_table import HybridDynamicEmbeddingTable
 from hstu.embeddings.sharding import DynamicEmbeddingSharder, merge_collection_dumps
 from hstu.embeddings.stack import EmbeddingStack, SparseInput
 from hstu.embeddings.static import TableSpec, apply_sparse_optimizer, build_embedding_collection
@@ -22,6 +27,8 @@ __all__ = [
     "DynamicEmbeddingConfig",
     "DynamicEmbeddingCollection",
     "DynamicEmbeddingTable",
+    "HybridDynamicEmbeddingTable",
+    "make_dynamic_table",
     "DynamicEmbeddingSharder",
     "merge_collection_dumps",
 ]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import gin
 
 from hstu.config.args import SPARSE_OPTIMIZERS
+from hstu.config.limits import STORAGES, hbm_cache_rows, parse_hbm_cache
 
 __all__ = [
     "DynamicEmbeddingConfig",
@@ -44,6 +45,10 @@ class DynamicEmbeddingConfig:
     when a bucket is full the row with the lowest eviction score that is not used by the current
     batch is replaced. The optimizer runs fused into backward: the dense optimizer never sees
     these rows.
+
+    storage: "hbm" keeps every row on the table's device; "hybrid" keeps the rows in host
+    memory and the hot ones in a device cache of ``hbm_cache`` (a fraction of the rows in
+    (0, 1], or bytes per device), with the same results (`hstu.embeddings.hybrid_table`).
     """
 
     name: str
@@ -61,6 +66,8 @@ class DynamicEmbeddingConfig:
     weight_decay: float = 0.0
     seed: int = 0
     output_dtype: str = "float32"
+    storage: str = "hbm"
+    hbm_cache: float | int = 0.1
 
     def __post_init__(self) -> None:
         where = f"DynamicEmbeddingConfig(name={self.name!r})"
@@ -114,6 +121,11 @@ class DynamicEmbeddingConfig:
             raise ValueError(
                 f"{where}.output_dtype={self.output_dtype!r}: one of float32, float16, bfloat16"
             )
+        if self.storage not in STORAGES:
+            raise ValueError(
+                f"{where}.storage={self.storage!r} is not supported: one of {list(STORAGES)}"
+            )
+        self.hbm_cache = parse_hbm_cache(self.hbm_cache, f"{where}.hbm_cache")
         self.init_args()  # validates the resolved initializer parameters
 
     @property
@@ -123,6 +135,15 @@ class DynamicEmbeddingConfig:
     @property
     def state_dim(self) -> int:
         return OPTIMIZER_STATE_DIM(self.optimizer, self.embedding_dim)
+
+    @property
+    def row_width(self) -> int:
+        """fp32 columns of a stored row: the embedding, its optimizer state, padding to 4."""
+        return -(-(self.embedding_dim + self.state_dim) // 4) * 4
+
+    def cache_rows(self, num_slots: int) -> int:
+        """Rows of a hybrid table's device cache for a shard of ``num_slots`` slots."""
+        return hbm_cache_rows(self.hbm_cache, num_slots, self.row_width)
 
     def init_args(self) -> tuple[int, float, float, float, float]:
         """(kind, p0, p1, p2, p3) as the kernels take them; see reference_table.init_rows."""

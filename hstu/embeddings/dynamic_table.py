@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
+from hstu.config.limits import check_table_allocation
 from hstu.embeddings import reference_table
 from hstu.embeddings.dynamic_config import BUCKET_SIZE, DynamicEmbeddingConfig
 from hstu.embeddings.reference_table import EMPTY_KEY, OPT_CODES, TableState
@@ -26,6 +27,7 @@ __all__ = [
     "DynamicEmbeddingTable",
     "DynamicEmbeddingCollection",
     "UniqueIds",
+    "make_dynamic_table",
     "unique_ids",
     "apply_increment",
     "apply_collection_increment",
@@ -108,14 +110,14 @@ class _FusedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dummy, table, u, slots):  # type: ignore[override]
-        ctx.table, ctx.u, ctx.slots = table, u, slots
-        return table.ops.gather(table.state, table.dim, slots, u.inverse)
+        ctx.table, ctx.u, ctx.slots, ctx.step = table, u, slots, table.step
+        return table.ops.gather(table.row_state(), table.dim, slots, u.inverse)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         t, u = ctx.table, ctx.u
         t.ops.update(
-            t.state,
+            t.row_state(),
             t.dim,
             u.uniq,
             ctx.slots,
@@ -125,6 +127,7 @@ class _FusedLookup(torch.autograd.Function):
             grad.contiguous(),
             t.optimizer_args(),
         )
+        t._backward_done(ctx.step)
         return None, None, None, None
 
 
@@ -150,8 +153,19 @@ class DynamicEmbeddingTable(nn.Module):
         per_rank = -(-config.capacity // world_size)
         num_slots = -(-per_rank // BUCKET_SIZE) * BUCKET_SIZE
         # Rows padded to 4 floats so the kernels move them as float4.
-        self.width = -(-(self.dim + config.state_dim) // 4) * 4
-        self.state = TableState.empty(num_slots, self.width, self.device)
+        self.width = config.row_width
+        if self.device.type != "meta":
+            device_bytes, host_bytes = self._memory_need(num_slots)
+            check_table_allocation(
+                f"dynamic table {config.name!r} (rank {rank} of {world_size}: {num_slots:,} "
+                f"slots of {self.width} floats, storage={config.storage!r})",
+                self.device.type,
+                device_bytes,
+                host_bytes,
+                storage=config.storage,
+                hybrid_host_bytes=num_slots * self.width * 4,
+            )
+        self.state = self._allocate(num_slots)
         self.step = 0
         self.lr = config.learning_rate
         self._counters = torch.zeros(5, dtype=torch.int64, device=self.device)
@@ -162,6 +176,32 @@ class DynamicEmbeddingTable(nn.Module):
         # the compiled insert skips empty trailing segments, so training lookups can hand it the
         # missing ids padded to a size known on the host (no device read); the reference cannot
         self._padded_insert = self.ops is not reference_table
+
+    def _memory_need(self, num_slots: int) -> tuple[int, int]:
+        """(bytes on the table's device, bytes of host memory) that `_allocate` takes."""
+        return num_slots * (self.width * 4 + 3 * 8), 0
+
+    def _allocate(self, num_slots: int) -> TableState:
+        """The table's tensors: every slot with its row, on the table's device."""
+        return TableState.empty(num_slots, self.width, self.device)
+
+    def row_state(self) -> TableState:
+        """The state whose ``values`` the slots of a lookup index (`_FusedLookup`)."""
+        return self.state
+
+    def _backward_done(self, step: int) -> None:
+        """Called when the fused update of the lookup made at ``step`` has run."""
+
+    def _read_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows [n, width] of live ``slots`` (device tensor), on the CPU."""
+        return self.state.values[slots].cpu()
+
+    def _write_rows(self, slots: torch.Tensor, values: torch.Tensor, state: torch.Tensor) -> None:
+        """Writes embeddings [n, dim] and optimizer state [n, state_dim] (any device) into the
+        rows of ``slots`` (a load)."""
+        d = self.dim
+        self.state.values[slots, :d] = values.to(self.device)
+        self.state.values[slots, d : d + self.config.state_dim] = state.to(self.device)
 
     # -- lookup ---------------------------------------------------------------------------------
     def forward(
@@ -178,26 +218,9 @@ class DynamicEmbeddingTable(nn.Module):
         ``host_ids``: the same ids on the CPU (e.g. from the batch's CPU twin). With them the
         distinct-id count and the reserved-id check run on the host, and a training lookup reads
         the GPU once (how many ids are new, to size the insert); without them three more reads."""
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"table {self.config.name!r}: ids must be int32/int64, got {ids.dtype}")
-        if ids.dim() != 1:
-            raise ValueError(f"table {self.config.name!r}: ids must be 1-D, got {tuple(ids.shape)}")
-        num_unique = None
-        if host_ids is not None:
-            if host_ids.device.type != "cpu" or host_ids.shape != ids.shape:
-                raise ValueError(
-                    f"table {self.config.name!r}: host_ids must be the ids on the CPU; got shape "
-                    f"{tuple(host_ids.shape)} on {host_ids.device} for ids {tuple(ids.shape)}"
-                )
-            num_unique, reserved = _host_unique_count(host_ids.to(torch.int64))
-            if reserved:
-                self._raise_reserved()
-        ids = ids.to(device=self.device, dtype=torch.int64)
-        dtype = _DTYPES[self.config.output_dtype]
-        u = UniqueIds(ids, num_unique)
+        u = self._unique(ids, host_ids)
         n_unique = u.uniq.numel()
-        if num_unique is None:
-            self._check_reserved(u)
+        dtype = _DTYPES[self.config.output_dtype]
         if not self.training:
             slots = self.ops.find(self.state, u.uniq)
             hits = (slots >= 0).sum()
@@ -217,6 +240,29 @@ class DynamicEmbeddingTable(nn.Module):
         else:
             out = self.ops.gather(self.state, self.dim, slots, u.inverse)
         return out.to(dtype)
+
+    def _unique(self, ids: torch.Tensor, host_ids: torch.Tensor | None) -> UniqueIds:
+        """The checked, deduplicated ids of a lookup, on the table's device (the distinct-id
+        count and the reserved-id check from ``host_ids`` when given)."""
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"table {self.config.name!r}: ids must be int32/int64, got {ids.dtype}")
+        if ids.dim() != 1:
+            raise ValueError(f"table {self.config.name!r}: ids must be 1-D, got {tuple(ids.shape)}")
+        num_unique = None
+        if host_ids is not None:
+            if host_ids.device.type != "cpu" or host_ids.shape != ids.shape:
+                raise ValueError(
+                    f"table {self.config.name!r}: host_ids must be the ids on the CPU; got shape "
+                    f"{tuple(host_ids.shape)} on {host_ids.device} for ids {tuple(ids.shape)}"
+                )
+            num_unique, reserved = _host_unique_count(host_ids.to(torch.int64))
+            if reserved:
+                self._raise_reserved()
+        ids = ids.to(device=self.device, dtype=torch.int64)
+        u = UniqueIds(ids, num_unique)
+        if num_unique is None:
+            self._check_reserved(u)
+        return u
 
     def _insert_missing(
         self, u: UniqueIds, slots: torch.Tensor, score_vals: torch.Tensor | None
@@ -346,21 +392,33 @@ class DynamicEmbeddingTable(nn.Module):
         seg_buckets, seg_counts = torch.unique_consecutive(b[order], return_counts=True)
         seg_offsets = torch.zeros(seg_buckets.numel() + 1, dtype=torch.int64, device=keys.device)
         torch.cumsum(seg_counts, 0, out=seg_offsets[1:])
-        init = self.config.init_args()
-        slots_sorted, n_evicted = self.ops.insert(
-            self.state,
-            keys[order],
-            seg_offsets,
-            seg_buckets,
-            scores[order],
-            step,
-            self.dim,
-            self.config.seed,
-            init,
+        slots_sorted, n_evicted = self._place_keys(
+            keys[order], seg_offsets, seg_buckets, scores[order], step
         )
         slots = torch.empty_like(slots_sorted)
         slots[order] = slots_sorted
         return slots, n_evicted
+
+    def _place_keys(
+        self,
+        keys: torch.Tensor,
+        seg_offsets: torch.Tensor,
+        seg_buckets: torch.Tensor,
+        scores: torch.Tensor,
+        step: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inserts keys grouped by bucket (the insert op's arguments) with their new rows."""
+        return self.ops.insert(
+            self.state,
+            keys,
+            seg_offsets,
+            seg_buckets,
+            scores,
+            step,
+            self.dim,
+            self.config.seed,
+            self.config.init_args(),
+        )
 
     # -- optimizer --------------------------------------------------------------------------------
     def optimizer_args(self) -> tuple[int, float, float, float, float, float]:
@@ -430,10 +488,11 @@ class DynamicEmbeddingTable(nn.Module):
             if rescored:
                 changed |= torch.isin(self.state.keys[slots], torch.cat(rescored).to(self.device))
             slots = slots[changed]
+        rows = self._read_rows(slots)
         out = {
             "keys": self.state.keys[slots].cpu(),
-            "values": self.state.values[slots, :d].cpu(),
-            "optimizer_state": self.state.values[slots, d : d + self.config.state_dim].cpu(),
+            "values": rows[:, :d].contiguous(),
+            "optimizer_state": rows[:, d : d + self.config.state_dim].contiguous(),
             "scores": self.state.scores[slots].cpu(),
             "step": torch.tensor(self.step, dtype=torch.int64),
             "embedding_dim": torch.tensor(d, dtype=torch.int64),
@@ -472,28 +531,25 @@ class DynamicEmbeddingTable(nn.Module):
                 f"table {name!r}: dump has {dump['optimizer_state'].shape[1]} optimizer state "
                 f"columns, {self.config.optimizer!r} needs {self.config.state_dim}"
             )
+        # keys and scores go to the table's device; the rows stay where the dump is (the CPU)
+        # until `_write_rows` puts them in place
         keys = dump["keys"].to(self.device, torch.int64)
-        values = dump["values"].to(self.device, torch.float32)
-        opt_state = dump["optimizer_state"].to(self.device, torch.float32)
+        values = dump["values"].to(torch.float32)
+        opt_state = dump["optimizer_state"].to(torch.float32)
         scores = dump["scores"].to(self.device, torch.int64)
         if torch.unique(keys).numel() != keys.numel():
             raise ValueError(f"table {name!r}: dump has duplicate keys")
         if self.world_size > 1:
             mine = reference_table.owner_of(keys, self.world_size) == self.rank
-            keys, values, opt_state, scores = (
-                keys[mine],
-                values[mine],
-                opt_state[mine],
-                scores[mine],
-            )
+            keys, scores = keys[mine], scores[mine]
+            mine = mine.to(values.device)
+            values, opt_state = values[mine], opt_state[mine]
         if "deleted_keys" in dump:
             raise ValueError(
                 f"table {name!r}: this is an incremental dump; apply it to the full dump it "
                 "continues (apply_increment) and load the result"
             )
-        self.state = TableState.empty(
-            self.state.keys.numel(), self.state.values.shape[1], self.device
-        )
+        self.state = self._allocate(self.state.keys.numel())
         self._marks, self._rescored = {}, []  # earlier dumps no longer describe this table
         self.step = int(dump["step"])
         # Priority inside a bucket: higher score first, then smaller key.
@@ -501,9 +557,8 @@ class DynamicEmbeddingTable(nn.Module):
         order = order[torch.argsort(scores[order], descending=True, stable=True)]
         slots, _ = self._insert_grouped(keys[order], scores[order], step=-1)
         ok = slots >= 0
-        s = slots[ok]
-        self.state.values[s, : self.dim] = values[order][ok]
-        self.state.values[s, self.dim : self.dim + self.config.state_dim] = opt_state[order][ok]
+        pick = order[ok].to(values.device)
+        self._write_rows(slots[ok], values[pick], opt_state[pick])
         self.state.touched.zero_()
         dropped = int((~ok).sum())
         if dropped:
@@ -518,6 +573,25 @@ class DynamicEmbeddingTable(nn.Module):
             f"optimizer={c.optimizer}, eviction={c.eviction_policy}, backend="
             f"{self.ops.__name__.rsplit('.', 1)[-1]}, rank={self.rank}/{self.world_size}"
         )
+
+
+# the table class of each DynamicEmbeddingConfig.storage; hstu.embeddings.hybrid_table adds
+# "hybrid" (the package imports it, so every user of this module has it)
+TABLE_CLASSES: dict[str, type[DynamicEmbeddingTable]] = {"hbm": DynamicEmbeddingTable}
+
+
+def make_dynamic_table(
+    config: DynamicEmbeddingConfig,
+    device: torch.device | str | None = None,
+    *,
+    backend: str = "auto",
+    world_size: int = 1,
+    rank: int = 0,
+) -> DynamicEmbeddingTable:
+    """The table (or one rank's shard) of ``config``: rows on the device (``storage='hbm'``)
+    or in host memory with an HBM cache (``'hybrid'``, `HybridDynamicEmbeddingTable`)."""
+    cls = TABLE_CLASSES[config.storage]
+    return cls(config, device, backend=backend, world_size=world_size, rank=rank)
 
 
 def table_host_ids(
@@ -641,7 +715,7 @@ class DynamicEmbeddingCollection(nn.Module):
             self.add_module(f"table_{c.name}", self.tables[c.name])
 
     def _make_table(self, config: DynamicEmbeddingConfig) -> DynamicEmbeddingTable:
-        return DynamicEmbeddingTable(config, self.device, backend=self._backend)
+        return make_dynamic_table(config, self.device, backend=self._backend)
 
     def embedding_configs(self) -> list[DynamicEmbeddingConfig]:
         return list(self._configs)

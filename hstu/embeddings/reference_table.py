@@ -32,6 +32,7 @@ __all__ = [
     "init_rows",
     "find",
     "insert",
+    "insert_keys",
     "gather",
     "update",
     "erase",
@@ -162,21 +163,17 @@ def find(
     return slots
 
 
-def insert(
+def insert_keys(
     state: TableState,
     keys: torch.Tensor,
     seg_offsets: torch.Tensor,
     seg_buckets: torch.Tensor,
     score_vals: torch.Tensor,
     step: int,
-    dim: int,
-    seed: int,
-    init: tuple[int, float, float, float, float],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Insert absent, unique keys grouped by bucket (segment s = keys[seg_offsets[s]:
-    seg_offsets[s+1]] all in bucket seg_buckets[s], in priority order). Returns (slots, number of
-    evicted keys as a 0-d tensor). New slots: score = score_vals, touched = step, embedding from
-    init_rows, optimizer state zero."""
+    """`insert` without the rows: places the keys (keys, scores, touched of their slots) and
+    leaves ``state.values`` alone, so ``state`` may hold no values at all (the slot directory of
+    a hybrid table, `hstu.embeddings.hybrid_table`). Pure torch ops: runs on any device."""
     dev = keys.device
     n = keys.numel()
     if n == 0:
@@ -195,20 +192,42 @@ def insert(
     idx = idx.gather(1, torch.argsort(cls.gather(1, idx), dim=1, stable=True))
     n_eligible = (cls != 2).sum(dim=1)
     counts = seg_offsets[1:] - seg_offsets[:-1]
-    seg = torch.repeat_interleave(torch.arange(sb.numel(), device=dev), counts)
+    seg = torch.repeat_interleave(torch.arange(sb.numel(), device=dev), counts, output_size=n)
     rank = torch.arange(n, device=dev) - seg_offsets[:-1][seg]
-    ok = rank < n_eligible[seg]
-    lane = idx[seg[ok], rank[ok]]
-    evicted = cls[seg[ok], lane] == 1
+    placed = torch.nonzero(rank < n_eligible[seg]).flatten()  # one size read on a GPU
+    seg_p = seg[placed]
+    lane = idx[seg_p, rank[placed]]
+    evicted = cls[seg_p, lane] == 1
     slots = torch.full((n,), -1, dtype=torch.int64, device=dev)
-    new_slots = sb[seg[ok]] * BUCKET + lane
-    slots[ok] = new_slots
-    state.keys[new_slots] = keys[ok]
-    state.scores[new_slots] = score_vals[ok].to(torch.int64)
+    new_slots = sb[seg_p] * BUCKET + lane
+    slots[placed] = new_slots
+    state.keys[new_slots] = keys[placed]
+    state.scores[new_slots] = score_vals[placed].to(torch.int64)
     state.touched[new_slots] = step
+    return slots, evicted.sum()
+
+
+def insert(
+    state: TableState,
+    keys: torch.Tensor,
+    seg_offsets: torch.Tensor,
+    seg_buckets: torch.Tensor,
+    score_vals: torch.Tensor,
+    step: int,
+    dim: int,
+    seed: int,
+    init: tuple[int, float, float, float, float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Insert absent, unique keys grouped by bucket (segment s = keys[seg_offsets[s]:
+    seg_offsets[s+1]] all in bucket seg_buckets[s], in priority order). Returns (slots, number of
+    evicted keys as a 0-d tensor). New slots: score = score_vals, touched = step, embedding from
+    init_rows, optimizer state zero."""
+    slots, n_evicted = insert_keys(state, keys, seg_offsets, seg_buckets, score_vals, step)
+    ok = slots >= 0
+    new_slots = slots[ok]
     state.values[new_slots] = 0.0
     state.values[new_slots, :dim] = init_rows(keys[ok], dim, seed, init)
-    return slots, evicted.sum()
+    return slots, n_evicted
 
 
 def gather(state: TableState, dim: int, slots: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:

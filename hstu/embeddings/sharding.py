@@ -38,11 +38,13 @@ from torchrec.distributed.types import (
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from hstu.comm import host_group
+from hstu.config.limits import table_memory
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
 from hstu.embeddings.dynamic_table import (
     DynamicEmbeddingCollection,
     DynamicEmbeddingTable,
     concat_dumps,
+    make_dynamic_table,
     table_host_ids,
 )
 from hstu.embeddings.reference_table import owner_of
@@ -212,7 +214,7 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         self._exchange: _IdExchange | None = None
 
     def _make_table(self, config: DynamicEmbeddingConfig) -> DynamicEmbeddingTable:
-        return DynamicEmbeddingTable(
+        return make_dynamic_table(
             config,
             self.device,
             backend=self._backend,
@@ -509,7 +511,7 @@ class DynamicEmbeddingSharder(ModuleSharder[DynamicEmbeddingCollection]):
         # Stand-ins of the table shapes for the planner only; never registered on the module.
         return {
             c.name: nn.Parameter(
-                torch.empty(c.num_slots, c.embedding_dim, device="meta"), requires_grad=False
+                torch.empty(_planner_rows(c), c.embedding_dim, device="meta"), requires_grad=False
             )
             for c in module.embedding_configs()
         }
@@ -535,6 +537,26 @@ class DynamicEmbeddingSharder(ModuleSharder[DynamicEmbeddingCollection]):
                     "supported, only row_wise"
                 )
         return _shard_one(module, env.process_group, device, self._backend, self._gradient_division)
+
+
+def _planner_rows(c: DynamicEmbeddingConfig) -> int:
+    """Rows of the planner's stand-in for a table: its slots, or for a hybrid table as many
+    rows as its HBM part (slot directory + cache, all ranks) takes: the planner places HBM, and
+    the rows of a hybrid table live in host memory."""
+    if c.storage != "hybrid":
+        return c.num_slots
+    ws = dist.get_world_size() if dist.is_initialized() else 1
+    mem = table_memory(
+        "dynamic",
+        c.capacity,
+        c.embedding_dim,
+        sparse_optimizer=c.optimizer,
+        dense_states=0,
+        world_size=ws,
+        storage="hybrid",
+        hbm_cache=c.hbm_cache,
+    )
+    return max(1, -(-mem.device * ws // (c.embedding_dim * 4)))
 
 
 def shard_dynamic_embeddings(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:

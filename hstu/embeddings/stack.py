@@ -26,7 +26,7 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from hstu.config.args import EmbeddingArgs
-from hstu.config.limits import format_bytes, table_bytes
+from hstu.config.limits import format_bytes, table_bytes, table_memory
 from hstu.data.batch import ITEM_FEATURE, Batch
 from hstu.data.features import FeatureInfo
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
@@ -223,6 +223,8 @@ class EmbeddingStack(nn.Module):
                     optimizer=args.sparse_optimizer_str,
                     learning_rate=self.sparse_learning_rate,
                     seed=seed,
+                    storage=args.storage,
+                    hbm_cache=args.hbm_cache,
                 )
             )
             self.dynamic_features += list(spec.feature_names)
@@ -311,17 +313,30 @@ class EmbeddingStack(nn.Module):
         self, world_size: int, device_type: str, dense_states: int = 2
     ) -> list[dict[str, object]]:
         """Where each table lives and what it holds: name, kind, rows (a dynamic table's
-        capacity), width, bytes per rank and on all ranks (`hstu.config.limits.table_bytes`,
-        the formula of the start-up memory check), and placement. ``dense_states``: the dense
-        optimizer's states per parameter (plain tables). Logged at start (`format_memory_plan`)."""
+        capacity), width, bytes per rank and on all ranks, split into device memory (HBM on a
+        GPU) and host memory (`hstu.config.limits.table_memory`, the formula of the start-up
+        memory check), and placement. A hybrid dynamic table counts its slot directory and HBM
+        cache in HBM and every row in host memory. ``dense_states``: the dense optimizer's
+        states per parameter (plain tables). Logged at start (`format_memory_plan`)."""
         memory = "HBM" if device_type == "cuda" else "host memory"
         plan = []
         for spec in self.table_specs:
+            storage = "hbm"
             if spec.dynamic:
-                kind, rows = "dynamic", spec.capacity
+                kind, rows, storage = "dynamic", spec.capacity, self.args.storage
             else:
                 kind = "plain" if self.dense_tables is not None else "torchrec"
                 rows = spec.num_embeddings
+            mem = table_memory(
+                kind,
+                rows,
+                spec.embedding_dim,
+                sparse_optimizer=self.args.sparse_optimizer_str,
+                dense_states=dense_states,
+                world_size=world_size,
+                storage=storage,
+                hbm_cache=self.args.hbm_cache,
+            )
             per_rank, total = table_bytes(
                 kind,
                 rows,
@@ -329,17 +344,26 @@ class EmbeddingStack(nn.Module):
                 sparse_optimizer=self.args.sparse_optimizer_str,
                 dense_states=dense_states,
                 world_size=world_size,
+                storage=storage,
+                hbm_cache=self.args.hbm_cache,
             )
             placement = "replicated on" if kind == "plain" else "row-wise over"
+            where = f"{memory}, {placement} {world_size} rank(s)"
+            if storage == "hybrid":
+                cache = f"{mem.cache_rows:,}-row cache" if device_type == "cuda" else "cache"
+                where = f"host memory + {cache} in {memory}, {placement} {world_size} rank(s)"
             plan.append(
                 {
                     "table": spec.name,
                     "kind": kind,
                     "rows": rows,
                     "width": spec.embedding_dim,
+                    "storage": storage,
                     "bytes": total,
                     "bytes_per_rank": per_rank,
-                    "where": f"{memory}, {placement} {world_size} rank(s)",
+                    "device_bytes_per_rank": mem.device if device_type == "cuda" else 0,
+                    "host_bytes_per_rank": mem.host if device_type == "cuda" else per_rank,
+                    "where": where,
                 }
             )
         return plan
@@ -492,10 +516,13 @@ class EmbeddingStack(nn.Module):
 
 def format_memory_plan(plan: list[dict[str, object]]) -> str:
     """The plan of `EmbeddingStack.memory_plan` as a small text table."""
-    header = ("table", "kind", "rows", "width", "bytes", "per rank", "where")
+    header = ("table", "kind", "rows", "width", "bytes", "per rank", "HBM/rank", "host/rank")
+    header += ("where",)
     lines = [
         (str(r["table"]), str(r["kind"]), f"{r['rows']:,}", str(r["width"]))
-        + (format_bytes(r["bytes"]), format_bytes(r["bytes_per_rank"]), str(r["where"]))
+        + (format_bytes(r["bytes"]), format_bytes(r["bytes_per_rank"]))
+        + (format_bytes(r["device_bytes_per_rank"]), format_bytes(r["host_bytes_per_rank"]))
+        + (str(r["where"]),)
         for r in plan
     ]
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]

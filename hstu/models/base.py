@@ -10,7 +10,7 @@ from torch.profiler import record_function
 
 from hstu.config.args import NetworkArgs
 from hstu.data.batch import ITEM_FEATURE, Batch
-from hstu.data.features import FeatureInfo
+from hstu.data.features import FeatureInfo, require_timestamps
 from hstu.embeddings.stack import EXTRA_ITEM_FEATURE, EmbeddingStack, SparseInput
 from hstu.modules.hstu_layer import AttentionInputs, HSTUEncoder
 from hstu.modules.preprocessor import SequenceLayout, SequencePreprocessor
@@ -50,6 +50,11 @@ class GenerativeRecommender(nn.Module):
         self.embeddings = embeddings
         self.contextual_names = list(embeddings.contextual_names)
         positions = net.num_position_embeddings or (info.max_history_seqlen + 1)
+        uses_time = net.relative_attention_bias in ("time", "position_time")
+        if uses_time:
+            require_timestamps(
+                info, f"NetworkArgs.relative_attention_bias={net.relative_attention_bias!r}"
+            )
         self.preprocessor = SequencePreprocessor(
             net.hidden_size,
             info.num_action_bits,
@@ -59,6 +64,7 @@ class GenerativeRecommender(nn.Module):
             scale_item_embeddings=net.scale_item_embeddings,
             position_init_std=net.position_init_std,
             pad_tokens=net.pad_tokens,
+            timestamps=uses_time,
         )
         # longest token sequence: contextual tokens + history/candidate positions + candidates
         max_tokens = len(self.contextual_names) + positions + info.max_num_candidates
@@ -130,7 +136,11 @@ def _build_encoder(net: NetworkArgs, max_tokens: int, reference_attention: bool)
         kernel_backend=net.kernel_backend,
         reference_attention=reference_attention,
         attention_type=net.attention_type,
-        relative_bias_len=max_tokens if net.relative_attention_bias == "position" else 0,
+        relative_attention_bias=net.relative_attention_bias,
+        # P = the longest token sequence - 1: every relative distance has its own weight
+        max_relative_position=max_tokens - 1,
+        num_time_buckets=net.num_time_buckets,
+        relative_bias_per_head=net.relative_attention_bias_per_head,
         uvqk_init_std=net.uvqk_init_std,
         final_layernorm=net.final_layernorm,
     )

@@ -30,6 +30,7 @@ def feature_info(data: SequenceData, cfg: RunConfig) -> FeatureInfo:
         max_history_seqlen=cfg.dataset.max_history_seqlen,
         max_num_candidates=cfg.dataset.max_num_candidates if cfg.task == "ranking" else 0,
         action_names=list(data.action_names),
+        has_timestamps=bool(data.has_timestamps),
     )
 
 

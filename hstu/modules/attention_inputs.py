@@ -32,8 +32,32 @@ class AttentionInputs:
     # trailing sequences that only hold padding rows (`SequencePreprocessor` pads the token count
     # so matmul shapes repeat across batches); not part of the batch: no FLOPs, no outputs read
     padding_sequences: int = 0
+    # [T] int64 on the device, one per token (padding rows included): the time of each token for
+    # the relative time bias (contextual tokens take their sequence's first item time, padding
+    # rows 0); None when the model has no time bias or the batch no timestamps
+    timestamps: torch.Tensor | None = None
+    # [B] int64 on the device (padding sequences included) or None: the time each sequence's
+    # last token queries at in the relative time bias (retrieval evaluation: the held-out item's
+    # time, the request time); None: the last token's own time
+    last_query_time: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        if self.last_query_time is not None and (
+            self.last_query_time.dtype != torch.int64
+            or self.last_query_time.shape != (self.seq_offsets.numel() - 1,)
+        ):
+            raise TypeError(
+                f"AttentionInputs: last_query_time must be int64 [B] = "
+                f"[{self.seq_offsets.numel() - 1}]; got {self.last_query_time.dtype} of shape "
+                f"{tuple(self.last_query_time.shape)}"
+            )
+        if self.timestamps is not None and (
+            self.timestamps.dtype != torch.int64 or self.timestamps.dim() != 1
+        ):
+            raise TypeError(
+                f"AttentionInputs: timestamps must be a 1-D int64 tensor [T]; got "
+                f"{self.timestamps.dtype} of shape {tuple(self.timestamps.shape)}"
+            )
         if self.padding_sequences < 0 or self.padding_sequences > self.seq_offsets.numel() - 1:
             raise ValueError(
                 f"AttentionInputs: padding_sequences={self.padding_sequences} is not within the "

@@ -39,7 +39,10 @@ Attention: `hstu.ops.attention` chooses (`compiled_attention_ops` / `hstu_attent
 with the compiled kernel at a head dim it is built for, its own backward
 (`torch.ops.hstu_attention.bwd`) runs; otherwise (CPU reference, softmax baseline, another head
 dim, ``reference_attention=True``) the attention forward is replayed under autograd on detached
-leaves and differentiated with `torch.autograd.grad`.
+leaves and differentiated with `torch.autograd.grad`. A relative attention bias
+(`RelativeAttentionBias`) enters the Function as its two weight tensors: the kernel computes the
+bias in-kernel from them and the token timestamps and its backward returns their gradients; the
+replayed reference differentiates them like q, k and v.
 
 Input LayerNorm: with an fp32 residual stream (contiguous, hidden a multiple of 8), the same
 switch and ``layernorm_kernel`` (`NetworkArgs.fused_layernorm_kernel`) on, its forward
@@ -73,9 +76,11 @@ import torch.nn.functional as F
 from hstu.config.args import FUSED_GATE_KERNELS
 from hstu.modules import layer_norm_mul_dropout as lnmd
 from hstu.modules.attention_inputs import AttentionInputs
+from hstu.modules.relative_bias import RelativeAttentionBias
 from hstu.modules.softmax_attention import softmax_attention
 from hstu.modules.unfused_layer import HSTULayer
 from hstu.ops import attention as attention_ops
+from hstu.ops import reference
 
 __all__ = [
     "GATE_KERNELS",
@@ -134,6 +139,10 @@ class _LayerSpec:
     cast_op: Callable | None = None
     # (ln_fwd, ln_bwd) ops of the input LayerNorm kernels (fp32 residual stream), else None
     ln_ops: tuple[Callable, Callable] | None = None
+    # the layer's relative attention bias (its weights enter the Function as tensors), or None
+    rel_bias: RelativeAttentionBias | None = None
+    # the softmax baseline takes the relative bias as a dense tensor
+    dense_bias: bool = False
 
 
 def _layer_norm_fwd(
@@ -377,8 +386,57 @@ def _stage(name: str, device: torch.device, *args, compile_stages: bool = True):
         return fn(*args)
 
 
+def _kernel_bias_args(
+    spec: _LayerSpec,
+    q: torch.Tensor,
+    pos_weight: torch.Tensor | None,
+    time_weight: torch.Tensor | None,
+) -> dict:
+    """The relative-bias keyword arguments of the compiled ops (all None / 0 without a bias):
+    fp32 contiguous weights, the timestamps and the time bucket edges on q's device."""
+    if spec.rel_bias is None:
+        return {}
+    kw = spec.rel_bias.attention_kwargs(spec.attn, pos_weight, time_weight)
+    ts, pw, tw = kw["timestamps"], kw["pos_weight"], kw["time_weight"]
+    last = kw["last_query_time"]
+    reference.check_relative_bias(
+        q.shape[0],
+        q.shape[1],
+        ts,
+        pw,
+        tw,
+        kw["max_pos"],
+        spec.attn_kwargs["alpha"],
+        last,
+        spec.attn.seq_offsets.numel() - 1,
+    )
+    edges = None
+    if tw is not None:
+        for name, t in (("timestamps", ts), ("last_query_time", last)):
+            if t is not None and t.device != q.device:
+                raise ValueError(f"AttentionInputs.{name} must be on {q.device}; got {t.device}")
+        ts, tw = ts.contiguous(), tw.float().contiguous()
+        last = None if last is None else last.contiguous()
+        edges = reference.time_bucket_edges(tw.shape[1] - 1, q.device)
+    if pw is not None:
+        pw = pw.float().contiguous()
+    return dict(
+        timestamps=ts,
+        pos_weight=pw,
+        time_weight=tw,
+        time_edges=edges,
+        max_pos=kw["max_pos"],
+        last_query_time=last,
+    )
+
+
 def _attention_forward(
-    spec: _LayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    spec: _LayerSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos_weight: torch.Tensor | None = None,
+    time_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     a = spec.attn
     if spec.attn_ops is not None:
@@ -398,7 +456,11 @@ def _attention_forward(
             kw["alpha"],
             kw["inv_scale"],
             True,
+            **_kernel_bias_args(spec, q, pos_weight, time_weight),
         )
+    extra = {}
+    if spec.rel_bias is not None:
+        extra = spec.rel_bias.attention_kwargs(a, pos_weight, time_weight, dense=spec.dense_bias)
     return spec.attention_fn(
         q,
         k,
@@ -411,17 +473,26 @@ def _attention_forward(
         window_size=spec.attn_kwargs["window_size"],
         alpha=spec.attn_kwargs["alpha_arg"],
         scaling_seqlen=spec.attn_kwargs["scaling_arg"],
+        **extra,
     )
 
 
 def _attention_backward(
-    spec: _LayerSpec, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec: _LayerSpec,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos_weight: torch.Tensor | None = None,
+    time_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv, d pos_weight, d time_weight); a weight's gradient is None when it is."""
     a = spec.attn
+    weights = (pos_weight, time_weight)
     if spec.attn_ops is not None:
         kw = spec.attn_kwargs
         offsets, contexts, targets = a.kernel_metadata(q.device)
-        dq, dk, dv = spec.attn_ops[1](
+        dq, dk, dv, d_pos, d_time = spec.attn_ops[1](
             dout.contiguous(),
             q,
             k,
@@ -436,13 +507,21 @@ def _attention_backward(
             kw["inv_scale"],
             True,
             False,
+            **_kernel_bias_args(spec, q, pos_weight, time_weight),
         )
-        return dq, dk, dv
+        # fp32 from the kernel (empty for an absent weight); back to the parameters' dtype
+        d_w = [None if w is None else g.to(w.dtype) for w, g in zip(weights, (d_pos, d_time))]
+        return dq, dk, dv, *d_w
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    w_leaves = [None if w is None else w.detach().requires_grad_(True) for w in weights]
+    inputs = leaves + [w for w in w_leaves if w is not None]
     with torch.enable_grad():
-        out = _attention_forward(spec, *leaves)
-        dq, dk, dv = torch.autograd.grad(out, leaves, dout, allow_unused=True)
-    return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip((dq, dk, dv), leaves))
+        out = _attention_forward(spec, *leaves, *w_leaves)
+        grads = list(torch.autograd.grad(out, inputs, dout, allow_unused=True))
+    grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, inputs)]
+    dq, dk, dv = grads[:3]
+    rest = iter(grads[3:])
+    return dq, dk, dv, *(None if w is None else next(rest) for w in w_leaves)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -454,7 +533,9 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 class _FusedHSTUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_in, b_in, w_uvqk, b_uvqk, w_attn, b_attn, w_out, b_out, spec):  # type: ignore[override]
+    def forward(
+        ctx, x, w_in, b_in, w_uvqk, b_uvqk, w_attn, b_attn, w_out, b_out, w_pos, w_time, spec
+    ):  # type: ignore[override]
         cdtype = _compute_dtype(x)
         dev = x.device
         with torch.autocast(dev.type, enabled=False):
@@ -476,7 +557,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
             u = act[0]
             if t > 0:
                 attn = _attention_forward(
-                    spec, act[2].view(shape), act[3].view(shape), act[1].view(shape)
+                    spec, act[2].view(shape), act[3].view(shape), act[1].view(shape), w_pos, w_time
                 )
                 attn = attn.reshape(t, hd).to(cdtype)
             else:
@@ -509,14 +590,14 @@ class _FusedHSTUFunction(torch.autograd.Function):
         saved_act = None if spec.recompute_uvqk_silu else act
         ctx.save_for_backward(
             x, mean1, rstd1, saved_n, z, saved_act, attn, mean2, rstd2, mask,
-            w_in, b_in, w_uvqk_c, w_attn, b_attn, w_out_c,
+            w_in, b_in, w_uvqk_c, w_attn, b_attn, w_out_c, w_pos, w_time,
         )  # fmt: skip
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
         (x, mean1, rstd1, n_c, z, act, attn, mean2, rstd2, mask,
-         w_in, b_in, w_uvqk_c, w_attn, b_attn, w_out_c) = ctx.saved_tensors  # fmt: skip
+         w_in, b_in, w_uvqk_c, w_attn, b_attn, w_out_c, w_pos, w_time) = ctx.saved_tensors  # fmt: skip
         spec, cdtype, scale = ctx.spec, ctx.cdtype, ctx.scale
         dt_w_uvqk, dt_b_uvqk, dt_w_out, dt_b_out = ctx.param_dtypes
         dev = x.device
@@ -554,9 +635,14 @@ class _FusedHSTUFunction(torch.autograd.Function):
             # attention (q, k, v: contiguous views of the chunk-major SiLU output)
             if t > 0:
                 q3, k3, v3 = act[2].view(shape), act[3].view(shape), act[1].view(shape)
-                dq, dk, dv = _attention_backward(spec, d_attn.view(shape), q3, k3, v3)
+                dq, dk, dv, d_pos, d_time = _attention_backward(
+                    spec, d_attn.view(shape), q3, k3, v3, w_pos, w_time
+                )
             else:
                 dq = dk = dv = act.new_zeros(shape)
+                d_pos, d_time = (
+                    None if w is None else torch.zeros_like(w) for w in (w_pos, w_time)
+                )
             del d_attn
 
             # SiLU, straight into the column blocks of dz (+ the uvqk bias gradient), then the
@@ -595,6 +681,8 @@ class _FusedHSTUFunction(torch.autograd.Function):
             d_b_attn.to(b_attn.dtype),
             d_w_out,
             d_b_out,
+            d_pos,
+            d_time,
             None,
         )
 
@@ -677,7 +765,10 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
         silu_ops=_silu_ops(x, inner) if elementwise else None,
         cast_op=_cast_op(x, layer.hidden_size) if elementwise else None,
         ln_ops=_ln_ops(x, layer.hidden_size) if use_ln_kernel else None,
+        rel_bias=layer.relative_bias,
+        dense_bias=layer.attention_type == "softmax",
     )
+    rel = layer.relative_bias
     return _FusedHSTUFunction.apply(
         x,
         layer.input_norm.weight,
@@ -688,6 +779,8 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
         layer.attn_norm.bias,
         layer.out_proj.weight,
         layer.out_proj.bias,
+        None if rel is None else rel.pos_weight,
+        None if rel is None else rel.time_weight,
         spec,
     )
 

@@ -8,9 +8,9 @@ y = dropout(LayerNorm(a) * u); x_out = x + y @ W_o
 constructor argument, resolved once from `NetworkArgs` when the model is built; nothing here
 reads the environment. `HSTUEncoder.kernel_choices()` says what the choices resolved to.
 
-This module is the top of the layer modules (attention_inputs <- unfused_layer <-
-fused_hstu_layer <- hstu_layer: imports go one way) and re-exports `AttentionInputs`,
-`HSTULayer` and `RelativePositionBias`, which are imported from here elsewhere.
+This module is the top of the layer modules (attention_inputs <- relative_bias <- unfused_layer
+<- fused_hstu_layer <- hstu_layer: imports go one way) and re-exports `AttentionInputs`,
+`HSTULayer` and `RelativeAttentionBias`, which are imported from here elsewhere.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from torch import nn
 from hstu.config.args import FUSED_GATE_KERNELS, KERNEL_BACKENDS
 from hstu.modules.attention_inputs import AttentionInputs
 from hstu.modules.fused_hstu_layer import FusedHSTULayer
-from hstu.modules.unfused_layer import HSTULayer, RelativePositionBias
+from hstu.modules.relative_bias import RelativeAttentionBias
+from hstu.modules.unfused_layer import HSTULayer
 
-__all__ = ["AttentionInputs", "HSTULayer", "HSTUEncoder", "RelativePositionBias"]
+__all__ = ["AttentionInputs", "HSTULayer", "HSTUEncoder", "RelativeAttentionBias"]
 
 # fused-layer-only switches: HSTUEncoder argument -> (NetworkArgs field, default)
 _FUSED_ONLY = {
@@ -55,6 +56,11 @@ class HSTUEncoder(nn.Module):
     - ``reference_attention``: tests and benchmarks only (no config field): the PyTorch
       reference attention on CUDA too.
 
+    Layer arguments (``**layer_kwargs``) go to every layer, among them the relative attention
+    bias: ``relative_attention_bias`` [relative_attention_bias], ``max_relative_position``,
+    ``num_time_buckets`` [num_time_buckets], ``relative_bias_per_head``
+    [relative_attention_bias_per_head]; each layer owns its own bias weights (fused or not).
+
     The fused-only choices must stay at their defaults with ``fused=False``.
     """
 
@@ -73,7 +79,6 @@ class HSTUEncoder(nn.Module):
         kernel_backend: str = "cutlass",
         reference_attention: bool = False,
         final_layernorm: bool = True,
-        relative_bias_len: int = 0,
         uvqk_init_std: float = 0.0,
         **layer_kwargs,
     ) -> None:
@@ -111,17 +116,9 @@ class HSTUEncoder(nn.Module):
                     f"HSTUEncoder({arg}={value!r}) applies only to the fused layer: set "
                     f"NetworkArgs.fused_layer=True or leave NetworkArgs.{field}={default}"
                 )
-        if fused and relative_bias_len:
-            raise ValueError(
-                "the fused layer (NetworkArgs.fused_layer=True) has no attention bias: set "
-                "NetworkArgs.fused_layer=False (the unfused layer runs biased attention through "
-                "the PyTorch reference) or NetworkArgs.relative_attention_bias='none'"
-            )
         self.kernel_backend = kernel_backend
         layer_kwargs["uvqk_init_std"] = uvqk_init_std
         layer_kwargs["reference_attention"] = bool(reference_attention)
-        if relative_bias_len:
-            layer_kwargs["relative_bias_len"] = relative_bias_len
         if fused:
             layers = [
                 FusedHSTULayer(
@@ -138,6 +135,15 @@ class HSTUEncoder(nn.Module):
             layers = [HSTULayer(hidden_size, **layer_kwargs) for _ in range(num_layers)]
         self.layers = nn.ModuleList(layers)
         self.final_norm = nn.LayerNorm(hidden_size, eps=1e-6) if final_layernorm else None
+
+    @property
+    def uses_timestamps(self) -> bool:
+        """Whether a layer has a relative time bias (the forward then needs
+        `AttentionInputs.timestamps`)."""
+        return any(
+            layer.relative_bias is not None and layer.relative_bias.uses_time
+            for layer in self.layers
+        )
 
     def kernel_choices(self, device: torch.device | str | None = None) -> dict[str, str]:
         """What the layers run on ``device`` (default: where the encoder's parameters are), one

@@ -5,6 +5,10 @@ contextual tokens (one per contextual feature), history tokens (item + action + 
 embeddings) and candidate tokens (item + position embeddings; every candidate gets position h, so
 candidates are interchangeable and never see each other's actions). The attention treats the
 first F tokens as contextual and the last k as targets.
+
+With ``timestamps=True`` (a model with a relative time bias) it also lays out one int64 time per
+token (`AttentionInputs.timestamps`) from `Batch.timestamps`: items keep their own time,
+contextual tokens take their sequence's first item time, padding rows 0.
 """
 
 from __future__ import annotations
@@ -122,8 +126,11 @@ class SequencePreprocessor(nn.Module):
         scale_item_embeddings: bool = False,
         position_init_std: float = 0.02,
         pad_tokens: str = "auto",
+        timestamps: bool = False,
     ) -> None:
         super().__init__()
+        # lay out per-token timestamps for the attention (a relative time bias needs them)
+        self.timestamps = bool(timestamps)
         if pad_tokens not in PAD_TOKENS:
             raise ValueError(
                 f"NetworkArgs.pad_tokens={pad_tokens!r} is not supported: one of {list(PAD_TOKENS)}"
@@ -236,6 +243,19 @@ class SequencePreprocessor(nn.Module):
         attn = _attention_inputs(
             offsets, offsets_host, max_seqlen, f, num_cand, host.candidates, has_targets, rows
         )
+        if self.timestamps:
+            attn.timestamps = self._token_timestamps(batch, dest, offsets, item_offsets, rows)
+            target_ts = batch.target_timestamps
+            if target_ts is not None:
+                # retrieval evaluation: the last history token queries at the held-out item's
+                # time (the request time), as training rows query at their next item's
+                n_seq = attn.seq_offsets.numel() - 1
+                last = torch.zeros(n_seq, dtype=torch.int64, device=dest.device)
+                attn.last_query_time = last.index_copy(
+                    0,
+                    torch.arange(target_ts.numel(), device=dest.device),
+                    target_ts.to(dest.device, torch.int64),
+                )
         layout = SequenceLayout(
             attn=attn,
             item_dest=dest,
@@ -250,6 +270,42 @@ class SequencePreprocessor(nn.Module):
             host_num_candidates=host.candidates,
         )
         return x, layout
+
+    def _token_timestamps(
+        self,
+        batch: Batch,
+        dest: torch.Tensor,
+        offsets: torch.Tensor,
+        item_offsets: torch.Tensor,
+        rows: int,
+    ) -> torch.Tensor:
+        """int64 [rows]: each item token's `Batch.timestamps` value, each contextual token its
+        sequence's first item time (only time differences inside a sequence matter), padding
+        rows 0 (masked)."""
+        if batch.timestamps is None:
+            raise ValueError(
+                "the model has a relative time bias (NetworkArgs.relative_attention_bias='time' "
+                "or 'position_time') but the batch carries no timestamps (Batch.timestamps is "
+                "None: the dataset has none); use relative_attention_bias='position' or a dataset "
+                "with timestamps"
+            )
+        device = dest.device
+        n_items = dest.shape[0]
+        item_ts = batch.timestamps.to(device, torch.int64)
+        if item_ts.dim() != 1 or item_ts.shape[0] != n_items:
+            raise ValueError(
+                f"Batch.timestamps must hold one time per item_id value ({n_items}); got shape "
+                f"{tuple(batch.timestamps.shape)}"
+            )
+        ts = torch.zeros(rows, dtype=torch.int64, device=device).index_copy(0, dest, item_ts)
+        f = self.num_contextual
+        b = offsets.numel() - 1
+        if f > 0 and b > 0 and n_items > 0:
+            # a sample without items gets the next sample's first time: any constant will do
+            first = item_ts[item_offsets[:-1].clamp(max=n_items - 1)]
+            ctx_rows = (offsets[:-1].view(b, 1) + torch.arange(f, device=device)).view(-1)
+            ts = ts.index_copy(0, ctx_rows, first.repeat_interleave(f, output_size=b * f))
+        return ts
 
 
 def _attention_inputs(

@@ -6,14 +6,13 @@ y = dropout(LayerNorm(a) * u); x_out = x + y @ W_o
 Plain PyTorch autograd around the attention op: the reference twin `FusedHSTULayer`
 (hstu/modules/fused_hstu_layer.py) subclasses and the tests compare against.
 
-Optionally (``relative_bias_len > 0``) each layer learns a relative position bias, as Meta's
-reference HSTU does: ``SiLU(alpha * <q_i, k_j> + w[j - i])`` with one weight per relative offset
-of key j to query i inside the sequence. The compiled kernel has no bias input, so biased
-attention runs the PyTorch reference (padded [B, H, N, N]; fine for the paper's N ~ 200); that
-choice, like every attention choice, is made by `hstu.ops.attention.attention_path`.
+Optionally (``relative_attention_bias``) each layer learns a relative attention bias, as Meta's
+reference HSTU does: ``SiLU(alpha * <q_i, k_j> + rab(i, j))`` with a weight per relative position
+and/or per bucket of the time gap (`RelativeAttentionBias`, hstu/modules/relative_bias.py). The
+compiled kernel computes it in-kernel; the PyTorch reference densely (docs/design.md).
 
-Imports go one way: attention_inputs <- unfused_layer <- fused_hstu_layer <- hstu_layer (the
-encoder and the public names).
+Imports go one way: attention_inputs <- relative_bias <- unfused_layer <- fused_hstu_layer <-
+hstu_layer (the encoder and the public names).
 """
 
 from __future__ import annotations
@@ -24,41 +23,24 @@ from torch import nn
 
 from hstu.config.args import ATTENTION_TYPES
 from hstu.modules.attention_inputs import AttentionInputs
+from hstu.modules.relative_bias import RelativeAttentionBias
 from hstu.modules.softmax_attention import softmax_attention
 from hstu.ops.attention import describe_attention, hstu_attention
 
-__all__ = ["HSTULayer", "RelativePositionBias"]
-
-
-class RelativePositionBias(nn.Module):
-    """A learned attention bias per relative position: ``bias[i, j] = w[j - i + max_len - 1]``
-    for query i and key j of one sequence (positions counted from the sequence start, so the
-    bias is the same for every sequence of the batch). Meta HSTU's position bias, N(0, 0.02)."""
-
-    def __init__(self, max_len: int, init_std: float = 0.02) -> None:
-        super().__init__()
-        if max_len < 1:
-            raise ValueError(f"RelativePositionBias needs max_len >= 1; got {max_len}")
-        self.max_len = max_len
-        self.weight = nn.Parameter(torch.randn(2 * max_len - 1) * init_std)
-
-    def forward(self, n: int) -> torch.Tensor:
-        """The [n, n] bias over padded positions 0..n-1."""
-        if n > self.max_len:
-            raise ValueError(
-                f"a sequence of {n} tokens exceeds the relative attention bias's {self.max_len} "
-                "positions (contextual tokens + NetworkArgs.num_position_embeddings + candidates)"
-            )
-        pos = torch.arange(n, device=self.weight.device)
-        return self.weight[pos.view(1, n) - pos.view(n, 1) + (self.max_len - 1)]
+__all__ = ["HSTULayer"]
 
 
 class HSTULayer(nn.Module):
     """One HSTU layer: pointwise-aggregated (SiLU, no softmax) jagged attention with gating.
 
     ``attention_type``: "hstu" (`hstu.ops.hstu_attention`: the compiled kernel on CUDA, the
-    reference on CPU or with ``relative_bias_len``) or "softmax" (the SASRec-style baseline).
+    reference on CPU) or "softmax" (the SASRec-style baseline).
     ``reference_attention=True`` (tests and benchmarks only) runs the reference on CUDA too.
+
+    ``relative_attention_bias`` ("none" | "position" | "time" | "position_time") adds this
+    layer's `RelativeAttentionBias` (attribute ``relative_bias``) with ``max_relative_position``
+    (P: the longest token sequence - 1), ``num_time_buckets`` and ``relative_bias_per_head``;
+    a time term needs `AttentionInputs.timestamps`.
     """
 
     def __init__(
@@ -74,7 +56,10 @@ class HSTULayer(nn.Module):
         scaling_seqlen: int | None = None,
         eps: float = 1e-6,
         attention_type: str = "hstu",
-        relative_bias_len: int = 0,
+        relative_attention_bias: str = "none",
+        max_relative_position: int = 0,
+        num_time_buckets: int = 128,
+        relative_bias_per_head: bool = False,
         uvqk_init_std: float = 0.0,
         reference_attention: bool = False,
     ) -> None:
@@ -108,7 +93,20 @@ class HSTULayer(nn.Module):
         else:
             nn.init.xavier_uniform_(self.uvqk.weight)
         nn.init.zeros_(self.uvqk.bias)
-        self.relative_bias = RelativePositionBias(relative_bias_len) if relative_bias_len else None
+        # created here (after W_uvqk's init, before W_o's) so that seeded runs draw the same
+        # initial weights as before the time term existed
+        self.relative_attention_bias = relative_attention_bias
+        self.relative_bias = (
+            RelativeAttentionBias(
+                relative_attention_bias,
+                num_heads,
+                max_relative_position,
+                num_time_buckets=num_time_buckets,
+                per_head=relative_bias_per_head,
+            )
+            if relative_attention_bias != "none"
+            else None
+        )
         nn.init.xavier_uniform_(self.out_proj.weight)
         nn.init.zeros_(self.out_proj.bias)
 
@@ -119,8 +117,8 @@ class HSTULayer(nn.Module):
             return "softmax (SASRec-style baseline, PyTorch)"
         return describe_attention(
             device,
-            bias=self.relative_bias is not None,
             force_reference=self.reference_attention,
+            relative_bias=self.relative_attention_bias,
         )
 
     def kernel_choices(self, device: torch.device) -> dict[str, str]:
@@ -151,8 +149,9 @@ class HSTULayer(nn.Module):
             # CPU metadata on CUDA: the kernel validates it on the host, no device sync
             offsets, contexts, targets = attn.kernel_metadata(x.device)
             extra = {"force_reference": self.reference_attention}
-        if self.relative_bias is not None:
-            extra["bias"] = self.relative_bias(attn.max_seqlen)
+        if self.relative_bias is not None:  # softmax: a dense bias; hstu: the op's weights
+            dense = self.attention_type == "softmax"
+            extra.update(self.relative_bias.attention_kwargs(attn, dense=dense))
         a = attention(
             q.reshape(t, h, d).contiguous(),
             k.reshape(t, h, d).contiguous(),

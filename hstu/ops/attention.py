@@ -6,8 +6,10 @@
   built kernel the call is an error that says how to build it;
 - CPU tensors: the PyTorch reference (CPU development mode only, see docs/design.md
   "Hardware policy");
-- an attention ``bias`` (the unfused layer's relative position bias): the reference on any
-  device, the kernel has no bias input;
+- a dense attention ``bias`` tensor: the reference on any device (the kernel takes no dense
+  bias). The relative attention bias (``pos_weight`` / ``time_weight`` / ``timestamps``,
+  docs/design.md) is no such tensor: the kernel computes it in-kernel, so it follows the
+  device like everything else;
 - ``force_reference=True``: the reference on CUDA too. Only for tests and benchmarks that ask
   for it explicitly (`HSTUEncoder(reference_attention=True)`, e.g. `scripts/bench_e2e.py`'s
   reference path); no config field selects it: it is not a training option (slow and
@@ -110,20 +112,36 @@ def compiled_attention_ops(
     return ops.fwd, ops.bwd
 
 
+# NetworkArgs.relative_attention_bias values, as the attention report names them
+_RELATIVE_BIAS_TEXT = {"position": "position", "time": "time", "position_time": "position + time"}
+
+
 def describe_attention(
-    device: torch.device | str, *, bias: bool = False, force_reference: bool = False
+    device: torch.device | str,
+    *,
+    bias: bool = False,
+    force_reference: bool = False,
+    relative_bias: str = "none",
 ) -> str:
     """What `attention_path` picks on ``device``, with the reason, for logs (never raises):
-    'cutlass', 'cutlass (not built: ...)' or 'reference (<why>)'."""
+    'cutlass', 'cutlass (not built: ...)' or 'reference (<why>)'; with a ``relative_bias``
+    (NetworkArgs.relative_attention_bias) where it is computed in brackets, e.g.
+    'cutlass (relative position + time bias in-kernel)'."""
+    rel = _RELATIVE_BIAS_TEXT.get(relative_bias)
     if attention_path(device, bias=bias, force_reference=force_reference) == "cutlass":
-        if compiled_attention_available():
-            return "cutlass"
-        return "cutlass (not built: the forward raises with the build command)"
+        notes = [f"relative {rel} bias in-kernel"] if rel else []
+        if not compiled_attention_available():
+            notes.append("not built: the forward raises with the build command")
+        return f"cutlass ({'; '.join(notes)})" if notes else "cutlass"
     if torch.device(device).type != "cuda":
-        return "reference (CPU development mode)"
-    if bias:
-        return "reference (relative attention bias: the kernel has no bias input)"
-    return "reference (reference_attention=True: benchmarks only)"
+        why = "CPU development mode"
+    elif bias:
+        why = "dense attention bias: the kernel takes none"
+    else:
+        why = "reference_attention=True: benchmarks only"
+    if rel:
+        why += f"; relative {rel} bias as a dense [B, H, N, N] tensor"
+    return f"reference ({why})"
 
 
 def hstu_attention(
@@ -141,20 +159,28 @@ def hstu_attention(
     scaling_seqlen: int | None = None,
     causal: bool = True,
     bias: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    pos_weight: torch.Tensor | None = None,
+    time_weight: torch.Tensor | None = None,
+    max_pos: int = 0,
+    last_query_time: torch.Tensor | None = None,
     force_reference: bool = False,
 ) -> torch.Tensor:
     """Jagged HSTU attention; same signature and semantics as `hstu.ops.reference.hstu_attention`
-    (``bias`` included), plus ``force_reference`` (tests and benchmarks only). What runs is
-    `attention_path(q.device, bias=..., force_reference=...)`.
+    (``bias`` and the relative attention bias ``timestamps`` / ``pos_weight`` / ``time_weight``
+    / ``max_pos`` included), plus ``force_reference`` (tests and benchmarks only). What runs is
+    `attention_path(q.device, bias=..., force_reference=...)`: the relative attention bias runs
+    in-kernel on CUDA, a dense ``bias`` only in the reference.
 
     With CUDA q, ``seq_offsets`` / ``num_contexts`` / ``num_targets`` may be CPU tensors (e.g.
     `AttentionInputs.kernel_metadata`): the compiled op then validates them on the host and copies
-    them to the GPU without a host<->GPU sync; the reference path moves them to q's device."""
+    them to the GPU without a host<->GPU sync; the reference path moves them to q's device.
+    ``timestamps`` must live on q's device for the kernel."""
     path = attention_path(q.device, bias=bias is not None, force_reference=force_reference)
     if path == "reference":
-        seq_offsets, num_contexts, num_targets = (
+        seq_offsets, num_contexts, num_targets, timestamps, last_query_time = (
             None if t is None else t.to(q.device, non_blocking=True)
-            for t in (seq_offsets, num_contexts, num_targets)
+            for t in (seq_offsets, num_contexts, num_targets, timestamps, last_query_time)
         )
     kwargs = dict(
         num_contexts=num_contexts,
@@ -164,6 +190,11 @@ def hstu_attention(
         alpha=alpha,
         scaling_seqlen=scaling_seqlen,
         causal=causal,
+        timestamps=timestamps,
+        pos_weight=pos_weight,
+        time_weight=time_weight,
+        max_pos=max_pos,
+        last_query_time=last_query_time,
     )
     if path == "cutlass":
         _require_kernel()
@@ -174,7 +205,8 @@ def hstu_attention(
         if padded is None or padded == d or v.shape[-1] != d:
             return hstu_attention_cuda(q, k, v, seq_offsets, max_seqlen, **kwargs)
         # Zero columns change neither <q, k> nor the used output columns: run the kernel at the next
-        # compiled head dim (alpha keeps its 1/sqrt(d) default) and drop the padding.
+        # compiled head dim (alpha keeps its 1/sqrt(d) default) and drop the padding. The relative
+        # bias does not depend on the head dim.
         if kwargs["alpha"] is None:
             kwargs["alpha"] = 1.0 / math.sqrt(d)
         pad = (0, padded - d)

@@ -1,9 +1,16 @@
 """Python face of the compiled CUTLASS/CuTe HSTU attention kernel (`hstu._hstu_attention_C`).
 
-Same signature and semantics as `hstu.ops.reference.hstu_attention` (plus `deterministic`):
-jagged q, k, v [T, H, D] with D in {32, 64, 128, 256} and Dqk == Dv, fp16 or bf16, on CUDA.
-The ops are `torch.ops.hstu_attention.fwd` / `.bwd` (CUDA + Meta implementations, registered by
-the extension); this module wraps them in a `torch.autograd.Function`.
+Same signature and semantics as `hstu.ops.reference.hstu_attention` (plus `deterministic`,
+minus the reference-only dense ``bias``): jagged q, k, v [T, H, D] with D in {32, 64, 128, 256}
+and Dqk == Dv, fp16 or bf16, on CUDA. The ops are `torch.ops.hstu_attention.fwd` / `.bwd`
+(CUDA + Meta implementations, registered by the extension); this module wraps them in a
+`torch.autograd.Function`.
+
+The relative attention bias (position and/or time, docs/design.md) is computed in-kernel from
+the int64 token timestamps, the two fp32 weight tensors and `reference.time_bucket_edges`: no
+[N, N] tensor exists. ``bwd`` returns (dq, dk, dv, d_pos_weight, d_time_weight); a weight
+gradient is empty (numel 0) when that weight is absent. Weight gradients are fp32 sums of atomic
+adds, so they are not bitwise reproducible even with ``deterministic=True`` (dq, dk, dv are).
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from hstu.ops import reference
 
 __all__ = ["is_available", "hstu_attention_cuda", "load_extension"]
 
@@ -52,6 +61,12 @@ class _HstuAttentionFn(torch.autograd.Function):
         inv_scale: float,
         causal: bool,
         deterministic: bool,
+        timestamps: torch.Tensor | None,
+        pos_weight: torch.Tensor | None,
+        time_weight: torch.Tensor | None,
+        time_edges: torch.Tensor | None,
+        max_pos: int,
+        last_query_time: torch.Tensor | None,
     ) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = torch.ops.hstu_attention.fwd(
@@ -67,8 +82,26 @@ class _HstuAttentionFn(torch.autograd.Function):
             alpha,
             inv_scale,
             causal,
+            timestamps=timestamps,
+            pos_weight=pos_weight,
+            time_weight=time_weight,
+            time_edges=time_edges,
+            max_pos=max_pos,
+            last_query_time=last_query_time,
         )
-        ctx.save_for_backward(q, k, v, seq_offsets, num_contexts, num_targets)
+        ctx.save_for_backward(
+            q,
+            k,
+            v,
+            seq_offsets,
+            num_contexts,
+            num_targets,
+            timestamps,
+            pos_weight,
+            time_weight,
+            time_edges,
+            last_query_time,
+        )
         ctx.args = (
             max_seqlen,
             target_group_size,
@@ -77,14 +110,16 @@ class _HstuAttentionFn(torch.autograd.Function):
             inv_scale,
             causal,
             deterministic,
+            max_pos,
         )
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        q, k, v, seq_offsets, num_contexts, num_targets = ctx.saved_tensors
-        max_seqlen, tgs, window, alpha, inv_scale, causal, deterministic = ctx.args
-        dq, dk, dv = torch.ops.hstu_attention.bwd(
+        (q, k, v, seq_offsets, num_contexts, num_targets, timestamps, pos_weight, time_weight,
+         time_edges, last_query_time) = ctx.saved_tensors  # fmt: skip
+        max_seqlen, tgs, window, alpha, inv_scale, causal, deterministic, max_pos = ctx.args
+        dq, dk, dv, d_pos, d_time = torch.ops.hstu_attention.bwd(
             dout.contiguous(),
             q,
             k,
@@ -99,8 +134,18 @@ class _HstuAttentionFn(torch.autograd.Function):
             inv_scale,
             causal,
             deterministic,
+            timestamps=timestamps,
+            pos_weight=pos_weight,
+            time_weight=time_weight,
+            time_edges=time_edges,
+            max_pos=max_pos,
+            last_query_time=last_query_time,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+        d_pos = d_pos if pos_weight is not None else None
+        d_time = d_time if time_weight is not None else None
+        # seq_offsets .. deterministic (10 arguments), timestamps, time_edges, max_pos and
+        # last_query_time get no gradient
+        return (dq, dk, dv, *(None,) * 11, d_pos, d_time, None, None, None)
 
 
 def hstu_attention_cuda(
@@ -118,8 +163,18 @@ def hstu_attention_cuda(
     scaling_seqlen: int | None = None,
     causal: bool = True,
     deterministic: bool = False,
+    timestamps: torch.Tensor | None = None,
+    pos_weight: torch.Tensor | None = None,
+    time_weight: torch.Tensor | None = None,
+    max_pos: int = 0,
+    last_query_time: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Jagged HSTU attention on the compiled kernel; q, k, v: [T, H, D] -> [T, H, D].
+
+    ``pos_weight`` [Hw, 2 * max_pos + 1], ``time_weight`` [Hw, NB + 1] (Hw = 1 or H) and
+    ``timestamps`` (int64 [T] on q's device, given iff ``time_weight`` is) add the in-kernel
+    relative attention bias of `hstu.ops.reference` (its module docstring); the weights are
+    passed as fp32 and receive gradients.
 
     ``seq_offsets``, ``num_contexts`` and ``num_targets`` may live on q's GPU or on the CPU. CPU
     tensors are validated on the host and copied to the GPU asynchronously (pinned staging); GPU
@@ -135,10 +190,37 @@ def hstu_attention_cuda(
             f"q, k, v must be jagged [T, H, D]; got q{tuple(q.shape)} k{tuple(k.shape)} "
             f"v{tuple(v.shape)}"
         )
+    reference.check_relative_bias(
+        q.shape[0],
+        q.shape[1],
+        timestamps,
+        pos_weight,
+        time_weight,
+        max_pos,
+        alpha,
+        last_query_time,
+        seq_offsets.numel() - 1,
+    )
     alpha = 1.0 / math.sqrt(q.shape[2]) if alpha is None else float(alpha)
     scaling = float(max_seqlen if scaling_seqlen is None else scaling_seqlen)
     if not scaling > 0:
         raise ValueError(f"scaling_seqlen must be > 0; got {scaling}")
+    for name, t in (
+        ("timestamps", timestamps),
+        ("pos_weight", pos_weight),
+        ("time_weight", time_weight),
+        ("last_query_time", last_query_time),
+    ):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}; got {t.device}")
+    # the kernel reads fp32 contiguous weights (no-ops for fp32 parameters)
+    if pos_weight is not None:
+        pos_weight = pos_weight.float().contiguous()
+    time_edges = None
+    if time_weight is not None:
+        time_weight = time_weight.float().contiguous()
+        time_edges = reference.time_bucket_edges(time_weight.shape[1] - 1, q.device)
+        timestamps = timestamps.contiguous()
     return _HstuAttentionFn.apply(
         q,
         k,
@@ -153,4 +235,10 @@ def hstu_attention_cuda(
         1.0 / scaling,
         bool(causal),
         bool(deterministic),
+        timestamps,
+        pos_weight,
+        time_weight,
+        time_edges,
+        int(max_pos) if pos_weight is not None else 0,
+        None if last_query_time is None else last_query_time.contiguous(),
     )

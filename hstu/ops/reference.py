@@ -12,9 +12,20 @@ else p, target group g(p) = (p - H) // target_group_size):
                   and (window == 0 or id(i) - id(j) <= window)      # local window
                or (c > 0 and id(i) == 0 and j < H)                  # contextual rows see history
 
-    out_i = (1 / scaling_seqlen) * sum_j valid(i, j) * SiLU(alpha * <q_i, k_j>) * v_j
+    out_i = (1 / scaling_seqlen) * sum_j valid(i, j) * SiLU(alpha * <q_i, k_j> + rab(i, j)) * v_j
 
 With ``causal=False`` every pair of the same sequence is valid (no contexts, targets or window).
+
+Relative attention bias (0 unless a weight is given), for query i and key j of one sequence of
+length L (positions 0..L-1, contextual tokens included) and head h:
+
+    rab(i, j) = w_pos[h', clamp(j - i, -P, P) + P] + w_time[h', bucket(qt(i) - ts(j))]
+    qt(i) = ts(i + 1) for i < L - 1, qt(L - 1) = last_query_time[b] if given else ts(L - 1)
+
+with h' = h for per-head weights ([H, ...]) and 0 for shared ones ([1, ...]), P = ``max_pos``,
+w_pos [Hw, 2P + 1], w_time [Hw, NB + 1], ts the int64 token timestamps and
+bucket(g) = the largest k in [0, NB] with edges[k] <= max(|g|, 1) (`time_bucket_edges`: Meta
+HSTU's floor(log(max(|g|, 1)) / 0.301) clamped to [0, NB], on integers).
 """
 
 from __future__ import annotations
@@ -24,14 +35,28 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hstu.config.args import MAX_TIME_BUCKETS
+
 __all__ = [
+    "MAX_TIME_BUCKETS",
+    "TIME_BUCKET_BASE",
     "hstu_attention",
     "hstu_attention_mask",
     "check_attention_inputs",
     "check_attention_bias",
+    "check_relative_bias",
     "jagged_to_padded",
     "padded_to_jagged",
+    "relative_attention_bias",
+    "time_bucket_edges",
+    "time_buckets",
 ]
+
+# bucket(g) = floor(log(max(|g|, 1)) / TIME_BUCKET_BASE), clamped to [0, NB] (Meta HSTU's
+# bucketization of time gaps); NB is at most MAX_TIME_BUCKETS (the compiled kernel's limit)
+TIME_BUCKET_BASE = 0.301
+_INT64_MAX = 2**63 - 1
+_edges_cache: dict[tuple[int, str], torch.Tensor] = {}
 
 
 def check_attention_inputs(
@@ -187,6 +212,174 @@ def check_attention_bias(bias: torch.Tensor, shape: torch.Size) -> None:
         )
 
 
+def time_bucket_edges(num_buckets: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """int64 [NB + 1] lower edges of the time buckets: ``edges[0] = 1``,
+    ``edges[k] = ceil(exp(0.301 * k))`` (float64, saturated at 2**63 - 1), so that
+    ``bucket(g) = largest k with edges[k] <= max(|g|, 1)`` is Meta HSTU's
+    ``floor(log(max(|g|, 1)) / 0.301)`` clamped to [0, NB], decided on integers. The compiled
+    kernel receives this very tensor. Cached per (NB, device)."""
+    if isinstance(num_buckets, bool) or not isinstance(num_buckets, int):
+        raise TypeError(f"num_time_buckets must be an int; got {num_buckets!r}")
+    if not 1 <= num_buckets <= MAX_TIME_BUCKETS:
+        raise ValueError(
+            f"num_time_buckets={num_buckets} is not supported: 1 to {MAX_TIME_BUCKETS} (the "
+            "compiled attention kernel's limit; NetworkArgs.num_time_buckets)"
+        )
+    dev = torch.device("cpu" if device is None else device)
+    key = (num_buckets, str(dev))
+    edges = _edges_cache.get(key)
+    if edges is None:
+        values = [1] + [
+            min(math.ceil(math.exp(TIME_BUCKET_BASE * k)), _INT64_MAX)
+            for k in range(1, num_buckets + 1)
+        ]
+        edges = _edges_cache[key] = torch.tensor(values, dtype=torch.int64, device=dev)
+    return edges
+
+
+def time_buckets(gaps: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """Bucket index (int64, same shape as ``gaps``) of integer time gaps: the largest k with
+    ``edges[k] <= max(|g|, 1)`` (``edges`` from `time_bucket_edges`; in [0, NB])."""
+    if gaps.dtype != torch.int64 or edges.dtype != torch.int64:
+        raise TypeError(f"time gaps and edges must be int64; got {gaps.dtype}, {edges.dtype}")
+    mag = gaps.abs().clamp(min=1)  # |INT64_MIN| wraps to a negative value: bucket 0
+    return torch.searchsorted(edges, mag.contiguous(), right=True) - 1
+
+
+def _check_weight(name: str, w: torch.Tensor, num_heads: int, cols: str) -> None:
+    if not torch.is_tensor(w) or not w.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor; got {getattr(w, 'dtype', type(w))}")
+    if w.dim() != 2 or w.shape[0] not in (1, num_heads):
+        raise ValueError(
+            f"{name} must be [Hw, {cols}] with Hw = 1 (shared by the heads) or the number of "
+            f"heads ({num_heads}); got shape {tuple(w.shape)}"
+        )
+
+
+def check_relative_bias(
+    num_tokens: int,
+    num_heads: int,
+    timestamps: torch.Tensor | None,
+    pos_weight: torch.Tensor | None,
+    time_weight: torch.Tensor | None,
+    max_pos: int,
+    alpha: float | None,
+    last_query_time: torch.Tensor | None = None,
+    num_sequences: int | None = None,
+) -> None:
+    """Validate the relative attention bias arguments of `hstu_attention` (module docstring):
+    ``pos_weight`` [Hw, 2 * max_pos + 1], ``time_weight`` [Hw, NB + 1] with 1 <= NB <= 256,
+    ``timestamps`` int64 [T], given iff ``time_weight`` is, ``last_query_time`` int64 [B] (only
+    with ``time_weight``), ``alpha`` != 0."""
+    if last_query_time is not None:
+        if time_weight is None:
+            raise ValueError("last_query_time is given without time_weight (nothing uses it)")
+        if not torch.is_tensor(last_query_time) or last_query_time.dtype != torch.int64:
+            raise TypeError(
+                "last_query_time must be an int64 tensor; got "
+                f"{getattr(last_query_time, 'dtype', None)}"
+            )
+        if last_query_time.dim() != 1 or (
+            num_sequences is not None and last_query_time.shape[0] != num_sequences
+        ):
+            raise ValueError(
+                f"last_query_time must be [B] = [{num_sequences}] (one per sequence); got "
+                f"{tuple(last_query_time.shape)}"
+            )
+    if pos_weight is None and time_weight is None:
+        if timestamps is not None:
+            raise ValueError("timestamps are given without time_weight (nothing uses them)")
+        return
+    if alpha is not None and float(alpha) == 0.0:
+        raise ValueError(
+            "alpha=0 with a relative attention bias is not supported (the compiled kernel "
+            "folds alpha into the scores); use alpha=None (1/sqrt(Dqk)) or a non-zero value"
+        )
+    if pos_weight is not None:
+        if isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos < 0:
+            raise ValueError(f"max_pos must be an int >= 0; got {max_pos!r}")
+        _check_weight("pos_weight", pos_weight, num_heads, f"2 * max_pos + 1 = {2 * max_pos + 1}")
+        if pos_weight.shape[1] != 2 * max_pos + 1:
+            raise ValueError(
+                f"pos_weight has {pos_weight.shape[1]} columns but max_pos={max_pos} needs "
+                f"2 * max_pos + 1 = {2 * max_pos + 1}"
+            )
+    if time_weight is not None:
+        _check_weight("time_weight", time_weight, num_heads, "num_time_buckets + 1")
+        nb = time_weight.shape[1] - 1
+        if not 1 <= nb <= MAX_TIME_BUCKETS:
+            raise ValueError(
+                f"time_weight has {nb + 1} columns: num_time_buckets + 1 with num_time_buckets "
+                f"in [1, {MAX_TIME_BUCKETS}]"
+            )
+        if timestamps is None:
+            raise ValueError("time_weight needs timestamps (int64 [T], one per token)")
+    if timestamps is not None:
+        if time_weight is None:
+            raise ValueError("timestamps are given without time_weight (nothing uses them)")
+        if not torch.is_tensor(timestamps) or timestamps.dtype != torch.int64:
+            raise TypeError(
+                f"timestamps must be an int64 tensor; got {getattr(timestamps, 'dtype', None)}"
+            )
+        if timestamps.dim() != 1 or timestamps.shape[0] != num_tokens:
+            raise ValueError(
+                f"timestamps must be [T] = [{num_tokens}] (one per token); got "
+                f"{tuple(timestamps.shape)}"
+            )
+
+
+def relative_attention_bias(
+    seq_offsets: torch.Tensor,
+    max_seqlen: int,
+    timestamps: torch.Tensor | None,
+    pos_weight: torch.Tensor | None,
+    time_weight: torch.Tensor | None,
+    max_pos: int,
+    num_heads: int,
+    last_query_time: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The dense relative attention bias [B, Hw, N, N] (N = max_seqlen; module docstring), on the
+    weights' device and in their dtype; gradients flow into both weights. Entries at padded
+    positions are finite and meaningless (the mask removes them). ``last_query_time`` [B]: the
+    time each sequence's last token queries at (default: its own timestamp)."""
+    weight = pos_weight if pos_weight is not None else time_weight
+    if weight is None:
+        raise ValueError("relative_attention_bias needs pos_weight, time_weight or both")
+    check_relative_bias(
+        0 if timestamps is None else timestamps.shape[0],
+        num_heads,
+        timestamps,
+        pos_weight,
+        time_weight,
+        max_pos,
+        None,
+        last_query_time,
+        seq_offsets.numel() - 1,
+    )
+    device = weight.device
+    offs = seq_offsets.to(device).long()
+    b, n = offs.numel() - 1, int(max_seqlen)
+    pos = torch.arange(n, device=device)
+    out = None
+    if pos_weight is not None:
+        rel = (pos.view(1, n) - pos.view(n, 1)).clamp(-max_pos, max_pos) + max_pos  # [i, j]: j - i
+        out = pos_weight[:, rel].unsqueeze(0).expand(b, -1, -1, -1)
+    if time_weight is not None:
+        edges = time_bucket_edges(time_weight.shape[1] - 1, device)
+        lengths = offs[1:] - offs[:-1]
+        ts = jagged_to_padded(timestamps.to(device), offs, n)  # [B, N], 0 past the end
+        # query i takes the next token's timestamp, the last token its own or last_query_time
+        nxt = torch.minimum(pos.view(1, n) + 1, (lengths - 1).clamp(min=0).view(b, 1))
+        query = ts.gather(1, nxt)  # [B, N]
+        if last_query_time is not None:
+            last = pos.view(1, n) == (lengths - 1).view(b, 1)
+            query = torch.where(last, last_query_time.to(device).view(b, 1), query)
+        gaps = query.view(b, n, 1) - ts.view(b, 1, n)
+        time = time_weight[:, time_buckets(gaps, edges)].transpose(0, 1)  # [B, Hw, N, N]
+        out = time if out is None else out + time
+    return out
+
+
 def hstu_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -202,14 +395,23 @@ def hstu_attention(
     scaling_seqlen: int | None = None,
     causal: bool = True,
     bias: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    pos_weight: torch.Tensor | None = None,
+    time_weight: torch.Tensor | None = None,
+    max_pos: int = 0,
+    last_query_time: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Jagged HSTU attention (see module docstring). q, k: [T, H, Dqk], v: [T, H, Dv] -> [T, H, Dv].
 
-    Computes in fp32 and returns the input dtype. alpha defaults to 1/sqrt(Dqk); scaling_seqlen
-    defaults to max_seqlen. ``bias`` (optional; the compiled kernel has none) is an additive
-    attention bias over padded positions, broadcastable to [B, H, N, N] with N = max_seqlen
-    (e.g. [N, N] or [B, 1, N, N]); it enters as ``SiLU(alpha * <q_i, k_j> + bias[i, j])`` (the
-    relative position bias of Meta's HSTU) and receives gradients.
+    Computes in fp32 (fp64 for fp64 inputs) and returns the input dtype. alpha defaults to
+    1/sqrt(Dqk); scaling_seqlen defaults to max_seqlen.
+
+    ``pos_weight`` [Hw, 2 * max_pos + 1], ``time_weight`` [Hw, NB + 1] and ``timestamps`` (int64
+    [T]) give the relative attention bias rab(i, j) of the module docstring (what the compiled
+    kernel computes in-kernel); it is built densely here ([B, Hw, N, N]) and both weights receive
+    gradients. ``bias`` (reference only) is any additive attention bias over padded positions,
+    broadcastable to [B, H, N, N] with N = max_seqlen (e.g. [N, N] or [B, 1, N, N]); it enters as
+    ``SiLU(alpha * <q_i, k_j> + bias[i, j])`` and receives gradients.
     """
     check_attention_inputs(
         q,
@@ -223,6 +425,17 @@ def hstu_attention(
         window_size,
         causal,
     )
+    check_relative_bias(
+        q.shape[0],
+        q.shape[1],
+        timestamps,
+        pos_weight,
+        time_weight,
+        max_pos,
+        alpha,
+        last_query_time,
+        seq_offsets.numel() - 1,
+    )
     dqk = q.shape[2]
     alpha = 1.0 / math.sqrt(dqk) if alpha is None else float(alpha)
     scaling = float(max_seqlen if scaling_seqlen is None else scaling_seqlen)
@@ -232,13 +445,26 @@ def hstu_attention(
     lengths = offs[1:] - offs[:-1]
     if q.shape[0] == 0 or max_seqlen == 0:
         return q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
-    qp = jagged_to_padded(q.float(), offs, max_seqlen).transpose(1, 2)  # [B, H, N, D]
-    kp = jagged_to_padded(k.float(), offs, max_seqlen).transpose(1, 2)
-    vp = jagged_to_padded(v.float(), offs, max_seqlen).transpose(1, 2)
+    cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qp = jagged_to_padded(q.to(cdtype), offs, max_seqlen).transpose(1, 2)  # [B, H, N, D]
+    kp = jagged_to_padded(k.to(cdtype), offs, max_seqlen).transpose(1, 2)
+    vp = jagged_to_padded(v.to(cdtype), offs, max_seqlen).transpose(1, 2)
     scores = torch.matmul(qp, kp.transpose(-1, -2)) * alpha  # [B, H, N, N]
     if bias is not None:
         check_attention_bias(bias, scores.shape)
-        scores = scores + bias.float()
+        scores = scores + bias.to(cdtype)
+    if pos_weight is not None or time_weight is not None:
+        rab = relative_attention_bias(
+            offs,
+            max_seqlen,
+            timestamps,
+            pos_weight,
+            time_weight,
+            max_pos,
+            q.shape[1],
+            last_query_time,
+        )
+        scores = scores + rab.to(cdtype)
     mask = hstu_attention_mask(
         lengths, max_seqlen, num_contexts, num_targets, target_group_size, window_size, causal
     )

@@ -23,6 +23,7 @@ import torch
 
 __all__ = [
     "SHARDS_KEY",
+    "fit_optimizer_state_shapes",
     "is_sharded",
     "to_portable",
     "restore_into",
@@ -225,9 +226,59 @@ def _renamed(name: str) -> str:
     return name
 
 
+# model entries whose tensor changed shape, not size: the position-only relative attention bias
+# of each layer, one shared vector [2P + 1], is now RelativeAttentionBias.pos_weight [1, 2P + 1]
+_OLD_RELATIVE_BIAS = ".relative_bias.weight"
+_NEW_RELATIVE_BIAS = ".relative_bias.pos_weight"
+
+
+def _upgrade_relative_bias(model: Any) -> Any:
+    if not isinstance(model, dict) or not any(
+        isinstance(k, str) and k.endswith(_OLD_RELATIVE_BIAS) for k in model
+    ):
+        return model
+    pairs = []
+    for k, v in model.items():
+        if isinstance(k, str) and k.endswith(_OLD_RELATIVE_BIAS):
+            k = k[: -len(_OLD_RELATIVE_BIAS)] + _NEW_RELATIVE_BIAS
+            v = v.reshape(1, -1) if isinstance(v, torch.Tensor) else v
+        pairs.append((k, v))
+    out = type(model)(pairs)
+    meta = getattr(model, "_metadata", None)
+    if meta is not None:
+        out._metadata = meta  # type: ignore[attr-defined]
+    return out
+
+
+def fit_optimizer_state_shapes(optimizer: torch.optim.Optimizer) -> int:
+    """Reshape loaded optimizer state tensors that hold as many elements as their parameter but
+    have another shape (state written when the parameter had the older shape, e.g. the relative
+    bias [2P + 1] now [1, 2P + 1]); call after ``optimizer.load_state_dict``. Returns how many
+    tensors were reshaped. Tensors of another size are left alone (load_state_dict's business)."""
+    fixed = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            for key, value in list(state.items()):
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim() > 0
+                    and value.shape != p.shape
+                    and value.numel() == p.numel()
+                ):
+                    state[key] = value.reshape(p.shape)
+                    fixed += 1
+    return fixed
+
+
 def upgrade_state_keys(state: Mapping[str, Any]) -> dict[str, Any]:
     """A rank file's state with the model and fused-optimizer entries of older files under their
-    current names (state keys, and the parameter names in optimizer param groups). Other entries
+    current names (state keys, and the parameter names in optimizer param groups), and the
+    position-only relative bias of older files (``<layer>.relative_bias.weight`` [2P + 1]) as
+    ``<layer>.relative_bias.pos_weight`` [1, 2P + 1] (its dense optimizer state, keyed by
+    parameter index, is reshaped by `fit_optimizer_state_shapes` after loading). Other entries
     are returned as they are; current files come back unchanged."""
 
     def rename(obj: Any) -> Any:
@@ -242,4 +293,6 @@ def upgrade_state_keys(state: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("model", "fused_optimizer"):
         if key in out:
             out[key] = rename(out[key])
+    if "model" in out:
+        out["model"] = _upgrade_relative_bias(out["model"])
     return out

@@ -98,6 +98,8 @@ _NOT_IDENTITY = {
         "fused_stage_compile",
         "pad_tokens",
     },
+    # where rows live, not what they are: checkpoints are the same under either storage
+    "EmbeddingArgs": {"storage", "hbm_cache"},
 }
 _GIN_LINE = re.compile(r"^(\w+)\.(\w+) = (.*)$")
 _GIN_TASK = re.compile(r"^# Resolved HSTU configuration \(task: (\w+)\)")

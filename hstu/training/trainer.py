@@ -46,6 +46,7 @@ from hstu.training.logger import MetricLogger, format_duration
 from hstu.training.optim import build_dense_optimizer, build_lr_scheduler, clip_grad_norm
 from hstu.training.pipeline import SparseDistPipeline
 from hstu.training.reshard import (
+    fit_optimizer_state_shapes,
     restore_into,
     to_portable,
     unexpected_keys,
@@ -330,6 +331,9 @@ class Trainer:
             impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in groups]
             configured = list(self.scheduler.base_lrs)
             self.optimizer.load_state_dict(sources[0]["dense_optimizer"])
+            # states saved for a parameter whose shape changed since (an older checkpoint's
+            # position bias [2L-1] is now [1, 2L-1]) are reshaped to it
+            fit_optimizer_state_shapes(self.optimizer)
             for group, flags in zip(self.optimizer.param_groups, impl):
                 group.update(flags)
             self.scheduler.load_state_dict(sources[0]["scheduler"])

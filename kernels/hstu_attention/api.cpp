@@ -2,10 +2,17 @@
 // TORCH_LIBRARY schema with CUDA and Meta implementations, and the Python module stub.
 //
 //   torch.ops.hstu_attention.fwd(q, k, v, seq_offsets, max_seqlen, num_contexts, num_targets,
-//                                target_group_size, window_size, alpha, inv_scale, causal) -> out
+//                                target_group_size, window_size, alpha, inv_scale, causal,
+//                                timestamps=None, pos_weight=None, time_weight=None,
+//                                time_edges=None, max_pos=0, last_query_time=None) -> out
 //   torch.ops.hstu_attention.bwd(dout, q, k, v, seq_offsets, max_seqlen, num_contexts,
 //                                num_targets, target_group_size, window_size, alpha, inv_scale,
-//                                causal, deterministic) -> (dq, dk, dv)
+//                                causal, deterministic, timestamps=None, pos_weight=None,
+//                                time_weight=None, time_edges=None, max_pos=0,
+//                                last_query_time=None)
+//                                -> (dq, dk, dv, d_pos_weight, d_time_weight)
+// The optional arguments are the relative attention bias (bias.h, docs/design.md); the weight
+// gradients are empty tensors for an absent weight.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -329,11 +336,108 @@ hstu::HstuParams make_params(const Tensor& q, const Checked& c, int64_t max_seql
   return p;
 }
 
+// The relative attention bias arguments, checked (see the schema comment at the top).
+struct BiasArgs {
+  std::optional<Tensor> timestamps, pos_w, time_w, edges;
+  int64_t max_pos = 0;
+  std::optional<Tensor> last_query_time;
+  bool any() const { return pos_w.has_value() || time_w.has_value(); }
+};
+
+constexpr int64_t kMaxTimeBuckets = 256;  // bias.h kMaxTimeBuckets
+
+void check_bias(const BiasArgs& b, const Tensor& q, double alpha, int64_t batch) {
+  auto on_q_device = [&](const Tensor& t, const char* name) {
+    HSTU_CHECK_VALUE(t.device() == q.device(), "hstu_attention: ", name, " is on ", t.device(),
+                     " but q is on ", q.device());
+    HSTU_CHECK_VALUE(t.is_contiguous(), "hstu_attention: ", name, " must be contiguous");
+  };
+  auto check_weight = [&](const Tensor& w, const char* name, int64_t cols, const char* what) {
+    on_q_device(w, name);
+    HSTU_CHECK_TYPE(w.scalar_type() == at::kFloat, "hstu_attention: ", name,
+                    " must be float32; got ", w.scalar_type());
+    HSTU_CHECK_VALUE(w.dim() == 2 && (w.size(0) == 1 || w.size(0) == q.size(1)) &&
+                         w.size(1) == cols,
+                     "hstu_attention: ", name, " must be [1 or H=", q.size(1), ", ", cols, "] (",
+                     what, "); got ", shape_str(w));
+  };
+  if (!b.any()) {
+    HSTU_CHECK_VALUE(!b.timestamps.has_value() && !b.edges.has_value() &&
+                         !b.last_query_time.has_value(),
+                     "hstu_attention: timestamps/time_edges/last_query_time given without "
+                     "time_weight");
+    return;
+  }
+  HSTU_CHECK_VALUE(alpha != 0.0, "hstu_attention: alpha must be != 0 with a relative attention "
+                   "bias (the kernel adds bias / alpha to q.k)");
+  if (b.pos_w.has_value()) {
+    HSTU_CHECK_VALUE(b.max_pos >= 0 && b.max_pos <= std::numeric_limits<int32_t>::max() / 2,
+                     "hstu_attention: max_pos must be in [0, 2^30); got ", b.max_pos);
+    check_weight(*b.pos_w, "pos_weight", 2 * b.max_pos + 1, "2 * max_pos + 1 relative positions");
+  }
+  if (b.time_w.has_value()) {
+    const Tensor& w = *b.time_w;
+    HSTU_CHECK_VALUE(w.dim() == 2 && w.size(1) >= 2 && w.size(1) <= kMaxTimeBuckets + 1,
+                     "hstu_attention: time_weight must be [Hw, num_buckets + 1] with num_buckets "
+                     "in [1, ", kMaxTimeBuckets, "]; got ", shape_str(w));
+    check_weight(w, "time_weight", w.size(1), "num_buckets + 1 time buckets");
+    HSTU_CHECK_VALUE(b.timestamps.has_value() && b.edges.has_value(),
+                     "hstu_attention: time_weight needs timestamps and time_edges");
+    const Tensor& ts = *b.timestamps;
+    on_q_device(ts, "timestamps");
+    HSTU_CHECK_TYPE(ts.scalar_type() == at::kLong, "hstu_attention: timestamps must be int64; got ",
+                    ts.scalar_type());
+    HSTU_CHECK_VALUE(ts.dim() == 1 && ts.size(0) == q.size(0),
+                     "hstu_attention: timestamps must be [T]=[", q.size(0), "] (one per token); got ",
+                     shape_str(ts));
+    const Tensor& e = *b.edges;
+    on_q_device(e, "time_edges");
+    HSTU_CHECK_TYPE(e.scalar_type() == at::kLong, "hstu_attention: time_edges must be int64; got ",
+                    e.scalar_type());
+    HSTU_CHECK_VALUE(e.dim() == 1 && e.size(0) == w.size(1),
+                     "hstu_attention: time_edges must be [num_buckets + 1]=[", w.size(1),
+                     "] (hstu.ops.reference.time_bucket_edges); got ", shape_str(e));
+    if (b.last_query_time.has_value()) {
+      const Tensor& lq = *b.last_query_time;
+      on_q_device(lq, "last_query_time");
+      HSTU_CHECK_TYPE(lq.scalar_type() == at::kLong,
+                      "hstu_attention: last_query_time must be int64; got ", lq.scalar_type());
+      HSTU_CHECK_VALUE(lq.dim() == 1 && lq.size(0) == batch,
+                       "hstu_attention: last_query_time must be [B]=[", batch,
+                       "] (one per sequence); got ", shape_str(lq));
+    }
+  } else {
+    HSTU_CHECK_VALUE(!b.timestamps.has_value() && !b.edges.has_value() &&
+                         !b.last_query_time.has_value(),
+                     "hstu_attention: timestamps/time_edges/last_query_time given without "
+                     "time_weight");
+  }
+}
+
+void set_bias_params(hstu::HstuParams& p, const BiasArgs& b, double alpha) {
+  if (!b.any()) return;
+  p.inv_alpha = float(1.0 / alpha);
+  if (b.pos_w.has_value()) {
+    p.pos_w = b.pos_w->data_ptr<float>();
+    p.pos_w_head_stride = b.pos_w->size(0) == 1 ? 0 : b.pos_w->size(1);
+    p.max_pos = int(b.max_pos);
+  }
+  if (b.time_w.has_value()) {
+    p.time_w = b.time_w->data_ptr<float>();
+    p.time_w_head_stride = b.time_w->size(0) == 1 ? 0 : b.time_w->size(1);
+    p.num_buckets = int(b.time_w->size(1) - 1);
+    p.timestamps = b.timestamps->data_ptr<int64_t>();
+    p.time_edges = b.edges->data_ptr<int64_t>();
+    if (b.last_query_time.has_value()) p.last_query_time = b.last_query_time->data_ptr<int64_t>();
+  }
+}
+
 void launch(hstu::Direction dir, hstu::HstuParams& p) {
-  hstu::Launcher fn = hstu::find_launcher(dir, p.dtype, p.head_dim);
+  const bool bias = p.pos_w != nullptr || p.time_w != nullptr;
+  hstu::Launcher fn = hstu::find_launcher(dir, p.dtype, p.head_dim, bias);
   const char* dt = p.dtype == hstu::DType::kBf16 ? "bf16" : "fp16";
   HSTU_CHECK(fn != nullptr, "hstu_attention: the ", dir == hstu::Direction::kFwd ? "fwd" : "bwd",
-              " kernel for ", dt, " head dim ", p.head_dim,
+              bias ? " (relative bias)" : "", " kernel for ", dt, " head dim ", p.head_dim,
               " was not built (HSTU_KERNEL_DIMS filtered it out); rebuild with "
               "HSTU_KERNEL_DIMS unset or including '",
               dt, "_hdim", p.head_dim, "': pip install --no-build-isolation -e .");
@@ -353,9 +457,14 @@ void launch(hstu::Direction dir, hstu::HstuParams& p) {
 Tensor fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
                 int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
                 const std::optional<Tensor>& num_targets, int64_t target_group_size,
-                int64_t window_size, double alpha, double inv_scale, bool causal) {
+                int64_t window_size, double alpha, double inv_scale, bool causal,
+                const std::optional<Tensor>& timestamps, const std::optional<Tensor>& pos_weight,
+                const std::optional<Tensor>& time_weight, const std::optional<Tensor>& time_edges,
+                int64_t max_pos, const std::optional<Tensor>& last_query_time) {
   Checked c = check_inputs(q, k, v, seq_offsets, max_seqlen, num_contexts, num_targets,
                            target_group_size, window_size, alpha, inv_scale, causal);
+  const BiasArgs bias{timestamps, pos_weight, time_weight, time_edges, max_pos, last_query_time};
+  check_bias(bias, q, alpha, c.batch);
   c10::cuda::CUDAGuard guard(q.device());
   Tensor out = at::empty_like(v);
   if (q.size(0) == 0) return out;
@@ -364,6 +473,7 @@ Tensor fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.o = out.data_ptr();
+  set_bias_params(p, bias, alpha);
   launch(hstu::Direction::kFwd, p);
   return out;
 }
@@ -377,13 +487,25 @@ bool dq_convert_in_bwd_requested() {
   return e != nullptr && std::strcmp(e, "bwd") == 0;
 }
 
-std::tuple<Tensor, Tensor, Tensor> bwd_cuda(
+// Zeroed fp32 gradient of an optional bias weight, or an empty tensor.
+Tensor weight_grad(const std::optional<Tensor>& w, const Tensor& q) {
+  return w.has_value() ? at::zeros_like(*w) : at::empty({0}, q.options().dtype(at::kFloat));
+}
+
+using BwdResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+BwdResult bwd_cuda(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& seq_offsets, int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
     const std::optional<Tensor>& num_targets, int64_t target_group_size, int64_t window_size,
-    double alpha, double inv_scale, bool causal, bool deterministic) {
+    double alpha, double inv_scale, bool causal, bool deterministic,
+    const std::optional<Tensor>& timestamps, const std::optional<Tensor>& pos_weight,
+    const std::optional<Tensor>& time_weight, const std::optional<Tensor>& time_edges,
+    int64_t max_pos, const std::optional<Tensor>& last_query_time) {
   Checked c = check_inputs(q, k, v, seq_offsets, max_seqlen, num_contexts, num_targets,
                            target_group_size, window_size, alpha, inv_scale, causal);
+  const BiasArgs bias{timestamps, pos_weight, time_weight, time_edges, max_pos, last_query_time};
+  check_bias(bias, q, alpha, c.batch);
   check_qkv(dout, "dout", q);
   HSTU_CHECK_VALUE(dout.sizes() == v.sizes(), "hstu_attention: dout must have the output's shape ",
               shape_str(v), "; got ", shape_str(dout));
@@ -391,7 +513,9 @@ std::tuple<Tensor, Tensor, Tensor> bwd_cuda(
   Tensor dq = at::empty_like(q);
   Tensor dk = at::empty_like(k);
   Tensor dv = at::empty_like(v);
-  if (q.size(0) == 0) return {dq, dk, dv};
+  Tensor dpos = weight_grad(pos_weight, q);
+  Tensor dtime = weight_grad(time_weight, q);
+  if (q.size(0) == 0) return {dq, dk, dv, dpos, dtime};
   hstu::HstuParams p = make_params(q, c, max_seqlen, target_group_size, window_size, alpha,
                                    inv_scale, causal);
   // Head-major [H, T, D]: the kernel's dQ reductions then use compile-time row offsets.
@@ -413,24 +537,37 @@ std::tuple<Tensor, Tensor, Tensor> bwd_cuda(
   p.dv = dv.data_ptr();
   p.dq_accum = dq_accum.data_ptr<float>();
   p.deterministic = deterministic;
+  set_bias_params(p, bias, alpha);
+  if (pos_weight.has_value()) p.dpos_w = dpos.data_ptr<float>();
+  if (time_weight.has_value()) p.dtime_w = dtime.data_ptr<float>();
   launch(hstu::Direction::kBwd, p);
-  return {dq, dk, dv};
+  return {dq, dk, dv, dpos, dtime};
 }
 
 Tensor fwd_meta(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
                 int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
                 const std::optional<Tensor>& num_targets, int64_t target_group_size,
-                int64_t window_size, double alpha, double inv_scale, bool causal) {
+                int64_t window_size, double alpha, double inv_scale, bool causal,
+                const std::optional<Tensor>& timestamps, const std::optional<Tensor>& pos_weight,
+                const std::optional<Tensor>& time_weight, const std::optional<Tensor>& time_edges,
+                int64_t max_pos, const std::optional<Tensor>& last_query_time) {
   HSTU_CHECK(v.size(2) == q.size(2), "hstu_attention: the CUDA kernel requires Dqk == Dv");
   return at::empty_like(v);
 }
 
-std::tuple<Tensor, Tensor, Tensor> bwd_meta(
+BwdResult bwd_meta(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
     const Tensor& seq_offsets, int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
     const std::optional<Tensor>& num_targets, int64_t target_group_size, int64_t window_size,
-    double alpha, double inv_scale, bool causal, bool deterministic) {
-  return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
+    double alpha, double inv_scale, bool causal, bool deterministic,
+    const std::optional<Tensor>& timestamps, const std::optional<Tensor>& pos_weight,
+    const std::optional<Tensor>& time_weight, const std::optional<Tensor>& time_edges,
+    int64_t max_pos, const std::optional<Tensor>& last_query_time) {
+  auto grad = [&](const std::optional<Tensor>& w) {
+    return w.has_value() ? at::empty_like(*w) : at::empty({0}, q.options().dtype(at::kFloat));
+  };
+  return {at::empty_like(q), at::empty_like(k), at::empty_like(v), grad(pos_weight),
+          grad(time_weight)};
 }
 
 }  // namespace
@@ -439,11 +576,15 @@ TORCH_LIBRARY(hstu_attention, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor seq_offsets, int max_seqlen, "
       "Tensor? num_contexts, Tensor? num_targets, int target_group_size, int window_size, "
-      "float alpha, float inv_scale, bool causal) -> Tensor");
+      "float alpha, float inv_scale, bool causal, Tensor? timestamps=None, "
+      "Tensor? pos_weight=None, Tensor? time_weight=None, Tensor? time_edges=None, "
+      "int max_pos=0, Tensor? last_query_time=None) -> Tensor");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor seq_offsets, int max_seqlen, "
       "Tensor? num_contexts, Tensor? num_targets, int target_group_size, int window_size, "
-      "float alpha, float inv_scale, bool causal, bool deterministic) -> (Tensor, Tensor, Tensor)");
+      "float alpha, float inv_scale, bool causal, bool deterministic, Tensor? timestamps=None, "
+      "Tensor? pos_weight=None, Tensor? time_weight=None, Tensor? time_edges=None, "
+      "int max_pos=0, Tensor? last_query_time=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hstu_attention, CUDA, m) {

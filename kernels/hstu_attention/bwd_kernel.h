@@ -16,6 +16,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "bias.h"
 #include "fwd_kernel.h"
 #include "kernel_traits.h"
 #include "mask.h"
@@ -54,7 +55,10 @@ __device__ __forceinline__ int atomic_add_release(int* ptr, int v) {
   return old;
 }
 
-template <typename Kt>
+// kBias: the relative attention bias (bias.h) enters every score tile, and its two weight
+// gradients are summed in shared memory (bias_smem_bytes past Kt::kSmemSize) and flushed into
+// p.dpos_w / p.dtime_w.
+template <typename Kt, bool kBias>
 __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     hstu_bwd_kernel(const __grid_constant__ HstuParams p) {
   using Element = typename Kt::Element;
@@ -346,9 +350,48 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   const float inv_scale = p.inv_scale;
   const float c_ds = 0.5f * p.alpha * p.inv_scale;
 
+  // Relative bias (bias.h): tables in shared memory past the tiles. Tile t (the t-th query block
+  // of the walk) reads diagonal buffer t % 2; after its first barrier, tile t + 1 fills the
+  // diagonals of tile t + 2 into buffer t % 2, so no extra barrier is needed. The key tile is
+  // fixed: its timestamps are loaded once. Weight gradients: the position sums go to global
+  // memory per tile, the time histogram sums the whole CTA and is flushed after the epilogue's
+  // barrier.
+  [[maybe_unused]] const auto bt = bias_tables<kBlockM, kBlockN, true>(p, smem_ + Kt::kSmemSize);
+  int tile_buf = 0;
+  auto bias_tile_start = [&](int next) {  // after the iteration's first barrier
+    if constexpr (kBias) {
+      if (next < m_hi) {
+        fill_diagonals<kBlockM, kBlockN, Kt::kNThreads>(p, bidh, bt, tile_buf ^ 1,
+                                                        next * kBlockM, n0, tidx);
+      }
+    }
+  };
+  auto add_bias = [&](int m0, auto& acc) {
+    if constexpr (kBias) {
+      add_rel_bias<kBlockM>(p, bt, tile_buf, 0, bidb, seq_start, L, tScS, m0, acc);
+    }
+  };
+  // After the barrier that makes the tile's sdS visible to every thread.
+  auto accumulate_tile = [&](int m0) {
+    if constexpr (kBias) {
+      accumulate_time_grad<kBlockM, kBlockN, Kt::kNThreads>(p, bt, sdS, bidb, seq_start, L, m0,
+                                                            n0, tidx);
+      accumulate_pos_grad<kBlockM, kBlockN, Kt::kNThreads>(p, bidh, sdS, L, m0, n0, tidx);
+      tile_buf ^= 1;
+    }
+  };
+
   int m_block = m_lo;
   if (m_block < m_hi && mk.tile_empty(m_block * kBlockM, (m_block + 1) * kBlockM, n0, n1)) {
     m_block = next_active(m_block);
+  }
+  if constexpr (kBias) {  // covered by the first barrier of the walk (or the epilogue's)
+    load_bias_constants<Kt::kNThreads>(p, bidh, bt, tidx, true);
+    fill_key_timestamps<kBlockN, Kt::kNThreads>(p, bt, 0, seq_start, L, n0, tidx);
+    if (m_block < m_hi) {
+      fill_diagonals<kBlockM, kBlockN, Kt::kNThreads>(p, bidh, bt, 0, m_block * kBlockM, n0,
+                                                      tidx);
+    }
   }
   {
     Tensor gk = gmem_thr_copy.partition_S(row_tile(k_ptr, n0, Int<kBlockN>{}));
@@ -370,6 +413,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       // dO (and K, V) have landed; every warp is done with the preceding block's sdS.
       cute::cp_async_wait<1>();
       __syncthreads();
+      bias_tile_start(next);
       Tensor acc_dp = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_dp);
       gemm_dP(acc_dp, 0);
@@ -379,6 +423,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       gemm_S(acc_s, 0);
+      add_bias(m0, acc_s);
       // Masked elements: s = 0 gives P = 0, and dP = 0 gives dS = 0.
       if (!mk.tile_full(m0, m0 + kBlockM, n0, n1)) apply_mask(mk, tScS, m0, n0, acc_s, acc_dp);
       CUTE_UNROLL
@@ -397,6 +442,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
         copy(copy_PdS, thr_copy_PdS.retile_S(rdS), tdSsdS);
       }
       dq_count_finish(pending, last);  // the barrier before dV
+      accumulate_tile(m0);
       gemm_dV(0);
       if (next < m_hi) {
         __syncthreads();  // dO is read by dP and dV only: the next one streams in now
@@ -436,6 +482,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       cute::cp_async_wait<0>();
       const int expected = dq_count_begin(pending);  // the barrier
       const bool last = dq_count_arrive(pending, expected);
+      bias_tile_start(next);
       if (Kt::kDoubleBuffer && next < m_hi) {
         load_rows(q_ptr, tQsQ, next, stage ^ 1);
         load_rows(do_ptr, tdOsdO, next, stage ^ 1);
@@ -446,6 +493,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       gemm_S(acc_s, off);
+      add_bias(m0, acc_s);
       // Masked elements: s = 0 gives P = 0, and their factor is zeroed, so dS = 0 too. The mask
       // is first taken as bits so that only one fp32 fragment is live while the rules are
       // evaluated.
@@ -496,6 +544,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
         copy(copy_PdS, thr_copy_PdS.retile_S(rdS), tdSsdS);
       }
       dq_count_finish(pending, last);  // the barrier before dV
+      accumulate_tile(m0);
 
       gemm_dV(off);
       if (!Kt::kDoubleBuffer && next < m_hi) {
@@ -530,6 +579,9 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   auto thr_copy_dKV = copy_dKV.get_thread_slice(tidx);
   cute::cp_async_wait<0>();
   __syncthreads();
+  if constexpr (kBias) {
+    if (bt.has_time) flush_time_hist<Kt::kNThreads>(p, bidh, bt.time_hist(), tidx);
+  }
   Tensor tdKsdK = thr_copy_dKV.partition_D(sK);
   Tensor tdVsdV = thr_copy_dKV.partition_D(sV);
   copy(copy_dKV, thr_copy_dKV.retile_S(rdK), tdKsdK);

@@ -6,6 +6,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "bias.h"
 #include "kernel_traits.h"
 #include "mask.h"
 #include "params.h"
@@ -27,7 +28,8 @@ __device__ __forceinline__ SeqMask make_seq_mask(HstuParams const& p, int bidb, 
   return mk;
 }
 
-template <typename Kt>
+// kBias: add the relative attention bias (bias.h) to every score tile.
+template <typename Kt, bool kBias>
 __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     hstu_fwd_kernel(const __grid_constant__ HstuParams p) {
   using Element = typename Kt::Element;
@@ -124,6 +126,17 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   if (n_block >= n_lo) load_kv(k_ptr, tKsK, n_block);
   cute::cp_async_fence();
 
+  // Relative bias (bias.h): tables past the tiles in shared memory; tile t reads buffer t % 2,
+  // and the next tile's buffer is filled after the barrier that ends tile t's SiLU phase.
+  [[maybe_unused]] const auto bt = bias_tables<kBlockM, kBlockN, false>(p, smem_ + Kt::kSmemSize);
+  int tile_buf = 0;
+  if constexpr (kBias) {  // covered by the loop's first barrier
+    load_bias_constants<Kt::kNThreads>(p, bidh, bt, tidx, false);
+    if (n_block >= n_lo) {
+      fill_diagonals<kBlockM, kBlockN, Kt::kNThreads>(p, bidh, bt, 0, m0, n_block * kBlockN, tidx);
+      fill_key_timestamps<kBlockN, Kt::kNThreads>(p, bt, 0, seq_start, L, n_block * kBlockN, tidx);
+    }
+  }
   const float half_alpha = 0.5f * p.alpha;
   const float half_alpha_scale = 0.5f * p.alpha * p.inv_scale;
   while (n_block >= n_lo) {
@@ -136,6 +149,9 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     cute::cp_async_fence();
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
             smem_thr_copy_Q, smem_thr_copy_K);
+    if constexpr (kBias) {
+      add_rel_bias<kBlockM>(p, bt, tile_buf, tile_buf, bidb, seq_start, L, tScS, m0, acc_s);
+    }
     // P = SiLU(alpha s) / scale = h' (1 + tanh(h)), h = alpha s / 2, h' = h / scale.
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) {
@@ -154,7 +170,14 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     if (next >= n_lo) {
       load_kv(k_ptr, tKsK, next);
       cute::cp_async_fence();
+      if constexpr (kBias) {
+        fill_diagonals<kBlockM, kBlockN, Kt::kNThreads>(p, bidh, bt, tile_buf ^ 1, m0,
+                                                        next * kBlockN, tidx);
+        fill_key_timestamps<kBlockN, Kt::kNThreads>(p, bt, tile_buf ^ 1, seq_start, L,
+                                                    next * kBlockN, tidx);
+      }
     }
+    tile_buf ^= 1;
     if constexpr (Kt::kPSmem) {
       gemm_ss_lean(acc_o, tOrPs, tOrVt, tOsP, tOsVt, tiled_mma, smem_tiled_copy_P,
                    smem_tiled_copy_V, smem_thr_copy_P, smem_thr_copy_V);

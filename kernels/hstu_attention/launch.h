@@ -201,10 +201,16 @@ inline int64_t set_grid_order(HstuParams& p, int64_t n_blocks, int64_t per_pair,
   return ctas;
 }
 
-template <typename Kt, bool kTwoPerSm = false>
+// Shared memory of a forward kernel: its tiles, plus the bias tables with kBias.
+template <typename Kt, bool kBias>
+constexpr int fwd_smem_bytes() {
+  return Kt::kSmemSize + (kBias ? BiasSmem<Kt::kBlockM, Kt::kBlockN, false>::kBytes : 0);
+}
+
+template <typename Kt, bool kBias, bool kTwoPerSm = false>
 cudaError_t launch_hstu_fwd_kernel(HstuParams& p, cudaStream_t stream) {
-  auto kernel = &hstu_fwd_kernel<Kt>;
-  constexpr int smem = Kt::kSmemSize;
+  auto kernel = &hstu_fwd_kernel<Kt, kBias>;
+  constexpr int smem = fwd_smem_bytes<Kt, kBias>();
   static int slots[kMaxDevices] = {};
   cudaError_t err = prepare_kernel(kernel, Kt::kNThreads, smem, slots, kTwoPerSm);
   if (err != cudaSuccess) return err;
@@ -219,24 +225,34 @@ cudaError_t launch_hstu_fwd_kernel(HstuParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kBias>
 cudaError_t run_hstu_fwd(HstuParams& p, cudaStream_t stream) {
   using One = typename FwdConfig<T, D>::type;
   using Two = typename FwdConfig<T, D>::two_per_sm;
   using TwoP = typename FwdConfig<T, D>::two_per_sm_psmem;
   if constexpr (!std::is_same_v<Two, TwoP>) {
-    if (smem_budget() >= 2 * TwoP::kSmemSize) return launch_hstu_fwd_kernel<TwoP, true>(p, stream);
+    if (smem_budget() >= 2 * fwd_smem_bytes<TwoP, kBias>()) {
+      return launch_hstu_fwd_kernel<TwoP, kBias, true>(p, stream);
+    }
   }
   if constexpr (!std::is_same_v<One, Two>) {
-    if (smem_budget() >= 2 * Two::kSmemSize) return launch_hstu_fwd_kernel<Two, true>(p, stream);
+    if (smem_budget() >= 2 * fwd_smem_bytes<Two, kBias>()) {
+      return launch_hstu_fwd_kernel<Two, kBias, true>(p, stream);
+    }
   }
-  return launch_hstu_fwd_kernel<One>(p, stream);
+  return launch_hstu_fwd_kernel<One, kBias>(p, stream);
 }
 
-template <typename Kt>
+// Shared memory of a backward kernel: its tiles, plus the bias gradients' histograms with kBias.
+template <typename Kt, bool kBias>
+constexpr int bwd_smem_bytes() {
+  return Kt::kSmemSize + (kBias ? BiasSmem<Kt::kBlockM, Kt::kBlockN, true>::kBytes : 0);
+}
+
+template <typename Kt, bool kBias>
 cudaError_t launch_hstu_bwd_kernel(HstuParams& p, cudaStream_t stream) {
-  auto kernel = &hstu_bwd_kernel<Kt>;
-  constexpr int smem = Kt::kSmemSize;
+  auto kernel = &hstu_bwd_kernel<Kt, kBias>;
+  constexpr int smem = bwd_smem_bytes<Kt, kBias>();
   static int slots[kMaxDevices] = {};
   cudaError_t err = prepare_kernel(kernel, Kt::kNThreads, smem, slots);
   if (err != cudaSuccess) return err;
@@ -252,32 +268,36 @@ cudaError_t launch_hstu_bwd_kernel(HstuParams& p, cudaStream_t stream) {
 }
 
 // The largest of the (dtype, head dim)'s backward configurations that the smem budget allows.
-template <typename T, int D>
+template <typename T, int D, bool kBias>
 cudaError_t launch_hstu_bwd_config(HstuParams& p, cudaStream_t stream) {
   using Small = typename BwdConfig<T, D>::type;
   using Big = typename BwdConfig<T, D>::big_smem;
   using Huge = typename BwdConfig<T, D>::huge_smem;
   static_assert(Small::kSmemSize <= Big::kSmemSize && Big::kSmemSize <= Huge::kSmemSize);
   if constexpr (std::is_same_v<Small, Huge>) {
-    return launch_hstu_bwd_kernel<Small>(p, stream);
+    return launch_hstu_bwd_kernel<Small, kBias>(p, stream);
   } else {
     const int budget = smem_budget();
     if constexpr (!std::is_same_v<Big, Huge>) {
-      if (budget >= Huge::kSmemSize) return launch_hstu_bwd_kernel<Huge>(p, stream);
+      if (budget >= bwd_smem_bytes<Huge, kBias>()) {
+        return launch_hstu_bwd_kernel<Huge, kBias>(p, stream);
+      }
     }
     if constexpr (!std::is_same_v<Small, Big>) {
-      if (budget >= Big::kSmemSize) return launch_hstu_bwd_kernel<Big>(p, stream);
+      if (budget >= bwd_smem_bytes<Big, kBias>()) {
+        return launch_hstu_bwd_kernel<Big, kBias>(p, stream);
+      }
     }
-    return launch_hstu_bwd_kernel<Small>(p, stream);
+    return launch_hstu_bwd_kernel<Small, kBias>(p, stream);
   }
 }
 
 // dQ is converted by the backward kernel itself when the caller passes dq_counter (api.cpp does
 // only with HSTU_ATTN_DQ_CONVERT=bwd: measured slower on the H100 at d64/d128), else by the
 // separate convert kernel below (both are tested).
-template <typename T, int D>
+template <typename T, int D, bool kBias>
 cudaError_t run_hstu_bwd(HstuParams& p, cudaStream_t stream) {
-  cudaError_t err = launch_hstu_bwd_config<T, D>(p, stream);
+  cudaError_t err = launch_hstu_bwd_config<T, D, kBias>(p, stream);
   if (err != cudaSuccess) return err;
   const int64_t per_head = int64_t(p.total) * D;
   // With dq_counter the backward kernel has converted dQ itself.
@@ -292,17 +312,17 @@ cudaError_t run_hstu_bwd(HstuParams& p, cudaStream_t stream) {
   return err;
 }
 
-// One instantiation file per (dtype, head dim, direction) registers its launcher at load time,
-// so a build filtered with HSTU_KERNEL_DIMS links and reports what is missing at call time.
-#define HSTU_REGISTER_FWD(T, DT, D)                                                   \
+// One instantiation file per (dtype, head dim, direction, bias) registers its launcher at load
+// time, so a build filtered with HSTU_KERNEL_DIMS links and reports what is missing at call time.
+#define HSTU_REGISTER_FWD(T, DT, D, BIAS)                                             \
   namespace {                                                                         \
   const bool hstu_registered_fwd_##D = ::hstu::register_launcher(                     \
-      ::hstu::Direction::kFwd, DT, D, &::hstu::run_hstu_fwd<T, D>);                   \
+      ::hstu::Direction::kFwd, DT, D, BIAS, &::hstu::run_hstu_fwd<T, D, BIAS>);       \
   }
-#define HSTU_REGISTER_BWD(T, DT, D)                                                   \
+#define HSTU_REGISTER_BWD(T, DT, D, BIAS)                                             \
   namespace {                                                                         \
   const bool hstu_registered_bwd_##D = ::hstu::register_launcher(                     \
-      ::hstu::Direction::kBwd, DT, D, &::hstu::run_hstu_bwd<T, D>);                   \
+      ::hstu::Direction::kBwd, DT, D, BIAS, &::hstu::run_hstu_bwd<T, D, BIAS>);       \
   }
 
 }  // namespace hstu

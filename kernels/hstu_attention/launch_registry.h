@@ -24,14 +24,19 @@ inline int head_dim_index(int d) {
 // Defined in registry.cpp (a single table for the whole extension).
 Launcher* launcher_table();
 
-inline bool register_launcher(Direction dir, DType dt, int d, Launcher fn) {
-  launcher_table()[(int(dir) * 2 + int(dt)) * 4 + head_dim_index(d)] = fn;
+// Slot of (direction, bias, dtype, head dim index) in the table of 2 x 2 x 2 x 4 launchers.
+inline int launcher_slot(Direction dir, bool bias, DType dt, int i) {
+  return ((int(dir) * 2 + int(bias)) * 2 + int(dt)) * 4 + i;
+}
+
+inline bool register_launcher(Direction dir, DType dt, int d, bool bias, Launcher fn) {
+  launcher_table()[launcher_slot(dir, bias, dt, head_dim_index(d))] = fn;
   return true;
 }
 
-inline Launcher find_launcher(Direction dir, DType dt, int d) {
+inline Launcher find_launcher(Direction dir, DType dt, int d, bool bias) {
   const int i = head_dim_index(d);
-  return i < 0 ? nullptr : launcher_table()[(int(dir) * 2 + int(dt)) * 4 + i];
+  return i < 0 ? nullptr : launcher_table()[launcher_slot(dir, bias, dt, i)];
 }
 
 }  // namespace hstu

@@ -26,6 +26,22 @@ struct HstuParams {
   // into a query block converts it, and no separate convert kernel runs.
   int* dq_counter = nullptr;
 
+  // Relative attention bias (bias.h, docs/design.md); all nullptr when there is none.
+  const int64_t* timestamps = nullptr;  // [T] int64, jagged like q
+  const float* pos_w = nullptr;         // [Hw, 2 max_pos + 1] fp32
+  const float* time_w = nullptr;        // [Hw, num_buckets + 1] fp32
+  const int64_t* time_edges = nullptr;  // [num_buckets + 1] int64
+  // [B] int64 or nullptr: the time each sequence's last token queries at (e.g. the request
+  // time); nullptr: its own timestamp
+  const int64_t* last_query_time = nullptr;
+  float* dpos_w = nullptr;              // backward: zeroed fp32 accumulators, same shapes
+  float* dtime_w = nullptr;
+  int64_t pos_w_head_stride = 0;   // 0: one row shared by every head
+  int64_t time_w_head_stride = 0;
+  int max_pos = 0;
+  int num_buckets = 0;
+  float inv_alpha = 1.f;  // the bias enters S as rab / alpha (alpha != 0 with a bias)
+
   int64_t row_stride = 0;
   int64_t head_stride = 0;
 

@@ -30,6 +30,7 @@ from hstu.data.sequences import SequenceData
 __all__ = [
     "FORMAT_VERSION",
     "ID_MAX",
+    "TIME_HINT",
     "DataFormatError",
     "BuildOptions",
     "BuildResult",
@@ -53,6 +54,9 @@ FORMAT_VERSION = 1
 _INT64_MAX = 2**63 - 1
 # Ids of the official formats: the int32 range (item ids index the item table, user ids alike)
 ID_MAX = MAX_ITEM_ID
+
+# Column.negative_hint of the time columns
+TIME_HINT = "timestamps are Unix times and never negative"
 
 # How many offending lines an error message quotes.
 _MAX_REPORTED = 5
@@ -266,6 +270,8 @@ class Column:
     max_value: float | None = None  # inclusive
     allowed: tuple[float, ...] | None = None  # exact allowed values (e.g. half stars)
     required: bool = True  # str columns: False -> missing values allowed (become "")
+    # why a value below min_value = 0 is wrong (said in the message)
+    negative_hint: str = "negative ids are not allowed"
 
 
 def _check_numeric(
@@ -310,7 +316,7 @@ def _check_numeric(
     check(bad, problem, with_sep=True)
     check(huge, "is out of the int64 range (values must be below 2^63)")
     if col.min_value is not None:
-        neg = " (negative ids are not allowed)" if col.min_value == 0 else ""
+        neg = f" ({col.negative_hint})" if col.min_value == 0 and col.negative_hint else ""
         check(arr < col.min_value, f"must be >= {col.min_value:g}{neg}")
     if col.max_value is not None:
         check(arr > col.max_value, f"must be <= {col.max_value:g}")
@@ -488,13 +494,15 @@ def build_sequence_data(
     action_names: Sequence[str],
     user_feature_table: dict[str, dict[int, int]] | None = None,
     extra: dict | None = None,
+    has_timestamps: bool = True,
 ) -> tuple[SequenceData, dict]:
     """Group interactions into per-user time-ordered CSR sequences.
 
     Order: users by raw id; within a user by timestamp, ties kept in input order (a stable sort).
     Contextual features: ``user_id`` = 1 + rank of the user's raw id among all users (dense,
     0 reserved), then each column of ``user_feature_table`` ({feature: {raw user id: id}}, absent
-    users -> 0). Returns the data and stats (users without features).
+    users -> 0). ``has_timestamps=False``: the timestamps only order the interactions (file
+    positions), they are no times. Returns the data and stats (users without features).
     """
     users = np.asarray(users, dtype=np.int64)
     order = np.lexsort((np.asarray(timestamps), users))  # stable: ties keep input order
@@ -520,5 +528,6 @@ def build_sequence_data(
         user_feature_names=names,
         action_names=list(action_names),
         extra=dict(extra or {}),
+        has_timestamps=bool(has_timestamps),
     )
     return data, stats

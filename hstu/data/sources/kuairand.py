@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from hstu.data.sources.common import (
+    TIME_HINT,
     BuildOptions,
     BuildResult,
     Column,
@@ -118,7 +119,7 @@ def build_kuairand(files: dict[str, Path], opts: BuildOptions) -> BuildResult:
     log_cols = [
         Column("user_id", min_value=0, max_value=int32_max),
         Column("video_id", min_value=0, max_value=int32_max),
-        Column("time_ms", min_value=0),
+        Column("time_ms", min_value=0, negative_hint=TIME_HINT),
         *[Column(a, min_value=0, max_value=1) for a in ACTION_NAMES],
     ]
     pieces: list[dict[str, np.ndarray]] = []

@@ -15,6 +15,7 @@ import numpy as np
 
 from hstu.data.sources.common import (
     ID_MAX,
+    TIME_HINT,
     BuildOptions,
     BuildResult,
     Column,
@@ -128,7 +129,7 @@ def _read_star_ratings(
             Column(user, min_value=0, max_value=ID_MAX),
             Column(item, min_value=0, max_value=ID_MAX),
             Column(rating, min_value=1, max_value=5),
-            Column(time, min_value=0),
+            Column(time, min_value=0, negative_hint=TIME_HINT),
         ],
         encoding=_ENC,
         progress=opts.progress,
@@ -265,7 +266,7 @@ def build_ml_20m(files: dict[str, Path], opts: BuildOptions) -> BuildResult:
             Column("userId", min_value=0, max_value=np.iinfo(np.int32).max),
             Column("movieId", min_value=0, max_value=np.iinfo(np.int32).max),
             Column("rating", kind="float", allowed=half_stars),
-            Column("timestamp", min_value=0),
+            Column("timestamp", min_value=0, negative_hint=TIME_HINT),
         ],
         encoding=_ENC,
         progress=opts.progress,

@@ -4,8 +4,9 @@ Two whitespace-separated layouts, both in time order with no timestamps:
   pairs: ``user item`` per line (one interaction per line);
   lines: ``user item item ...`` per line (one user's sequence per line).
 ``auto`` picks pairs when every line has exactly two ids (both readings then mean the same
-interactions), else lines. Timestamps are the interaction's position in the file; actions are 1
-(one task, "interaction"); the only contextual feature is ``user_id``.
+interactions), else lines. Timestamps are the interaction's position in the file (recorded as
+``has_timestamps: false`` in the manifest: they order the sequences but are no times); actions
+are 1 (one task, "interaction"); the only contextual feature is ``user_id``.
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ def build_sequences(files: dict[str, Path], opts: BuildOptions) -> BuildResult:
         timestamps=np.arange(items.size, dtype=np.int64),  # file order is time order
         action_names=ACTION_NAMES,
         extra={"format": fmt, "timestamps": "position in the file"},
+        has_timestamps=False,  # positions, not times: batches carry no timestamps
     )
     stats["format"] = fmt
     if fmt == "lines":

@@ -1,8 +1,9 @@
-// fwd kernel, fp16, head dim 128. One file per (dtype, head dim, direction) so builds parallelise.
+// fwd kernel, fp16, head dim 128, no attention bias. One file per (dtype, head dim, direction,
+// bias) so builds parallelise.
 #include "launch.h"
 
 namespace hstu {
-template cudaError_t run_hstu_fwd<cutlass::half_t, 128>(HstuParams&, cudaStream_t);
+template cudaError_t run_hstu_fwd<cutlass::half_t, 128, false>(HstuParams&, cudaStream_t);
 }  // namespace hstu
 
-HSTU_REGISTER_FWD(cutlass::half_t, ::hstu::DType::kFp16, 128)
+HSTU_REGISTER_FWD(cutlass::half_t, ::hstu::DType::kFp16, 128, false)

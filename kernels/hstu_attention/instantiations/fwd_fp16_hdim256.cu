@@ -1,8 +1,9 @@
-// fwd kernel, fp16, head dim 256. One file per (dtype, head dim, direction) so builds parallelise.
+// fwd kernel, fp16, head dim 256, no attention bias. One file per (dtype, head dim, direction,
+// bias) so builds parallelise.
 #include "launch.h"
 
 namespace hstu {
-template cudaError_t run_hstu_fwd<cutlass::half_t, 256>(HstuParams&, cudaStream_t);
+template cudaError_t run_hstu_fwd<cutlass::half_t, 256, false>(HstuParams&, cudaStream_t);
 }  // namespace hstu
 
-HSTU_REGISTER_FWD(cutlass::half_t, ::hstu::DType::kFp16, 256)
+HSTU_REGISTER_FWD(cutlass::half_t, ::hstu::DType::kFp16, 256, false)

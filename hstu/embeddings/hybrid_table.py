@@ -1,0 +1,515 @@
+"""Hybrid dynamic embedding tables: every row in host memory, the hot rows cached in HBM.
+
+A `HybridDynamicEmbeddingTable` is a `DynamicEmbeddingTable` (same hash, buckets, eviction,
+initialiser and fused optimizers, so the same results) whose rows do not all fit in GPU memory.
+It is split in three parts:
+
+- the **slot directory**, on the device: key, eviction score and last-use step of every slot
+  (24 B per slot), exactly the metadata of the all-HBM table. Finding, inserting and evicting
+  keys run on it as on the all-HBM table (find with the same kernel, inserts with the
+  reference's ranking in torch ops, `reference_table.insert_keys`), so a key is in the table,
+  and in which slot, exactly when it would be in the all-HBM table;
+- the **host tier**, `HostRows`: one row (embedding + optimizer state) per slot, in host memory
+  (page-locked and mapped into the GPU's address space on CUDA, so the GPU gathers and writes
+  rows over PCIe without the host waiting);
+- the **HBM cache**: ``cache_rows`` rows on the device, fully associative. ``slot_row[s]`` is the
+  cache row holding slot ``s`` (-1: not cached). A training lookup puts every row of its batch in
+  the cache (fetched from the host tier, or initialised for a new key) and the fused update runs
+  on the cached rows with the same kernels as the all-HBM table. When the cache needs room it
+  evicts, in batches, the rows with the lowest eviction scores of the table's policy (LRU: last
+  step used, LFU: use count, custom: given scores) that no pending lookup uses, and writes them
+  back to the host tier: on CUDA a copy of the evicted rows is written by a side stream while
+  the step goes on, and the next read of the host tier waits for it on the GPU (an event).
+
+For a key, the cached row, when there is one, is the current one; otherwise the host row is.
+`dump()` reads both, so a hybrid table dumps exactly what the all-HBM table dumps, and `load()`
+fills the host tier. On CPU (development mode, CI) the same logic runs with the reference ops
+and both tiers in ordinary memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from hstu.embeddings import reference_table
+from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
+from hstu.embeddings.dynamic_table import (
+    _DTYPES,
+    TABLE_CLASSES,
+    DynamicEmbeddingTable,
+    UniqueIds,
+    _FusedLookup,
+)
+from hstu.embeddings.reference_table import EMPTY_KEY, TableState
+
+__all__ = ["HybridDynamicEmbeddingTable", "HostRows"]
+
+logger = logging.getLogger(__name__)
+
+_INT64_MAX = 2**63 - 1
+# lookups with grad whose backward has not run keep their rows cached; older ones are forgotten
+MAX_PENDING_STEPS = 8
+# keys per chunk when many keys are placed at once (load): bounds the [buckets, 32] temporaries
+_PLACE_CHUNK = 1 << 20
+# cudaHostRegisterPortable | cudaHostRegisterMapped
+_HOST_REGISTER_FLAGS = 3
+
+
+class _DeviceArray:
+    """``__cuda_array_interface__`` of a device-visible pointer (here: mapped host memory)."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...]) -> None:
+        self.__cuda_array_interface__ = {
+            "data": (ptr, False),
+            "shape": shape,
+            "typestr": "<f4",
+            "strides": None,
+            "version": 2,
+        }
+
+
+def _unregister(cudart, tensor: torch.Tensor) -> None:
+    cudart.cudaHostUnregister(tensor.data_ptr())
+
+
+class HostRows:
+    """The host tier of a hybrid table: rows [num_slots, width] fp32, row s for slot s.
+
+    On CUDA the memory is page-locked (``cudaHostRegister``, mapped) and ``view`` is a CUDA
+    tensor over the same bytes: `gather` is a GPU gather reading host memory over PCIe and
+    `scatter` a GPU scatter writing it, on a side stream. Where the mapping is not available the
+    copies go through the CPU (the host waits for them). On CPU/meta tables ``rows`` is an
+    ordinary tensor of the table's device."""
+
+    def __init__(self, num_slots: int, width: int, device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        host = torch.device("cpu") if device.type == "cuda" else device
+        self.rows = torch.empty((num_slots, width), dtype=torch.float32, device=host)
+        self.view: torch.Tensor | None = None
+        self.stream: torch.cuda.Stream | None = None
+        self._written: torch.cuda.Event | None = None  # the last write-back
+        if device.type == "cuda":
+            self._map()
+
+    def _map(self) -> None:
+        """Page-locks ``rows`` and maps it for the GPU; on failure the staged path is used."""
+        nbytes = self.rows.numel() * self.rows.element_size()
+        if nbytes == 0:
+            return
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(self.rows.data_ptr(), nbytes, _HOST_REGISTER_FLAGS)
+        if int(err) != 0:
+            logger.warning(
+                "hybrid table: page-locking %d bytes of host memory failed (%s); the host tier "
+                "is copied through the CPU instead (slower, the host waits)",
+                nbytes,
+                err,
+            )
+            return
+        self._finalizer = weakref.finalize(self, _unregister, cudart, self.rows)
+        with torch.cuda.device(self.device):
+            view = torch.as_tensor(
+                _DeviceArray(self.rows.data_ptr(), tuple(self.rows.shape)), device=self.device
+            )
+            # the GPU must see the host's bytes through the view (unified addressing)
+            probe = torch.arange(2, dtype=torch.float32) + 0.25
+            self.rows.view(-1)[:2] = probe
+            if view.device != self.device or not torch.equal(view.view(-1)[:2].cpu(), probe):
+                logger.warning("hybrid table: mapped host memory is not visible to the GPU")
+                return
+            # rows move as 16-byte elements (widths are multiples of 4 floats): fewer, wider
+            # PCIe transactions; the bytes are copied, never computed on
+            self.view = view.view(torch.complex128)
+            self.stream = torch.cuda.Stream(self.device)
+
+    @property
+    def mapped(self) -> bool:
+        return self.view is not None
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of ``slots`` (a tensor of the table's device) on the table's device."""
+        if self.view is not None:
+            if self._written is not None:  # rows written back must have landed first
+                torch.cuda.current_stream(self.device).wait_event(self._written)
+            return self.view.index_select(0, slots).view(torch.float32)
+        if self.device.type == "cuda":
+            return self.rows.index_select(0, slots.cpu()).to(self.device)
+        return self.rows.index_select(0, slots)
+
+    def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Writes ``rows`` (device tensor, owned by the caller's stream) into ``slots``. On the
+        mapped path the write runs on the side stream after the work queued so far."""
+        if self.view is not None:
+            main = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(main)
+            with torch.cuda.stream(self.stream):
+                self.view.index_copy_(0, slots, rows.view(torch.complex128))
+            slots.record_stream(self.stream)
+            rows.record_stream(self.stream)
+            self._written = self.stream.record_event()
+        elif self.device.type == "cuda":
+            self.rows.index_copy_(0, slots.cpu(), rows.cpu())
+        else:
+            self.rows.index_copy_(0, slots, rows)
+
+    def synchronize(self) -> None:
+        """Waits until every queued read and write of the host tier is done."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of ``slots`` on the CPU (checkpoints)."""
+        self.synchronize()
+        return self.rows.index_select(0, slots.to(self.rows.device)).cpu()
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Writes ``rows`` into ``slots`` from the host (checkpoint loads)."""
+        self.synchronize()
+        self.rows.index_copy_(0, slots.to(self.rows.device), rows.to(self.rows.device))
+
+
+class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
+    """A `DynamicEmbeddingTable` (or one rank's shard) with ``config.storage == 'hybrid'``:
+    the slot directory and a cache of ``config.cache_rows(slots)`` rows on the device, every row
+    in host memory (see the module docstring). Lookups, updates, stats, dumps and loads give
+    exactly what the all-HBM table gives."""
+
+    def __init__(
+        self,
+        config: DynamicEmbeddingConfig,
+        device: torch.device | str | None = None,
+        *,
+        backend: str = "auto",
+        world_size: int = 1,
+        rank: int = 0,
+    ) -> None:
+        super().__init__(config, device, backend=backend, world_size=world_size, rank=rank)
+        # rows fetched from the host tier, rows written back, cache hits, cache lookups
+        self._cache_counters = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self._pending: list[int] = []  # steps whose lookup's backward has not run
+
+    # -- tensors ----------------------------------------------------------------------------
+    def _memory_need(self, num_slots: int) -> tuple[int, int]:
+        """Directory (24 B per slot) + slot -> cache row (4 B) + the cache (row + key + slot) on
+        the device; every row in host memory."""
+        rows = self.config.cache_rows(num_slots)
+        return num_slots * 28 + rows * (self.width * 4 + 16), num_slots * self.width * 4
+
+    def _allocate(self, num_slots: int) -> TableState:
+        """The directory (no rows), and on first use the host tier and the cache; afterwards
+        (`load`) the same memory, emptied."""
+        dev = self.device
+        directory = TableState(
+            keys=torch.full((num_slots,), EMPTY_KEY, dtype=torch.int64, device=dev),
+            scores=torch.zeros(num_slots, dtype=torch.int64, device=dev),
+            touched=torch.zeros(num_slots, dtype=torch.int64, device=dev),
+            values=torch.empty((0, self.width), dtype=torch.float32, device=dev),
+        )
+        if not hasattr(self, "host"):
+            self.host = HostRows(num_slots, self.width, dev)
+            rows = self.config.cache_rows(num_slots)
+            self.cache = TableState(
+                keys=torch.empty(rows, dtype=torch.int64, device=dev),  # key held, EMPTY: free
+                scores=torch.empty(0, dtype=torch.int64, device=dev),  # (unused)
+                touched=torch.empty(0, dtype=torch.int64, device=dev),  # (unused)
+                values=torch.zeros((rows, self.width), dtype=torch.float32, device=dev),
+            )
+            self.cache_slot = torch.empty(rows, dtype=torch.int64, device=dev)
+            self.slot_row = torch.empty(num_slots, dtype=torch.int32, device=dev)
+            self._free = torch.empty(rows, dtype=torch.int64, device=dev)
+            # evictions come in batches (one top-k over the cache each) and start ahead, when
+            # fewer rows than the low-water mark are free, so their write-back overlaps the step
+            self.evict_batch = max(1, rows // 64)
+            self.low_water = rows // 64
+        self.host.synchronize()
+        self.cache.keys.fill_(EMPTY_KEY)
+        self.cache_slot.fill_(-1)
+        self.slot_row.fill_(-1)
+        rows = self.cache.keys.numel()
+        self._free.copy_(torch.arange(rows - 1, -1, -1, device=dev))
+        self.n_free = rows
+        return directory
+
+    def row_state(self) -> TableState:
+        return self.cache
+
+    @property
+    def cache_rows(self) -> int:
+        return self.cache.keys.numel()
+
+    # -- lookup ---------------------------------------------------------------------------------
+    def forward(
+        self,
+        ids: torch.Tensor,
+        scores: torch.Tensor | None = None,
+        *,
+        host_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As `DynamicEmbeddingTable.forward`; a training lookup also brings its rows into the
+        HBM cache (reading the host tier, waiting for the GPU: a few host syncs per lookup)."""
+        u = self._unique(ids, host_ids)
+        n_unique = u.uniq.numel()
+        dtype = _DTYPES[self.config.output_dtype]
+        if not self.training:
+            slots = self.ops.find(self.state, u.uniq)
+            self._counters[0] += n_unique
+            self._counters[1] += (slots >= 0).sum()
+            return self._eval_rows(u, slots).to(dtype)
+        self.step += 1
+        score_vals, accumulate = self._score_values(u, scores)
+        slots = self.ops.find(self.state, u.uniq, True, self.step, score_vals, accumulate)
+        n_new, fresh_idx, fresh_slots = self._insert_directory(u, slots, score_vals)
+        self._counters[0] += n_unique
+        self._counters[1] += n_unique - n_new
+        rows = self._place(u, slots, fresh_idx, fresh_slots)
+        if torch.is_grad_enabled():
+            self._pending = [p for p in self._pending if p > self.step - MAX_PENDING_STEPS]
+            self._pending.append(self.step)
+            dummy = torch.empty(0, device=self.device, requires_grad=True)
+            out = _FusedLookup.apply(dummy, self, u, rows)
+        else:
+            out = self.ops.gather(self.cache, self.dim, rows, u.inverse)
+        return out.to(dtype)
+
+    def _backward_done(self, step: int) -> None:
+        if step in self._pending:
+            self._pending.remove(step)
+
+    def _insert_directory(
+        self, u: UniqueIds, slots: torch.Tensor, score_vals: torch.Tensor | None
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Inserts the unique ids the directory lacks (``slots < 0``, filled in place), as the
+        all-HBM table does. Returns (how many were missing, positions in ``u.uniq`` of those that
+        got a slot, their slots)."""
+        idx = torch.nonzero(slots < 0).flatten()
+        n_new = idx.numel()
+        if n_new == 0:
+            return 0, idx, idx
+        keys = u.uniq[idx]
+        new_scores = torch.full_like(keys, self.step) if score_vals is None else score_vals[idx]
+        new_slots, n_evicted = self._insert_grouped(keys, new_scores, self.step)
+        slots[idx] = new_slots
+        ok = torch.nonzero(new_slots >= 0).flatten()
+        inserted = ok.numel()
+        self._counters[2] += inserted
+        self._counters[3] += n_evicted
+        self._counters[4] += n_new - inserted
+        return n_new, idx[ok], new_slots[ok]
+
+    def _place_keys(
+        self,
+        keys: torch.Tensor,
+        seg_offsets: torch.Tensor,
+        seg_buckets: torch.Tensor,
+        scores: torch.Tensor,
+        step: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Places keys in the directory (no rows: those are the cache's and the host tier's),
+        in chunks of whole buckets when there are many (a load)."""
+        n = keys.numel()
+        if n <= _PLACE_CHUNK:
+            return reference_table.insert_keys(
+                self.state, keys, seg_offsets, seg_buckets, scores, step
+            )
+        offsets = seg_offsets.cpu()
+        slots, evicted, s0 = [], torch.zeros((), dtype=torch.int64, device=keys.device), 0
+        while s0 < seg_buckets.numel():
+            lo = int(offsets[s0])
+            s1 = int(torch.searchsorted(offsets, lo + _PLACE_CHUNK, right=True)) - 1
+            s1 = min(max(s1, s0 + 1), seg_buckets.numel())
+            hi = int(offsets[s1])
+            part, ev = reference_table.insert_keys(
+                self.state,
+                keys[lo:hi],
+                seg_offsets[s0 : s1 + 1] - lo,
+                seg_buckets[s0:s1],
+                scores[lo:hi],
+                step,
+            )
+            slots.append(part)
+            evicted = evicted + ev
+            s0 = s1
+        return torch.cat(slots), evicted
+
+    # -- the cache --------------------------------------------------------------------------------
+    def _place(
+        self,
+        u: UniqueIds,
+        slots: torch.Tensor,
+        fresh_idx: torch.Tensor,
+        fresh_slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """The cache row of every unique id of a training lookup (-1 where the directory had no
+        slot: overflow), bringing the missing rows in."""
+        if fresh_slots.numel():
+            # a slot that took a new key this step: the row cached for its former key is stale
+            old = self.slot_row[fresh_slots].long()
+            stale = old[old >= 0]
+            if stale.numel():
+                self._release(stale)
+            self.slot_row[fresh_slots] = -1
+        live = slots >= 0
+        rows = torch.where(live, self.slot_row[slots.clamp(min=0)].long(), -1)
+        missing = live & (rows < 0)
+        missing[fresh_idx] = False
+        old_idx = torch.nonzero(missing).flatten()  # cached nowhere but in the host tier
+        self._cache_counters[3] += live.sum()
+        self._cache_counters[2] += live.sum() - old_idx.numel() - fresh_idx.numel()
+        idx = torch.cat([old_idx, fresh_idx])
+        n = idx.numel()
+        if n:
+            new_rows = self._take(n)
+            s = slots[idx]
+            n_old = old_idx.numel()
+            if n_old:
+                self.cache.values[new_rows[:n_old]] = self.host.gather(s[:n_old])
+                self._cache_counters[0] += n_old
+            if n > n_old:
+                self.cache.values[new_rows[n_old:]] = self._initial_rows(u.uniq[fresh_idx])
+            self.cache.keys[new_rows] = u.uniq[idx]
+            self.cache_slot[new_rows] = s
+            self.slot_row[s] = new_rows.to(torch.int32)
+            rows[idx] = new_rows
+        if self.n_free < self.low_water:
+            self._evict(self.evict_batch, needed=0)
+        return rows
+
+    def _initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """New rows [n, width] of ``keys`` (initial embedding, zero optimizer state) made by the
+        insert op of the table's backend, as the all-HBM table makes them: the keys go to an
+        empty scratch table, 32 to a bucket, so key i lands in slot i."""
+        n = keys.numel()
+        nseg = -(-n // reference_table.BUCKET)
+        scratch = TableState.empty(nseg * reference_table.BUCKET, self.width, self.device)
+        bounds = torch.arange(nseg + 1, device=self.device) * reference_table.BUCKET
+        self.ops.insert(
+            scratch,
+            keys.contiguous(),
+            bounds.clamp(max=n),
+            torch.arange(nseg, device=self.device),
+            torch.zeros_like(keys),
+            1,
+            self.dim,
+            self.config.seed,
+            self.config.init_args(),
+        )
+        return scratch.values[:n]
+
+    def _take(self, n: int) -> torch.Tensor:
+        """``n`` free cache rows (evicting first if fewer are free)."""
+        if n > self.n_free:
+            self._evict(max(n - self.n_free, self.evict_batch), needed=n - self.n_free)
+        rows = self._free[self.n_free - n : self.n_free].clone()
+        self.n_free -= n
+        return rows
+
+    def _release(self, rows: torch.Tensor) -> None:
+        """Frees cache rows without writing them back (their keys left the table)."""
+        self.cache.keys[rows] = EMPTY_KEY
+        self.cache_slot[rows] = -1
+        self._free[self.n_free : self.n_free + rows.numel()] = rows
+        self.n_free += rows.numel()
+
+    def _evict(self, k: int, needed: int) -> None:
+        """Writes back and frees up to ``k`` cached rows, lowest eviction score first, among the
+        rows that no pending lookup uses (rows last used at or after the oldest step whose
+        backward has not run); at least ``needed`` rows or a `ValueError`."""
+        oldest = min([*self._pending, self.step])
+        held = self.cache_slot >= 0
+        s = self.cache_slot.clamp(min=0)
+        evictable = held & (self.state.touched[s] < oldest)
+        n_evictable = int(evictable.sum())
+        if n_evictable < needed:
+            in_use = int(held.sum()) - n_evictable
+            raise ValueError(
+                f"table {self.config.name!r}: the HBM cache of {self.cache_rows} rows is too "
+                f"small: this lookup brings in {needed + self.n_free} rows but only "
+                f"{self.n_free + n_evictable} are free or evictable (the other {in_use} hold "
+                "rows of this lookup or of lookups whose backward has not run); give the cache "
+                "room for at least two batches' distinct ids (EmbeddingArgs.hbm_cache / "
+                "DynamicEmbeddingConfig.hbm_cache)"
+            )
+        k = min(k, n_evictable)
+        if k == 0:
+            return
+        score = torch.where(evictable, self.state.scores[s], _INT64_MAX)
+        victims = torch.topk(score, k, largest=False, sorted=False).indices
+        vslots = self.cache_slot[victims]
+        self.host.scatter(vslots, self.cache.values[victims])
+        self._cache_counters[1] += k
+        self.slot_row[vslots] = -1
+        self._release(victims)
+
+    def _eval_rows(self, u: UniqueIds, slots: torch.Tensor) -> torch.Tensor:
+        """Evaluation: embeddings of the ids in the cache or the host tier, zeros for unknown
+        ids; the cache is left as it is."""
+        found = slots >= 0
+        rows = torch.where(found, self.slot_row[slots.clamp(min=0)].long(), -1)
+        every = torch.arange(rows.numel(), device=self.device)
+        vals = self.ops.gather(self.cache, self.dim, rows, every)
+        from_host = torch.nonzero(found & (rows < 0)).flatten()
+        if from_host.numel():
+            vals[from_host] = self.host.gather(slots[from_host])[:, : self.dim]
+        return vals[u.inverse]
+
+    # -- maintenance and checkpoints ------------------------------------------------------------
+    def erase(self, ids: torch.Tensor) -> int:
+        ids = torch.unique(ids.to(device=self.device, dtype=torch.int64))
+        slots = self.ops.find(self.state, ids)
+        live = slots[slots >= 0]
+        rows = self.slot_row[live].long()
+        self._release(rows[rows >= 0])
+        self.slot_row[live] = -1
+        return super().erase(ids)
+
+    def _read_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Current rows of live slots on the CPU: the cached copy where there is one, else the
+        host tier's (nothing is written back)."""
+        out = self.host.read(slots)
+        rows = self.slot_row[slots].long()
+        cached = torch.nonzero(rows >= 0).flatten()
+        if cached.numel():
+            out[cached.cpu()] = self.cache.values[rows[cached]].cpu()
+        return out
+
+    def _write_rows(self, slots: torch.Tensor, values: torch.Tensor, state: torch.Tensor) -> None:
+        """Loads go to the host tier (the cache is empty after a load)."""
+        rows = torch.zeros(values.shape[0], self.width, dtype=torch.float32)
+        rows[:, : self.dim] = values.cpu()
+        rows[:, self.dim : self.dim + self.config.state_dim] = state.cpu()
+        self.host.write(slots, rows)
+
+    def stats(self) -> dict[str, float]:
+        """The all-HBM table's stats, plus the cache's: rows, occupancy, hit rate (ids of
+        training lookups already cached / those in the table), rows fetched from and written
+        back to the host tier."""
+        out = super().stats()
+        fetched, written, hits, lookups = self._cache_counters.tolist()
+        rows = self.cache_rows
+        out.update(
+            {
+                "cache_rows": float(rows),
+                "cache_occupancy": (rows - self.n_free) / rows,
+                "cache_lookups": float(lookups),
+                "cache_hits": float(hits),
+                "cache_hit_rate": hits / lookups if lookups else 0.0,
+                "cache_fetches": float(fetched),
+                "cache_writebacks": float(written),
+            }
+        )
+        return out
+
+    def extra_repr(self) -> str:
+        where = "mapped" if self.host.mapped else self.host.rows.device.type
+        return (
+            f"{super().extra_repr()}, storage=hybrid, cache_rows={self.cache_rows}, "
+            f"host_rows={where}"
+        )
+
+
+TABLE_CLASSES["hybrid"] = HybridDynamicEmbeddingTable

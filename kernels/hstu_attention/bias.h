@@ -1,0 +1,331 @@
+// The relative attention bias of docs/design.md, computed inside the kernels from the token
+// timestamps and the two weight vectors (no [N, N] tensor anywhere):
+//   rab(i, j) = w_pos[clamp(j - i, -P, P) + P] + w_time[bucket(qt(i) - ts(j))]
+//   qt(i) = ts(i + 1) for i < L - 1; for the last token last_query_time[b] if given, else ts(L - 1)
+//   bucket(g) = the largest k in [0, NB] with edges[k] <= max(|g|, 1),
+//               edges[0] = 1, edges[k] = ceil(exp(0.301 k))   (floor(ln|g| / 0.301), exactly)
+// The kernels add rab / alpha to S = Q K^T before the mask and the SiLU (alpha S + rab is then
+// SiLU's argument); the backward sums dS / alpha (= d rab) per position and per time bucket.
+//
+// Everything per element comes from shared memory (BiasSmem), filled per CTA or per tile:
+//  - the time weights (times 1 / alpha) and the bucket edges, once per CTA;
+//  - w_pos / alpha along the tile's kBlockM + kBlockN - 1 diagonals (one value per j - i);
+//  - the tile's key timestamps and their range [min, max].
+// A query row whose gaps to every key of the tile fall into one bucket (far from the diagonal,
+// gaps are large and log buckets wide) takes that bucket's weight without a per-element bucket.
+#pragma once
+
+#include <climits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+
+#include "mask.h"
+#include "params.h"
+
+namespace hstu {
+
+using namespace cute;
+
+constexpr int kMaxTimeBuckets = 256;  // api.cpp checks num_buckets against it
+// ln(2) / 0.301: log2(x) times this is ln(x) / 0.301.
+constexpr float kLog2ToTimeBucket = 0.69314718055994531f / 0.301f;
+
+// Byte offsets of the bias tables in shared memory (after the kernel's own tiles). kBwd adds
+// the time gradient's histogram; the backward's key tile is fixed, so it needs one key-timestamp
+// buffer where the forward double-buffers them.
+template <int kBlockM, int kBlockN, bool kBwd>
+struct BiasSmem {
+  static constexpr int kDiag = kBlockM + kBlockN;  // floats per diagonal buffer (one spare)
+  static constexpr int kKeyBufs = kBwd ? 1 : 2;
+  static constexpr int kEdges = 0;                                   // int64 [NB + 1]
+  static constexpr int kKeyTs = kEdges + 8 * (kMaxTimeBuckets + 8);  // int64 [bufs][kBlockN]
+  static constexpr int kKeyRange = kKeyTs + 8 * kKeyBufs * kBlockN;  // int64 [bufs][2]
+  static constexpr int kTimeW = kKeyRange + 8 * 2 * kKeyBufs;        // float [NB + 1]
+  static constexpr int kDiagW = kTimeW + 4 * (kMaxTimeBuckets + 4);  // float [2][kDiag]
+  static constexpr int kTimeHist = kDiagW + 4 * 2 * kDiag;          // bwd: float [NB + 1]
+  static constexpr int kEnd = kTimeHist + (kBwd ? 4 * (kMaxTimeBuckets + 4) : 0);
+  static constexpr int kBytes = (kEnd + 127) / 128 * 128;
+};
+
+__device__ __forceinline__ int time_bucket(const int64_t* edges, int nb, int64_t g) {
+  long long x = g < 0 ? -g : g;
+  x = x < 1 ? 1 : x;
+  // One MUFU estimate, then one exact correction step against the integer edges (the estimate
+  // is within one bucket of floor(ln x / 0.301)).
+  // Branch-free (selects), so that unrolled loops over fragments stay one basic block.
+  int k = int(__log2f(float(x)) * kLog2ToTimeBucket);
+  k = k < 0 ? 0 : (k > nb ? nb : k);
+  const int up = (k < nb) & (x >= edges[k < nb ? k + 1 : nb]);
+  const int down = (k > 0) & (x < edges[k]);
+  return k + up - down;
+}
+
+// The time query row i (of a sequence of L tokens) compares with (qt above); rows past L (zero
+// filled, masked) take the last token's.
+__device__ __forceinline__ int64_t query_time(HstuParams const& p, int bidb, int seq_start, int L,
+                                              int i) {
+  if (i + 1 < L) return p.timestamps[seq_start + i + 1];
+  return p.last_query_time ? p.last_query_time[bidb] : p.timestamps[seq_start + L - 1];
+}
+
+// The bucket shared by every key of a tile for a query row with timestamp ti, given the keys'
+// timestamp range [kmin, kmax]; -1 when the row's gaps span several buckets.
+__device__ __forceinline__ int uniform_bucket(const int64_t* edges, int nb, int64_t ti,
+                                              int64_t kmin, int64_t kmax) {
+  const int64_t lo = ti - kmax, hi = ti - kmin;  // the row's gaps lie in [lo, hi]
+  if (lo < 0 && hi > 0) return -1;               // |gap| is not monotone across 0
+  const int a = time_bucket(edges, nb, lo), b = time_bucket(edges, nb, hi);
+  return a == b ? a : -1;
+}
+
+// Per-CTA view of the tables; `buf` picks the diagonal / key-timestamp buffer of the tile.
+template <int kBlockM, int kBlockN, bool kBwd>
+struct BiasTables {
+  using Layout = BiasSmem<kBlockM, kBlockN, kBwd>;
+  char* base;
+  bool has_pos, has_time;
+  int nb;
+
+  __device__ __forceinline__ int64_t* edges() const {
+    return reinterpret_cast<int64_t*>(base + Layout::kEdges);
+  }
+  __device__ __forceinline__ int64_t* key_ts(int buf) const {
+    return reinterpret_cast<int64_t*>(base + Layout::kKeyTs) + buf * kBlockN;
+  }
+  __device__ __forceinline__ int64_t* key_range(int buf) const {
+    return reinterpret_cast<int64_t*>(base + Layout::kKeyRange) + 2 * buf;
+  }
+  __device__ __forceinline__ float* time_w() const {
+    return reinterpret_cast<float*>(base + Layout::kTimeW);
+  }
+  __device__ __forceinline__ float* diag(int buf) const {
+    return reinterpret_cast<float*>(base + Layout::kDiagW) + buf * Layout::kDiag;
+  }
+  __device__ __forceinline__ float* time_hist() const {
+    return reinterpret_cast<float*>(base + Layout::kTimeHist);
+  }
+};
+
+template <int kBlockM, int kBlockN, bool kBwd>
+__device__ __forceinline__ BiasTables<kBlockM, kBlockN, kBwd> bias_tables(HstuParams const& p,
+                                                                         char* base) {
+  BiasTables<kBlockM, kBlockN, kBwd> t;
+  t.base = base;
+  t.has_pos = p.pos_w != nullptr;
+  t.has_time = p.time_w != nullptr;
+  t.nb = p.num_buckets;
+  return t;
+}
+
+// Once per CTA (before the first barrier of the main loop): edges, time weights / alpha and, in
+// the backward, the zeroed time histogram.
+template <int kNThreads, class Tables>
+__device__ __forceinline__ void load_bias_constants(HstuParams const& p, int bidh,
+                                                    Tables const& t, int tidx, bool bwd) {
+  if (t.has_time) {
+    const float* w = p.time_w + int64_t(bidh) * p.time_w_head_stride;
+    for (int k = tidx; k <= t.nb; k += kNThreads) {
+      t.edges()[k] = p.time_edges[k];
+      t.time_w()[k] = w[k] * p.inv_alpha;
+      if (bwd) t.time_hist()[k] = 0.f;
+    }
+  }
+}
+
+// The tile (m0, n0)'s diagonals: diag[d] = w_pos[clamp(n0 - m0 + d - (kBlockM - 1))] / alpha.
+template <int kBlockM, int kBlockN, int kNThreads, class Tables>
+__device__ __forceinline__ void fill_diagonals(HstuParams const& p, int bidh, Tables const& t,
+                                               int buf, int m0, int n0, int tidx) {
+  if (!t.has_pos) return;
+  const float* w = p.pos_w + int64_t(bidh) * p.pos_w_head_stride;
+  const int P = p.max_pos;
+  float* dst = t.diag(buf);
+  for (int d = tidx; d < kBlockM + kBlockN - 1; d += kNThreads) {
+    const int rel = n0 - m0 + d - (kBlockM - 1);
+    dst[d] = w[(rel < -P ? -P : (rel > P ? P : rel)) + P] * p.inv_alpha;
+  }
+}
+
+// The key tile [n0, n0 + kBlockN)'s timestamps (keys past L read the last token's) and the range
+// of the keys inside the sequence (warp 0 reduces it).
+template <int kBlockN, int kNThreads, class Tables>
+__device__ __forceinline__ void fill_key_timestamps(HstuParams const& p, Tables const& t, int buf,
+                                                    int seq_start, int L, int n0, int tidx) {
+  if (!t.has_time) return;
+  const int64_t* ts = p.timestamps + seq_start;
+  int64_t* dst = t.key_ts(buf);
+  for (int c = tidx; c < kBlockN; c += kNThreads) dst[c] = ts[imin(n0 + c, L - 1)];
+  if (tidx < 32) {
+    const int n = imin(kBlockN, L - n0);
+    long long lo = LLONG_MAX, hi = LLONG_MIN;
+    for (int c = tidx; c < n; c += 32) {
+      const long long v = ts[n0 + c];
+      lo = v < lo ? v : lo;
+      hi = v > hi ? v : hi;
+    }
+    CUTE_UNROLL
+    for (int s = 16; s > 0; s >>= 1) {
+      const long long a = __shfl_xor_sync(0xffffffffu, lo, s);
+      const long long b = __shfl_xor_sync(0xffffffffu, hi, s);
+      lo = a < lo ? a : lo;
+      hi = b > hi ? b : hi;
+    }
+    if (tidx == 0) {
+      t.key_range(buf)[0] = lo;
+      t.key_range(buf)[1] = hi;
+    }
+  }
+}
+
+// acc(i, j) += rab(m0 + i, n0 + j) / alpha over an m16n8k16 accumulator fragment
+// (((2,2), MMA_M, MMA_N)); tScS holds each element's (row, col) in the tile. `diag_buf` /
+// `key_buf` select the tile's filled buffers.
+template <int kBlockM, class Tables, class CoordT, class Acc>
+__device__ __forceinline__ void add_rel_bias(HstuParams const& p, Tables const& t, int diag_buf,
+                                             int key_buf, int bidb, int seq_start, int L,
+                                             CoordT const& tScS, int m0, Acc& acc) {
+  // Row by row (one row's keys at a time keeps few loaded values live: the fragments already
+  // hold most registers), with the uniform choices (terms present, a row's bucket shared by the
+  // tile) taken outside the element loops: a branch per element would split them into basic
+  // blocks and serialise the shared-memory loads.
+  const float* diag = t.diag(diag_buf);
+  const int64_t* kts = t.key_ts(key_buf);
+  const int64_t* edges = t.edges();
+  const float* tw = t.time_w();
+  const int64_t kmin = t.has_time ? t.key_range(key_buf)[0] : 0;
+  const int64_t kmax = t.has_time ? t.key_range(key_buf)[1] : 0;
+  auto row_pass = [&](int mi, int r, int row, auto pos_term, auto per_key_time, int64_t ti,
+                      float w_row) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<2>(acc); ++ni) {
+      CUTE_UNROLL
+      for (int cc = 0; cc < 2; ++cc) {
+        const int col = get<1>(tScS(make_coord(cc, r), mi, ni));
+        float b = w_row;
+        if constexpr (decltype(pos_term)::value) b += diag[col - row + kBlockM - 1];
+        if constexpr (decltype(per_key_time)::value) {
+          b += tw[time_bucket(edges, t.nb, ti - kts[col])];
+        }
+        acc(make_coord(cc, r), mi, ni) += b;
+      }
+    }
+  };
+  using Yes = cute::true_type;
+  using No = cute::false_type;
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<1>(acc); ++mi) {
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int row = get<0>(tScS(make_coord(0, r), mi, 0));
+      if (!t.has_time) {
+        row_pass(mi, r, row, Yes{}, No{}, 0, 0.f);  // has_pos: there is a bias
+        continue;
+      }
+      const int64_t ti = query_time(p, bidb, seq_start, L, m0 + row);
+      const int k_row = uniform_bucket(edges, t.nb, ti, kmin, kmax);
+      if (k_row >= 0) {
+        if (t.has_pos) {
+          row_pass(mi, r, row, Yes{}, No{}, ti, tw[k_row]);
+        } else {
+          row_pass(mi, r, row, No{}, No{}, ti, tw[k_row]);
+        }
+      } else if (t.has_pos) {
+        row_pass(mi, r, row, Yes{}, Yes{}, ti, 0.f);
+      } else {
+        row_pass(mi, r, row, No{}, Yes{}, ti, 0.f);
+      }
+    }
+  }
+}
+
+// Backward, time term: the tile's dS (staged in shared memory as Element, masked entries 0;
+// dS = alpha d rab) summed into time_hist()[bucket] (the whole CTA's; flushed once by
+// flush_time_hist). Each thread walks a segment of one row (16-byte reads; no fragment registers
+// held); a row with one bucket for the whole key tile adds its sum with one atomic, the others
+// one per run of equal buckets.
+template <int kBlockM, int kBlockN, int kNThreads, class Tables, class SdS>
+__device__ __forceinline__ void accumulate_time_grad(HstuParams const& p, Tables const& t,
+                                                     SdS const& sdS, int bidb, int seq_start,
+                                                     int L, int m0, int n0, int tidx) {
+  if (!t.has_time) return;
+  using Element = typename SdS::value_type;
+  constexpr int kSegs = kNThreads >= kBlockM ? kNThreads / kBlockM : 1;
+  constexpr int kRowsPerPass = kNThreads / kSegs;
+  constexpr int kCols = kBlockN / kSegs;
+  static_assert(kNThreads % kSegs == 0 && kBlockN % kSegs == 0 && kCols % 8 == 0);
+  float* s_time = t.time_hist();
+  const int64_t* kts = t.key_ts(0);
+  const int64_t* edges = t.edges();
+  const int64_t kmin = t.has_time ? t.key_range(0)[0] : 0;
+  const int64_t kmax = t.has_time ? t.key_range(0)[1] : 0;
+  const int seg = tidx % kSegs;
+  for (int row = tidx / kSegs; row < kBlockM; row += kRowsPerPass) {
+    const int i = m0 + row;
+    if (i >= L) break;
+    const int64_t ti = query_time(p, bidb, seq_start, L, i);
+    const int k_row = uniform_bucket(edges, t.nb, ti, kmin, kmax);
+    int run_k = k_row;
+    float run_sum = 0.f;
+    const int c_begin = seg * kCols;
+    const int c_end = imin(c_begin + kCols, L - n0);
+    for (int c0 = c_begin; c0 < c_end; c0 += 8) {
+      cutlass::Array<Element, 8> raw;
+      *reinterpret_cast<uint4*>(&raw) = *reinterpret_cast<const uint4*>(&sdS(row, c0));
+      const cutlass::Array<float, 8> vals = cutlass::NumericArrayConverter<float, Element, 8>{}(raw);
+      if (k_row >= 0) {
+        CUTE_UNROLL
+        for (int e = 0; e < 8; ++e) run_sum += vals[e];
+      } else {
+        CUTE_UNROLL
+        for (int e = 0; e < 8; ++e) {
+          const int k = time_bucket(edges, t.nb, ti - kts[c0 + e]);
+          if (k != run_k) {
+            if (run_k >= 0 && run_sum != 0.f) atomicAdd(s_time + run_k, run_sum);
+            run_k = k;
+            run_sum = vals[e];
+          } else {
+            run_sum += vals[e];
+          }
+        }
+      }
+    }
+    if (run_k >= 0 && run_sum != 0.f) atomicAdd(s_time + run_k, run_sum);
+  }
+}
+
+// Backward, position term: d w_pos[clamp(j - i)] += the tile (m0, n0)'s dS summed along each
+// diagonal j - i, / alpha: one thread per diagonal walks it in shared memory (a warp reads
+// consecutive keys of one row: no bank conflicts) and adds its sum with one global atomic.
+template <int kBlockM, int kBlockN, int kNThreads, class SdS>
+__device__ __forceinline__ void accumulate_pos_grad(HstuParams const& p, int bidh, SdS const& sdS,
+                                                    int L, int m0, int n0, int tidx) {
+  if (p.pos_w == nullptr) return;
+  float* dst = p.dpos_w + int64_t(bidh) * p.pos_w_head_stride;
+  const int P = p.max_pos;
+  const int rows = imin(kBlockM, L - m0), cols = imin(kBlockN, L - n0);
+  for (int d = tidx; d < kBlockM + kBlockN - 1; d += kNThreads) {
+    const int off = d - (kBlockM - 1);  // col - row on this diagonal
+    const int r_begin = imax(0, -off), r_end = imin(rows, cols - off);
+    float sum = 0.f;
+#pragma unroll 1
+    for (int r = r_begin; r < r_end; ++r) sum += float(sdS(r, r + off));
+    if (sum != 0.f) {
+      const int rel = n0 - m0 + off;
+      atomicAdd(dst + (rel < -P ? -P : (rel > P ? P : rel)) + P, sum * p.inv_alpha);
+    }
+  }
+}
+
+template <int kNThreads>
+__device__ __forceinline__ void flush_time_hist(HstuParams const& p, int bidh, const float* s_time,
+                                                int tidx) {
+  float* dst = p.dtime_w + int64_t(bidh) * p.time_w_head_stride;
+  for (int k = tidx; k <= p.num_buckets; k += kNThreads) {
+    const float v = s_time[k];
+    if (v != 0.f) atomicAdd(dst + k, v * p.inv_alpha);
+  }
+}
+
+}  // namespace hstu

@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from attention_helpers import mask_kwargs
 
 from hstu.ops import reference
 
@@ -238,24 +239,7 @@ MASKS = {
 }
 
 
-def _mask_kwargs(cfg, lengths):
-    kw = {}
-    ctx = cfg.get("ctx")
-    if ctx is not None:
-        ctx = [min(c, L) for c, L in zip(ctx, lengths)]
-        kw["num_contexts"] = torch.tensor(ctx, dtype=torch.int64).cuda()
-    tgt = cfg.get("tgt")
-    if tgt is not None:
-        used = ctx or [0] * len(lengths)
-        tgt = [min(t, L - c) for t, L, c in zip(tgt, lengths, used)]
-        kw["num_targets"] = torch.tensor(tgt, dtype=torch.int32).cuda()
-    if "g" in cfg:
-        kw["target_group_size"] = cfg["g"]
-    if "w" in cfg:
-        kw["window_size"] = cfg["w"]
-    if "causal" in cfg:
-        kw["causal"] = cfg["causal"]
-    return kw
+_mask_kwargs = mask_kwargs
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])

@@ -70,14 +70,55 @@ __device__ __forceinline__ int64_t query_time(HstuParams const& p, int bidb, int
   return p.last_query_time ? p.last_query_time[bidb] : p.timestamps[seq_start + L - 1];
 }
 
-// The bucket shared by every key of a tile for a query row with timestamp ti, given the keys'
-// timestamp range [kmin, kmax]; -1 when the row's gaps span several buckets.
-__device__ __forceinline__ int uniform_bucket(const int64_t* edges, int nb, int64_t ti,
-                                              int64_t kmin, int64_t kmax) {
+// The time buckets of one query row (query time ti) against a key tile whose timestamps lie in
+// [kmin, kmax]. All the row's gaps g = ti - t lie on one side of 0 unless the range straddles ti;
+// then the buckets span [k0, k0 + n] and, |g| being monotone in t on that side, a key's bucket is
+// k0 plus the number of the n thresholds its timestamp passes:
+//   gaps >= 0: bucket(ti - t) >= k0 + m  <=>  t <= ti - edges[k0 + m]
+//   gaps <= 0: bucket(t - ti) >= k0 + m  <=>  -t <= -ti - edges[k0 + m]
+// so kMaxRowThresholds int64 compares per key replace the log and the edge lookups
+// (exact, for any order of the keys). Rows whose gaps straddle 0 or span more buckets take the
+// per-key bucket (`general`).
+constexpr int kMaxRowThresholds = 2;
+struct RowBuckets {
+  int k0 = 0;
+  int n = 0;             // thresholds in use; n == 0: one bucket for the whole tile
+  bool general = false;  // per-key time_bucket
+  bool negate = false;   // gaps <= 0: compare -t
+  int64_t thr[kMaxRowThresholds] = {};
+
+  __device__ __forceinline__ int bucket(int64_t t) const {
+    const int64_t x = negate ? -t : t;
+    int k = k0;
+    CUTE_UNROLL
+    for (int m = 0; m < kMaxRowThresholds; ++m) k += int(m < n) & int(x <= thr[m]);
+    return k;
+  }
+};
+
+__device__ __forceinline__ RowBuckets row_buckets(const int64_t* edges, int nb, int64_t ti,
+                                                  int64_t kmin, int64_t kmax) {
+  RowBuckets rb;
   const int64_t lo = ti - kmax, hi = ti - kmin;  // the row's gaps lie in [lo, hi]
-  if (lo < 0 && hi > 0) return -1;               // |gap| is not monotone across 0
-  const int a = time_bucket(edges, nb, lo), b = time_bucket(edges, nb, hi);
-  return a == b ? a : -1;
+  if (lo < 0 && hi > 0) {
+    rb.general = true;
+    return rb;
+  }
+  rb.negate = hi <= 0 && lo < 0;
+  const int a = time_bucket(edges, nb, rb.negate ? -hi : lo);
+  const int b = time_bucket(edges, nb, rb.negate ? -lo : hi);
+  rb.k0 = a;
+  rb.n = b - a;
+  if (rb.n > kMaxRowThresholds) {
+    rb.general = true;
+    return rb;
+  }
+  const int64_t base = rb.negate ? -ti : ti;
+  CUTE_UNROLL
+  for (int m = 0; m < kMaxRowThresholds; ++m) {
+    rb.thr[m] = m < rb.n ? base - edges[a + m + 1] : 0;
+  }
+  return rb;
 }
 
 // Per-CTA view of the tables; `buf` picks the diagonal / key-timestamp buffer of the tile.
@@ -196,8 +237,9 @@ __device__ __forceinline__ void add_rel_bias(HstuParams const& p, Tables const& 
   const float* tw = t.time_w();
   const int64_t kmin = t.has_time ? t.key_range(key_buf)[0] : 0;
   const int64_t kmax = t.has_time ? t.key_range(key_buf)[1] : 0;
-  auto row_pass = [&](int mi, int r, int row, auto pos_term, auto per_key_time, int64_t ti,
-                      float w_row) {
+  // time_mode: 0 no time term or one bucket per row (w_row), 1 thresholds, 2 per-key bucket
+  auto row_pass = [&](int mi, int r, int row, auto pos_term, auto time_mode,
+                      RowBuckets rbk, int64_t ti, float w_row) {
     CUTE_UNROLL
     for (int ni = 0; ni < size<2>(acc); ++ni) {
       CUTE_UNROLL
@@ -205,7 +247,8 @@ __device__ __forceinline__ void add_rel_bias(HstuParams const& p, Tables const& 
         const int col = get<1>(tScS(make_coord(cc, r), mi, ni));
         float b = w_row;
         if constexpr (decltype(pos_term)::value) b += diag[col - row + kBlockM - 1];
-        if constexpr (decltype(per_key_time)::value) {
+        if constexpr (decltype(time_mode)::value == 1) b += tw[rbk.bucket(kts[col])];
+        if constexpr (decltype(time_mode)::value == 2) {
           b += tw[time_bucket(edges, t.nb, ti - kts[col])];
         }
         acc(make_coord(cc, r), mi, ni) += b;
@@ -214,27 +257,36 @@ __device__ __forceinline__ void add_rel_bias(HstuParams const& p, Tables const& 
   };
   using Yes = cute::true_type;
   using No = cute::false_type;
+  using Uniform = cute::C<0>;
+  using Thresholds = cute::C<1>;
+  using PerKey = cute::C<2>;
   CUTE_UNROLL
   for (int mi = 0; mi < size<1>(acc); ++mi) {
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       const int row = get<0>(tScS(make_coord(0, r), mi, 0));
       if (!t.has_time) {
-        row_pass(mi, r, row, Yes{}, No{}, 0, 0.f);  // has_pos: there is a bias
+        row_pass(mi, r, row, Yes{}, Uniform{}, RowBuckets{}, 0, 0.f);  // has_pos: a bias exists
         continue;
       }
       const int64_t ti = query_time(p, bidb, seq_start, L, m0 + row);
-      const int k_row = uniform_bucket(edges, t.nb, ti, kmin, kmax);
-      if (k_row >= 0) {
+      const RowBuckets rbk = row_buckets(edges, t.nb, ti, kmin, kmax);
+      if (!rbk.general && rbk.n == 0) {
         if (t.has_pos) {
-          row_pass(mi, r, row, Yes{}, No{}, ti, tw[k_row]);
+          row_pass(mi, r, row, Yes{}, Uniform{}, rbk, ti, tw[rbk.k0]);
         } else {
-          row_pass(mi, r, row, No{}, No{}, ti, tw[k_row]);
+          row_pass(mi, r, row, No{}, Uniform{}, rbk, ti, tw[rbk.k0]);
+        }
+      } else if (!rbk.general) {
+        if (t.has_pos) {
+          row_pass(mi, r, row, Yes{}, Thresholds{}, rbk, ti, 0.f);
+        } else {
+          row_pass(mi, r, row, No{}, Thresholds{}, rbk, ti, 0.f);
         }
       } else if (t.has_pos) {
-        row_pass(mi, r, row, Yes{}, Yes{}, ti, 0.f);
+        row_pass(mi, r, row, Yes{}, PerKey{}, rbk, ti, 0.f);
       } else {
-        row_pass(mi, r, row, No{}, Yes{}, ti, 0.f);
+        row_pass(mi, r, row, No{}, PerKey{}, rbk, ti, 0.f);
       }
     }
   }
@@ -265,9 +317,13 @@ __device__ __forceinline__ void accumulate_time_grad(HstuParams const& p, Tables
     const int i = m0 + row;
     if (i >= L) break;
     const int64_t ti = query_time(p, bidb, seq_start, L, i);
-    const int k_row = uniform_bucket(edges, t.nb, ti, kmin, kmax);
+    const RowBuckets rbk = row_buckets(edges, t.nb, ti, kmin, kmax);
+    const int k_row = !rbk.general && rbk.n == 0 ? rbk.k0 : -1;
+    // one bucket: a plain sum; thresholds: one sum per bucket of the row's few; per-key
+    // buckets: one atomic per run of equal buckets
     int run_k = k_row;
     float run_sum = 0.f;
+    float part[kMaxRowThresholds + 1] = {};
     const int c_begin = seg * kCols;
     const int c_end = imin(c_begin + kCols, L - n0);
     for (int c0 = c_begin; c0 < c_end; c0 += 8) {
@@ -277,6 +333,13 @@ __device__ __forceinline__ void accumulate_time_grad(HstuParams const& p, Tables
       if (k_row >= 0) {
         CUTE_UNROLL
         for (int e = 0; e < 8; ++e) run_sum += vals[e];
+      } else if (!rbk.general) {
+        CUTE_UNROLL
+        for (int e = 0; e < 8; ++e) {
+          const int m = rbk.bucket(kts[c0 + e]) - rbk.k0;
+          CUTE_UNROLL
+          for (int q = 0; q <= kMaxRowThresholds; ++q) part[q] += m == q ? vals[e] : 0.f;
+        }
       } else {
         CUTE_UNROLL
         for (int e = 0; e < 8; ++e) {
@@ -292,6 +355,12 @@ __device__ __forceinline__ void accumulate_time_grad(HstuParams const& p, Tables
       }
     }
     if (run_k >= 0 && run_sum != 0.f) atomicAdd(s_time + run_k, run_sum);
+    if (k_row < 0 && !rbk.general) {
+      CUTE_UNROLL
+      for (int q = 0; q <= kMaxRowThresholds; ++q) {
+        if (q <= rbk.n && part[q] != 0.f) atomicAdd(s_time + rbk.k0 + q, part[q]);
+      }
+    }
   }
 }
 

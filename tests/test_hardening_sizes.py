@@ -134,6 +134,12 @@ def _cfg(task: str, *bindings: str):
     [
         [],
         ["NetworkArgs.relative_attention_bias='position'"],
+        [
+            "NetworkArgs.relative_attention_bias='position_time'",
+            "NetworkArgs.relative_attention_bias_per_head=True",
+            "NetworkArgs.num_time_buckets=40",
+        ],
+        ["NetworkArgs.relative_attention_bias='time'"],
         ["NetworkArgs.fused_layer=True", "NetworkArgs.num_position_embeddings=77"],
         ["NetworkArgs.final_layernorm=False", "NetworkArgs.use_contextual_features=False"],
         ["RankingArgs.prediction_head_arch=[32, 8]", "NetworkArgs.num_attention_heads=3"],

@@ -430,8 +430,12 @@ def _dense_parameter_count(cfg: Any, sizes: DataSizes, n_ctx: int) -> int:
     positions = int(net.num_position_embeddings) or (int(ds.max_history_seqlen) + 1)
     candidates = int(ds.max_num_candidates) if cfg.task == "ranking" else 0
     per_layer = (2 * h) + (h * 4 * inner + 4 * inner) + (2 * inner) + (inner * h + h)
-    if net.relative_attention_bias != "none":
-        per_layer += 2 * (n_ctx + positions + candidates) - 1
+    bias = str(net.relative_attention_bias)
+    rows = int(net.num_attention_heads) if net.relative_attention_bias_per_head else 1
+    if bias in ("position", "position_time"):
+        per_layer += rows * (2 * (n_ctx + positions + candidates) - 1)
+    if bias in ("time", "position_time"):
+        per_layer += rows * (int(net.num_time_buckets) + 1)
     count = int(net.num_layers) * per_layer
     count += (2 * h) if net.final_layernorm else 0
     count += sizes.num_action_bits * h + h + positions * h  # action, history, position rows
@@ -447,12 +451,8 @@ def _dense_parameter_count(cfg: Any, sizes: DataSizes, n_ctx: int) -> int:
 
 def _reference_attention(cfg: Any, device_type: str, forced: bool) -> bool:
     net = cfg.network
-    return (
-        device_type != "cuda"
-        or forced
-        or net.attention_type == "softmax"
-        or net.relative_attention_bias != "none"
-    )
+    # the relative bias runs inside the compiled kernel: no [B, H, L, L] scores on CUDA
+    return device_type != "cuda" or forced or net.attention_type == "softmax"
 
 
 def estimate_memory(

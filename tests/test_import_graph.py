@@ -12,7 +12,7 @@ when that module exists, ``from hstu.data import Batch`` one to the package hstu
 Layers. The subpackages of `hstu` form a stack; a module may import from its own package and
 from packages below it, never from one above:
 
-    config < data < embeddings < ops < modules < models < training
+    config < data < embeddings < ops < modules < models < training < inference
 
 - config: argument dataclasses and gin loading; imports no other layer;
 - data: datasets, batches and the batch iterator (knows the config);
@@ -20,7 +20,8 @@ from packages below it, never from one above:
 - ops: the attention kernels and their PyTorch reference;
 - modules: HSTU layers, preprocessor, heads, metrics (built on ops);
 - models: ranking / retrieval models (modules + embeddings);
-- training: trainer, checkpoints, distributed setup, launchers (uses everything).
+- training: trainer, checkpoints, distributed setup, launchers;
+- inference: answers from a trained checkpoint (uses everything).
 
 embeddings and ops are independent (neither needs the other); the order above lets embeddings
 use ops some day and keeps ops, the lowest compute layer under the HSTU modules, free of
@@ -43,7 +44,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "hstu"
-LAYERS = ("config", "data", "embeddings", "ops", "modules", "models", "training")
+LAYERS = ("config", "data", "embeddings", "ops", "modules", "models", "training", "inference")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,209 @@
+"""Command-line inference from a training checkpoint.
+
+    python -m hstu.infer retrieve --checkpoint runs/<run> --input users.jsonl --top-k 100 \\
+        [--output out.jsonl] [--batch-size 256] [--config config.gin] [--device cpu]
+
+Each input line is one request, ``{"user_id": 1, "items": [10, 20, 30]}`` with optional
+``timestamps`` and ``actions`` (one per item), ``query_time`` (the request's time, for models
+with a relative time bias) and ``features`` (contextual feature name -> id; default: the user's
+row of the dataset); ``items`` may be left out for a user of the dataset (its
+whole stored history is used). Each output line is ``{"user_id": ..., "items": [...],
+"scores": [...]}``, best first. Errors follow `hstu.errors`: one ``error:`` line, exit 2 for
+input and configuration problems.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from hstu.errors import EXIT_OK, UsageError, error_line, exit_code_for
+
+__all__ = ["build_parser", "main", "read_requests"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a bad flag raised as `UsageError` (one line, exit 2)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive integer")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m hstu.infer", description="Inference from HSTU checkpoints.")
+    sub = parser.add_subparsers(dest="command", metavar="{retrieve}", parser_class=_Parser)
+    sub.required = True
+    r = sub.add_parser(
+        "retrieve",
+        help="top-K items for each user of a JSON-lines file",
+        description="Top-K retrieval for each request of a JSON-lines file.",
+    )
+    r.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="run directory, checkpoint root (its 'latest') or step_XXXXXXXX directory",
+    )
+    r.add_argument("--input", required=True, metavar="FILE", help="JSON lines, one user each")
+    r.add_argument("--output", metavar="FILE", help="JSON lines out (default: stdout)")
+    r.add_argument("--top-k", dest="top_k", type=_positive, default=100, metavar="K")
+    r.add_argument("--batch-size", dest="batch_size", type=_positive, default=256, metavar="N")
+    r.add_argument(
+        "--config",
+        metavar="FILE",
+        help="the run's config.gin when it is not beside the checkpoints",
+    )
+    r.add_argument(
+        "--gin-bindings",
+        dest="gin_bindings",
+        action="append",
+        default=[],
+        metavar="'Class.field=value'",
+        help="bindings applied after the config (e.g. a moved DatasetArgs.dataset_path)",
+    )
+    r.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    r.add_argument(
+        "--include-history",
+        dest="include_history",
+        action="store_true",
+        help="allow items of the user's own history in the results",
+    )
+    r.add_argument(
+        "--log-level", dest="log_level", default="WARNING", help="logging level (default WARNING)"
+    )
+    return parser
+
+
+def read_requests(path: str | os.PathLike) -> list[dict]:
+    """The requests of a JSON-lines file (blank lines skipped); ValueError naming the line of a
+    line that is not a JSON object with the expected keys."""
+    file = Path(path)
+    if not file.is_file():
+        what = "is a directory" if file.is_dir() else "does not exist"
+        raise FileNotFoundError(f"--input {file} {what}")
+    out = []
+    with open(file, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{file}:{n}: not valid JSON ({e.msg} at column {e.colno})"
+                ) from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{file}:{n}: expected a JSON object, got {type(obj).__name__}")
+            if "user_id" not in obj:
+                raise ValueError(f"{file}:{n}: missing 'user_id'")
+            obj["_line"] = n
+            out.append(obj)
+    return out
+
+
+def _progress(total: int) -> tqdm:
+    """A bar on the terminal for inputs of 1000 users or more (off when not a TTY or in CI)."""
+    return tqdm(
+        total=total,
+        desc="retrieve",
+        unit="user",
+        disable=not sys.stderr.isatty() or bool(os.environ.get("CI")) or total < 1000,
+        dynamic_ncols=True,
+    )
+
+
+def _chunks(items: list, size: int) -> Iterator[list]:
+    for s in range(0, len(items), size):
+        yield items[s : s + size]
+
+
+def _retrieve(ns: argparse.Namespace) -> None:
+    from hstu.inference import Retriever, UserHistory, as_user_history
+
+    ckpt = Path(ns.checkpoint)
+    if not ckpt.exists():
+        raise FileNotFoundError(f"--checkpoint {ckpt} does not exist")
+    requests = read_requests(ns.input)
+    retriever = Retriever.from_checkpoint(
+        ckpt, device=ns.device, config_file=ns.config, bindings=ns.gin_bindings
+    )
+    users: list[UserHistory] = []
+    for req in requests:
+        where = f"{ns.input}:{req.pop('_line')}"
+        if "items" in req:
+            user = as_user_history(req, where)
+        else:
+            try:
+                user = retriever.dataset_user(req["user_id"])
+            except (KeyError, TypeError):
+                raise ValueError(
+                    f"{where}: user {req['user_id']!r} gives no 'items' and is not in the dataset"
+                ) from None
+        retriever.check_users([user], where)
+        users.append(user)
+    out = open(ns.output, "w", encoding="utf-8") if ns.output else sys.stdout  # noqa: SIM115
+    try:
+        with _progress(len(users)) as bar:
+            for chunk in _chunks(users, ns.batch_size):
+                ids, scores = retriever.retrieve(
+                    chunk,
+                    top_k=ns.top_k,
+                    exclude_history=not ns.include_history,
+                    batch_size=ns.batch_size,
+                )
+                for u, row_ids, row_scores in zip(chunk, ids.tolist(), scores.tolist()):
+                    kept = [(i, s) for i, s in zip(row_ids, row_scores) if i >= 0]
+                    line = {
+                        "user_id": u.user_id,
+                        "items": [i for i, _ in kept],
+                        "scores": [round(s, 6) for _, s in kept],
+                    }
+                    out.write(json.dumps(line) + "\n")
+                bar.update(len(chunk))
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    if ns.output:
+        logger.info("wrote %d users to %s", len(users), ns.output)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0, 1 runtime failure, 2 input/config problem)."""
+    try:
+        ns = build_parser().parse_args(None if argv is None else list(argv))
+        logging.basicConfig(level=getattr(logging, str(ns.log_level).upper(), logging.WARNING))
+        if ns.command == "retrieve":
+            _retrieve(ns)
+    except KeyboardInterrupt:
+        print(error_line("interrupted"), file=sys.stderr)
+        return 130
+    except Exception as exc:
+        code = exit_code_for(exc)
+        if code is None:
+            raise
+        print(error_line(exc), file=sys.stderr)
+        return code
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,14 +9,13 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from hstu.config.args import DatasetArgs
 from hstu.data import (
     ITEM_FEATURE,
     BatchIterator,
@@ -39,10 +38,6 @@ from hstu.errors import EXIT_CONFIG, exit_code_for
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-HAS_TIME_EFFECT_FIELD = "synthetic_time_effect" in {f.name for f in fields(DatasetArgs)}
-needs_time_effect_field = pytest.mark.skipif(
-    not HAS_TIME_EFFECT_FIELD, reason="DatasetArgs.synthetic_time_effect is not defined"
-)
 
 
 @dataclass
@@ -467,7 +462,6 @@ def test_time_effect_strength_is_checked():
 
 
 # ---- the time-aware configs -----------------------------------------------------------------
-@needs_time_effect_field
 def test_synthetic_time_retrieval_config():
     from hstu.config.gin_utils import load_config
 

@@ -58,7 +58,6 @@ __all__ = [
     "parse_hbm_cache",
     "table_memory",
     "dense_optimizer_states",
-    "table_bytes",
     "check_memory",
     "check_run_memory",
     "estimate_memory",
@@ -341,6 +340,9 @@ class TableMemory:
     host: int
     world_size: int = 1
     cache_rows: int = 0
+    # bytes on all ranks when they are not per_rank x world_size (a torchrec table's rows are
+    # split over the ranks, its per-rank share rounded up); 0: per_rank x world_size
+    all_ranks: int = 0
 
     @property
     def per_rank(self) -> int:
@@ -348,7 +350,7 @@ class TableMemory:
 
     @property
     def total(self) -> int:
-        return self.per_rank * self.world_size
+        return self.all_ranks or self.per_rank * self.world_size
 
 
 def table_memory(
@@ -387,38 +389,8 @@ def table_memory(
     if kind == "torchrec":
         # (row-wise Adagrad's one float per row is left out: a low estimate)
         total = int(rows * width * 4 * (1 + _SPARSE_STATES.get(sparse_optimizer, 0.0)))
-        return TableMemory(math.ceil(total / ws), 0, ws)
-    raise ValueError(f"table_bytes: kind={kind!r} is not one of 'torchrec', 'dynamic', 'plain'")
-
-
-def table_bytes(
-    kind: str,
-    rows: int,
-    width: int,
-    *,
-    sparse_optimizer: str,
-    dense_states: int,
-    world_size: int,
-    storage: str = "hbm",
-    hbm_cache: float | int = 0.1,
-) -> tuple[int, int]:
-    """(bytes per rank, bytes on all ranks) of one embedding table, device and host memory
-    together (`table_memory` splits them). A torchrec table's total is not a multiple of the
-    ranks: its per-rank share is rounded up."""
-    m = table_memory(
-        kind,
-        rows,
-        width,
-        sparse_optimizer=sparse_optimizer,
-        dense_states=dense_states,
-        world_size=world_size,
-        storage=storage,
-        hbm_cache=hbm_cache,
-    )
-    if kind == "torchrec":
-        total = int(rows * width * 4 * (1 + _SPARSE_STATES.get(sparse_optimizer, 0.0)))
-        return m.per_rank, total
-    return m.per_rank, m.total
+        return TableMemory(math.ceil(total / ws), 0, ws, all_ranks=total)
+    raise ValueError(f"table_memory: kind={kind!r} is not one of 'torchrec', 'dynamic', 'plain'")
 
 
 def _dense_parameter_count(cfg: Any, sizes: DataSizes, n_ctx: int) -> int:
@@ -565,7 +537,7 @@ def estimate_memory(
         if dense_table:
             replicated += mem.device
         else:
-            sharded += table_bytes("torchrec", rows, table_dim, **kinds)[1]
+            sharded += mem.total
         uses.append(TableUse(table_name, kind, rows, table_dim, "", mem.device, ws))
     if not dynamic or sizes.synthetic:
         drivers = [item_driver, *([user_driver] if sizes.synthetic else []), *drivers]

@@ -26,7 +26,7 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from hstu.config.args import EmbeddingArgs
-from hstu.config.limits import format_bytes, table_bytes, table_memory
+from hstu.config.limits import format_bytes, table_memory
 from hstu.data.batch import ITEM_FEATURE, Batch
 from hstu.data.features import FeatureInfo
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
@@ -337,16 +337,7 @@ class EmbeddingStack(nn.Module):
                 storage=storage,
                 hbm_cache=self.args.hbm_cache,
             )
-            per_rank, total = table_bytes(
-                kind,
-                rows,
-                spec.embedding_dim,
-                sparse_optimizer=self.args.sparse_optimizer_str,
-                dense_states=dense_states,
-                world_size=world_size,
-                storage=storage,
-                hbm_cache=self.args.hbm_cache,
-            )
+            per_rank, total = mem.per_rank, mem.total
             placement = "replicated on" if kind == "plain" else "row-wise over"
             where = f"{memory}, {placement} {world_size} rank(s)"
             if storage == "hybrid":

@@ -251,11 +251,8 @@ class SequencePreprocessor(nn.Module):
                 # time (the request time), as training rows query at their next item's
                 n_seq = attn.seq_offsets.numel() - 1
                 last = torch.zeros(n_seq, dtype=torch.int64, device=dest.device)
-                attn.last_query_time = last.index_copy(
-                    0,
-                    torch.arange(target_ts.numel(), device=dest.device),
-                    target_ts.to(dest.device, torch.int64),
-                )
+                last[: target_ts.numel()] = target_ts.to(dest.device, torch.int64)
+                attn.last_query_time = last
         layout = SequenceLayout(
             attn=attn,
             item_dest=dest,

@@ -251,23 +251,19 @@ def _upgrade_relative_bias(model: Any) -> Any:
 
 
 def fit_optimizer_state_shapes(optimizer: torch.optim.Optimizer) -> int:
-    """Reshape loaded optimizer state tensors that hold as many elements as their parameter but
-    have another shape (state written when the parameter had the older shape, e.g. the relative
-    bias [2P + 1] now [1, 2P + 1]); call after ``optimizer.load_state_dict``. Returns how many
-    tensors were reshaped. Tensors of another size are left alone (load_state_dict's business)."""
+    """Reshape loaded optimizer state tensors written for a parameter that has since gained a
+    leading dimension of 1 (the relative bias of older files, [2P + 1], is now [1, 2P + 1]; see
+    `upgrade_state_keys`); call after ``optimizer.load_state_dict``. Only that upgrade is
+    applied: any other shape mismatch is left for the optimizer to report, never reshaped
+    silently. Returns how many tensors were reshaped."""
     fixed = 0
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p)
-            if not state:
+            if not state or p.dim() < 1 or p.shape[0] != 1:
                 continue
             for key, value in list(state.items()):
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.dim() > 0
-                    and value.shape != p.shape
-                    and value.numel() == p.numel()
-                ):
+                if isinstance(value, torch.Tensor) and value.shape == p.shape[1:]:
                     state[key] = value.reshape(p.shape)
                     fixed += 1
     return fixed

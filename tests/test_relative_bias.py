@@ -547,25 +547,28 @@ def test_position_time_model_learns(tmp_path, run_dir_bindings):
 
 def test_time_bias_beats_no_bias_on_the_planted_time_effect(tmp_path, run_dir_bindings):
     """configs/synthetic_time_retrieval.gin (the next item depends on the time gap before it):
-    the same model and run with the relative position + time bias reaches a clearly higher
-    HR@10 than without a bias (1,000 users, full-corpus evaluation; measured 0.436 vs 0.388)."""
+    the same model and runs with the relative position + time bias reach a clearly higher mean
+    HR@10 than without a bias (1,000 users, full-corpus evaluation, seeds 1-3). One run is not
+    enough: from some initialisations the time bias has not taken hold after 600 steps (measured
+    HR@10 per seed: position_time 0.462 / 0.451 / 0.355, none 0.382 / 0.371 / 0.383)."""
     config = str(Path(__file__).resolve().parents[1] / "configs" / "synthetic_time_retrieval.gin")
-    hr = {}
-    for kind in ("none", "position_time"):
+    hr: dict[str, list[float]] = {"none": [], "position_time": []}
+    for kind, seed in itertools.product(hr, (1, 2, 3)):
         cfg = load_config(
             "retrieval",
             [config],
-            run_dir_bindings(tmp_path, kind)
+            run_dir_bindings(tmp_path, f"{kind}-{seed}")
             + [
                 "TrainerArgs.max_train_iters=600",
                 "TrainerArgs.eval_interval=0",
                 "TrainerArgs.ckpt_save_interval=-1",
                 "TrainerArgs.progress_bar=False",
+                f"TrainerArgs.seed={seed}",
                 f"NetworkArgs.relative_attention_bias='{kind}'",
             ],
         )
-        hr[kind] = run_training(cfg).final_metrics["HR@10"]
-    assert hr["position_time"] > hr["none"] + 0.02, hr
+        hr[kind].append(run_training(cfg).final_metrics["HR@10"])
+    assert np.mean(hr["position_time"]) > np.mean(hr["none"]) + 0.02, hr
 
 
 # ---- errors ---------------------------------------------------------------------------------------
@@ -1059,3 +1062,23 @@ def test_position_time_model_trains_on_cuda():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             got = gpu(batch.to(torch.device("cuda")))["logits"].float().cpu()
     torch.testing.assert_close(got, want, atol=1e-1, rtol=5e-2)
+
+
+def test_reference_bias_weight_gradients_repeat_bit_for_bit():
+    """The CPU reference's weight gradients are deterministic (a training run with a bias
+    repeats exactly on one machine): indexing's CPU backward accumulates in a varying order."""
+    torch.manual_seed(0)
+    lengths = torch.randint(5, 41, (32,))
+    offs = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    ts = torch.cat([torch.sort(torch.randint(0, 10**7, (int(n),))).values for n in lengths])
+    pos_w = torch.randn(2, 81, requires_grad=True)
+    time_w = torch.randn(2, 129, requires_grad=True)
+    grad_out = torch.randn(32, 2, 40, 40)
+    grads = []
+    for _ in range(4):
+        pos_w.grad = time_w.grad = None
+        out = reference.relative_attention_bias(offs, 40, ts, pos_w, time_w, 40, 2)
+        (out * grad_out).sum().backward()
+        grads.append((pos_w.grad.clone(), time_w.grad.clone()))
+    for pos_g, time_g in grads[1:]:
+        assert torch.equal(pos_g, grads[0][0]) and torch.equal(time_g, grads[0][1])

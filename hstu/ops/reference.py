@@ -363,7 +363,9 @@ def relative_attention_bias(
     out = None
     if pos_weight is not None:
         rel = (pos.view(1, n) - pos.view(n, 1)).clamp(-max_pos, max_pos) + max_pos  # [i, j]: j - i
-        out = pos_weight[:, rel].unsqueeze(0).expand(b, -1, -1, -1)
+        # F.embedding, not pos_weight[:, rel]: its CPU backward is deterministic (index_put's
+        # accumulation is not), so CPU runs with a bias repeat bit for bit
+        out = F.embedding(rel, pos_weight.t()).permute(2, 0, 1).unsqueeze(0).expand(b, -1, -1, -1)
     if time_weight is not None:
         edges = time_bucket_edges(time_weight.shape[1] - 1, device)
         lengths = offs[1:] - offs[:-1]
@@ -375,7 +377,7 @@ def relative_attention_bias(
             last = pos.view(1, n) == (lengths - 1).view(b, 1)
             query = torch.where(last, last_query_time.to(device).view(b, 1), query)
         gaps = query.view(b, n, 1) - ts.view(b, 1, n)
-        time = time_weight[:, time_buckets(gaps, edges)].transpose(0, 1)  # [B, Hw, N, N]
+        time = F.embedding(time_buckets(gaps, edges), time_weight.t()).permute(0, 3, 1, 2)
         out = time if out is None else out + time
     return out
 

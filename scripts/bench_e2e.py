@@ -31,6 +31,7 @@ lengths) so long-sequence configs see long sequences. --device cpu runs a tiny c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -370,10 +371,12 @@ def _sync(trainer) -> None:
 
 def _time_trainer(trainer, args: argparse.Namespace) -> dict:
     # the garbage-collection policy of Trainer.fit (TrainerArgs.gc_interval) applies here too
+    graphs = trainer.graph_stats()
     with trainer.gc:
         for _ in range(args.warmup):
             trainer.train_step()
         _sync(trainer)
+        g0 = dataclasses.replace(graphs) if graphs is not None else None
         if trainer.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.device)
         flops = tokens = samples = 0.0
@@ -392,6 +395,23 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
         elapsed = time.perf_counter() - start
     world = trainer.info.world_size
     tflops = flops / world / elapsed / 1e12
+    graph_row = {}
+    if graphs is not None and not graphs.disabled and trainer.device.type == "cuda":
+        # CUDA graph captures are one-time costs: counted apart, and the throughput without the
+        # seconds they took inside the timed steps given next to the measured one
+        timed_capture_s = graphs.capture_seconds - g0.capture_seconds
+        graph_row = {
+            "graph_captures_warmup": g0.captures,
+            "graph_capture_s_warmup": round(g0.capture_seconds, 3),
+            "graph_captures_timed": graphs.captures - g0.captures,
+            "graph_capture_s_timed": round(timed_capture_s, 3),
+            "graph_replays_timed": graphs.replays - g0.replays,
+            "graph_eager_timed": graphs.eager - g0.eager,
+            "tflops_per_gpu_excl_capture": flops / world / max(elapsed - timed_capture_s, 1e-9)
+            / 1e12,
+        }
+    elif graphs is not None and graphs.disabled:
+        graph_row = {"graphs_off": graphs.disabled}
     row = {
         "config": args.config,
         "world_size": world,
@@ -405,6 +425,7 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
         "host_issue_ms_per_step": 1e3 * issued / args.steps,
         "mfu": tflops / trainer.peak_tflops if trainer.peak_tflops else None,
         "peak_tflops": trainer.peak_tflops,
+        **graph_row,
         "device": torch.cuda.get_device_name(trainer.device)
         if trainer.device.type == "cuda"
         else "cpu",

@@ -129,8 +129,24 @@ def run(args: argparse.Namespace) -> dict:
             "first_steps_ms": 1000.0 * first / args.first_steps,
             "steady_step_ms": 1000.0 * steady,
             "metrics": result.final_metrics,
+            # CUDA graphs of the encoder: captures (one-time, inside train_s) and their seconds
+            **_graph_fields(trainer),
             "device": torch.cuda.get_device_name() if device_type == "cuda" else "cpu",
         }
+
+
+def _graph_fields(trainer) -> dict:
+    stats = trainer.graph_stats()
+    if stats is None or trainer.device.type != "cuda":
+        return {}
+    if stats.disabled:
+        return {"graphs_off": stats.disabled}
+    return {
+        "graph_captures": stats.captures,
+        "graph_capture_s": round(stats.capture_seconds, 3),
+        "graph_replays": stats.replays,
+        "graph_eager_steps": stats.eager,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

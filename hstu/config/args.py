@@ -410,6 +410,9 @@ class NetworkArgs:
     pad_tokens: str = (
         "auto"  # pad the jagged token count so matmul shapes repeat: auto (CUDA) | on | off
     )
+    # training on one CUDA process: the encoder's forward + backward replayed from CUDA graphs
+    # captured per input shape (hstu.modules.graphed_encoder; False: eager every step)
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _int(self, "num_layers", min_value=1, max_value=INT32_MAX, why=_MEM)
@@ -474,6 +477,7 @@ class NetworkArgs:
         _bool(self, "final_layernorm")
         _bool(self, "use_contextual_features")
         _choice(self, "pad_tokens", PAD_TOKENS)
+        _bool(self, "cuda_graphs")
         if not self.fused_layer and self.fused_gate_kernel != "auto":
             raise ValueError(
                 f"NetworkArgs.fused_gate_kernel={self.fused_gate_kernel!r} applies only to the "

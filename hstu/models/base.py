@@ -135,6 +135,7 @@ def _build_encoder(net: NetworkArgs, max_tokens: int, reference_attention: bool)
         stage_compile=net.fused_stage_compile,
         kernel_backend=net.kernel_backend,
         reference_attention=reference_attention,
+        cuda_graphs=net.cuda_graphs,
         attention_type=net.attention_type,
         relative_attention_bias=net.relative_attention_bias,
         # P = the longest token sequence - 1: every relative distance has its own weight

@@ -40,6 +40,10 @@ class AttentionInputs:
     # last token queries at in the relative time bias (retrieval evaluation: the held-out item's
     # time, the request time); None: the last token's own time
     last_query_time: torch.Tensor | None = None
+    # [1] float32 on the device: 1 / the batch's longest sequence, set when ``max_seqlen`` is only
+    # an upper bound (a captured CUDA graph's, `hstu.modules.graphed_encoder`): the compiled
+    # attention then reads its default scaling from here instead of 1 / max_seqlen
+    inv_max_seqlen: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.last_query_time is not None and (
@@ -96,8 +100,14 @@ class AttentionInputs:
         self, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(seq_offsets, num_contexts, num_targets) for the compiled op on ``device``: the CPU
-        copies when the model runs on CUDA and they exist (no sync), else the device tensors."""
-        if device.type == "cuda" and self.host_seq_offsets is not None:
+        copies when the model runs on CUDA and they exist (no sync), else the device tensors,
+        always the device tensors under CUDA graph capture (a captured host->device copy would
+        replay stale bytes)."""
+        if (
+            device.type == "cuda"
+            and self.host_seq_offsets is not None
+            and not torch.cuda.is_current_stream_capturing()
+        ):
             return self.host_seq_offsets, self.host_num_contexts, self.host_num_targets
         return self.seq_offsets, self.num_contexts, self.num_targets
 

@@ -457,18 +457,25 @@ def _attention_forward(
             kw["inv_scale"],
             True,
             **_kernel_bias_args(spec, q, pos_weight, time_weight),
+            inv_scale_tensor=kw["inv_scale_tensor"],
         )
     extra = {}
     if spec.rel_bias is not None:
         extra = spec.rel_bias.attention_kwargs(a, pos_weight, time_weight, dense=spec.dense_bias)
+    offsets, contexts, targets = a.seq_offsets, a.num_contexts, a.num_targets
+    if not spec.dense_bias:  # hstu.ops.attention (e.g. a head dim the kernel runs padded)
+        # host metadata on CUDA: the compiled op validates it without a device sync
+        offsets, contexts, targets = a.kernel_metadata(q.device)
+        if spec.attn_kwargs["inv_scale_tensor"] is not None:
+            extra["inv_scale_tensor"] = spec.attn_kwargs["inv_scale_tensor"]
     return spec.attention_fn(
         q,
         k,
         v,
-        a.seq_offsets,
+        offsets,
         a.max_seqlen,
-        num_contexts=a.num_contexts,
-        num_targets=a.num_targets,
+        num_contexts=contexts,
+        num_targets=targets,
         target_group_size=spec.attn_kwargs["target_group_size"],
         window_size=spec.attn_kwargs["window_size"],
         alpha=spec.attn_kwargs["alpha_arg"],
@@ -508,6 +515,7 @@ def _attention_backward(
             True,
             False,
             **_kernel_bias_args(spec, q, pos_weight, time_weight),
+            inv_scale_tensor=kw["inv_scale_tensor"],
         )
         # fp32 from the kernel (empty for an absent weight); back to the parameters' dtype
         d_w = [None if w is None else g.to(w.dtype) for w, g in zip(weights, (d_pos, d_time))]
@@ -522,6 +530,11 @@ def _attention_backward(
     dq, dk, dv = grads[:3]
     rest = iter(grads[3:])
     return dq, dk, dv, *(None if w is None else next(rest) for w in w_leaves)
+
+
+def _seed_offset_kwarg(seed_offset: torch.Tensor | None) -> dict:
+    """The gating ops' ``seed_offset`` keyword where a device-side seed is used (captures)."""
+    return {} if seed_offset is None else {"seed_offset": seed_offset}
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -564,11 +577,18 @@ class _FusedHSTUFunction(torch.autograd.Function):
                 attn = act.new_zeros((0, hd))
             p = spec.dropout if (spec.training and t > 0) else 0.0
             mask, scale, seed = None, 1.0, (0, 0)
+            seed_offset = None
             if spec.gate_ops is not None:
-                seed = lnmd.draw_seed(dev) if p > 0.0 else (0, 0)
+                seed = (0, 0)
+                if p > 0.0 and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    # drawn by a kernel inside the graph: every replay gets a fresh mask
+                    seed_offset = lnmd.draw_seed_tensor(dev)
+                elif p > 0.0:
+                    seed = lnmd.draw_seed(dev)
                 y_c, mean2, rstd2 = spec.gate_ops[0](
-                    attn, u, w_attn.float(), b_attn.float(), spec.eps, p, *seed
-                )
+                    attn, u, w_attn.float(), b_attn.float(), spec.eps, p, *seed,
+                    **_seed_offset_kwarg(seed_offset),
+                )  # fmt: skip
             else:
                 if p > 0.0:
                     scale = 1.0 / (1.0 - p)
@@ -585,6 +605,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
             out = _residual(x, proj)
 
         ctx.spec, ctx.cdtype, ctx.scale, ctx.p, ctx.seed = spec, cdtype, scale, p, seed
+        ctx.seed_offset = seed_offset
         ctx.param_dtypes = (w_uvqk.dtype, b_uvqk.dtype, w_out.dtype, b_out.dtype)
         saved_n = None if spec.recompute_input_layernorm else n_c
         saved_act = None if spec.recompute_uvqk_silu else act
@@ -617,7 +638,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
             if spec.gate_ops is not None:
                 d_attn, du, d_w_attn, d_b_attn, y_c = spec.gate_ops[1](
                     dy, attn, u, w_attn.float(), b_attn.float(), mean2, rstd2, ctx.p, *ctx.seed,
-                    True,
+                    True, **_seed_offset_kwarg(ctx.seed_offset),
                 )  # fmt: skip
             else:
                 y_c = _stage(
@@ -756,6 +777,8 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
             "window_size": int(layer.window_size),
             "alpha": alpha,
             "inv_scale": 1.0 / float(scaling) if scaling else 0.0,
+            # the batch's scaling from device memory when max_seqlen is an upper bound (graphs)
+            "inv_scale_tensor": attn.inv_max_seqlen if layer.scaling_seqlen is None else None,
             "alpha_arg": layer.alpha,
             "scaling_arg": layer.scaling_seqlen,
         },
@@ -768,6 +791,11 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
         rel_bias=layer.relative_bias,
         dense_bias=layer.attention_type == "softmax",
     )
+    if spec.attn_kwargs["inv_scale_tensor"] is not None and layer.attention_type == "softmax":
+        raise ValueError(
+            "AttentionInputs.inv_max_seqlen (a CUDA graph's device-side scaling) is read by the "
+            "compiled HSTU attention only; this layer runs the softmax baseline"
+        )
     rel = layer.relative_bias
     return _FusedHSTUFunction.apply(
         x,

@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from hstu.config.args import FUSED_GATE_KERNELS, KERNEL_BACKENDS
+from hstu.ops.attention import attention_path
 from hstu.modules.attention_inputs import AttentionInputs
 from hstu.modules.fused_hstu_layer import FusedHSTULayer
+from hstu.modules.graphed_encoder import EncoderGraphs
 from hstu.modules.relative_bias import RelativeAttentionBias
 from hstu.modules.unfused_layer import HSTULayer
 
@@ -80,6 +82,7 @@ class HSTUEncoder(nn.Module):
         reference_attention: bool = False,
         final_layernorm: bool = True,
         uvqk_init_std: float = 0.0,
+        cuda_graphs: bool = False,
         **layer_kwargs,
     ) -> None:
         super().__init__()
@@ -135,6 +138,15 @@ class HSTUEncoder(nn.Module):
             layers = [HSTULayer(hidden_size, **layer_kwargs) for _ in range(num_layers)]
         self.layers = nn.ModuleList(layers)
         self.final_norm = nn.LayerNorm(hidden_size, eps=1e-6) if final_layernorm else None
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"NetworkArgs.cuda_graphs={cuda_graphs!r} must be True or False")
+        # CUDA graphs of the training forward + backward: only where every layer runs the
+        # compiled HSTU attention (the PyTorch attention reads the batch's sizes on the host)
+        graphable = all(
+            layer.attention_type == "hstu" and not layer.reference_attention
+            for layer in self.layers
+        )
+        self.graphs = EncoderGraphs() if cuda_graphs and graphable else None
 
     @property
     def uses_timestamps(self) -> bool:
@@ -160,6 +172,16 @@ class HSTUEncoder(nn.Module):
         return self.layers[0].kernel_choices(device)
 
     def forward(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
+        if (
+            self.graphs is not None
+            and self.graphs.applies(self, x)
+            and attention_path(x.device) == "cutlass"
+        ):
+            return self.graphs.run(self, x, attn)
+        return self.forward_eager(x, attn)
+
+    def forward_eager(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
+        """The layers and the final norm, op by op (`forward` replays CUDA graphs of this)."""
         for layer in self.layers:
             x = layer(x, attn)
         return self.final_norm(x) if self.final_norm is not None else x

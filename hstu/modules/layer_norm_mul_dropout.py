@@ -2,9 +2,10 @@
 
 The compiled ops live in `hstu._layer_norm_mul_dropout_C` (kernels/layer_norm_mul_dropout/):
 
-    torch.ops.hstu_lnmd.fwd(x, u, weight, bias, eps, p, seed, offset) -> (y, mean, rstd)
-    torch.ops.hstu_lnmd.bwd(dy, x, u, weight, bias, mean, rstd, p, seed, offset, recompute_y)
-        -> (dx, du, dweight, dbias, y or empty)
+    torch.ops.hstu_lnmd.fwd(x, u, weight, bias, eps, p, seed, offset, seed_offset=None)
+        -> (y, mean, rstd)
+    torch.ops.hstu_lnmd.bwd(dy, x, u, weight, bias, mean, rstd, p, seed, offset, recompute_y,
+                            seed_offset=None) -> (dx, du, dweight, dbias, y or empty)
 
 x, u, dy: [T, D] bf16/fp16 on CUDA (last dim contiguous, row stride a multiple of 8: u may be a
 column slice of a wider tensor); weight, bias: fp32 [D]; D a multiple of 8 up to 8192. Math in
@@ -17,6 +18,9 @@ and offset. p is quantised to t / 65536 with t = round(65536 p); kept elements a
 65536 / (65536 - t) (unbiased). `draw_seed` takes the seed of the device's default CUDA generator
 and its Philox offset, then advances that offset (no device sync), the way torch's own dropout
 consumes the generator: `torch.manual_seed` fixes the masks and every call gets fresh ones.
+``seed_offset`` (int64 [2] on the device, `draw_seed_tensor`) replaces seed and offset with values
+the kernels read from device memory: inside a captured CUDA graph the pair is drawn by a kernel
+of the graph, so each replay gets a fresh mask.
 
 `reference_fwd` / `reference_bwd` are the PyTorch twins with the same signatures and the same
 mask (`keep_mask` computes it with NumPy): the test oracle.
@@ -48,6 +52,7 @@ import torch
 __all__ = [
     "MAX_DIM",
     "draw_seed",
+    "draw_seed_tensor",
     "dropout_threshold",
     "is_available",
     "keep_mask",
@@ -122,6 +127,14 @@ def draw_seed(device: torch.device | str | None = None) -> tuple[int, int]:
     offset = gen.get_offset()
     gen.set_offset(offset + 4)
     return _as_int64(gen.initial_seed()), _as_int64(offset)
+
+
+def draw_seed_tensor(device: torch.device | str) -> torch.Tensor:
+    """int64 [2] on a CUDA ``device``: a (seed, offset) pair drawn by a kernel from the default
+    generator, for the ops' ``seed_offset`` argument. Inside a captured CUDA graph the draw is part
+    of the graph, so each replay hands the kernels a fresh pair (`draw_seed`'s host values would
+    be baked into the capture and repeat one mask)."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
 
 
 def dropout_threshold(p: float) -> tuple[int, float]:

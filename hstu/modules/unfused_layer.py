@@ -149,6 +149,8 @@ class HSTULayer(nn.Module):
             # CPU metadata on CUDA: the kernel validates it on the host, no device sync
             offsets, contexts, targets = attn.kernel_metadata(x.device)
             extra = {"force_reference": self.reference_attention}
+            if self.scaling_seqlen is None and attn.inv_max_seqlen is not None:
+                extra["inv_scale_tensor"] = attn.inv_max_seqlen
         if self.relative_bias is not None:  # softmax: a dense bias; hstu: the op's weights
             dense = self.attention_type == "softmax"
             extra.update(self.relative_bias.attention_kwargs(attn, dense=dense))

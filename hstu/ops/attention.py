@@ -164,6 +164,7 @@ def hstu_attention(
     time_weight: torch.Tensor | None = None,
     max_pos: int = 0,
     last_query_time: torch.Tensor | None = None,
+    inv_scale_tensor: torch.Tensor | None = None,
     force_reference: bool = False,
 ) -> torch.Tensor:
     """Jagged HSTU attention; same signature and semantics as `hstu.ops.reference.hstu_attention`
@@ -175,8 +176,14 @@ def hstu_attention(
     With CUDA q, ``seq_offsets`` / ``num_contexts`` / ``num_targets`` may be CPU tensors (e.g.
     `AttentionInputs.kernel_metadata`): the compiled op then validates them on the host and copies
     them to the GPU without a host<->GPU sync; the reference path moves them to q's device.
-    ``timestamps`` must live on q's device for the kernel."""
+    ``timestamps`` must live on q's device for the kernel. ``inv_scale_tensor`` (compiled kernel
+    only): 1 / scaling_seqlen read from device memory (`hstu.ops.cuda_attention`)."""
     path = attention_path(q.device, bias=bias is not None, force_reference=force_reference)
+    if inv_scale_tensor is not None and path != "cutlass":
+        raise ValueError(
+            "inv_scale_tensor is read by the compiled kernel only; this call runs the "
+            f"{path} attention (pass scaling_seqlen instead)"
+        )
     if path == "reference":
         seq_offsets, num_contexts, num_targets, timestamps, last_query_time = (
             None if t is None else t.to(q.device, non_blocking=True)
@@ -202,6 +209,7 @@ def hstu_attention(
 
         d = q.shape[-1]
         padded = next((h for h in KERNEL_HEAD_DIMS if h >= d), None)
+        kwargs["inv_scale_tensor"] = inv_scale_tensor
         if padded is None or padded == d or v.shape[-1] != d:
             return hstu_attention_cuda(q, k, v, seq_offsets, max_seqlen, **kwargs)
         # Zero columns change neither <q, k> nor the used output columns: run the kernel at the next

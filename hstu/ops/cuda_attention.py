@@ -67,6 +67,7 @@ class _HstuAttentionFn(torch.autograd.Function):
         time_edges: torch.Tensor | None,
         max_pos: int,
         last_query_time: torch.Tensor | None,
+        inv_scale_tensor: torch.Tensor | None,
     ) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = torch.ops.hstu_attention.fwd(
@@ -88,6 +89,7 @@ class _HstuAttentionFn(torch.autograd.Function):
             time_edges=time_edges,
             max_pos=max_pos,
             last_query_time=last_query_time,
+            inv_scale_tensor=inv_scale_tensor,
         )
         ctx.save_for_backward(
             q,
@@ -101,6 +103,7 @@ class _HstuAttentionFn(torch.autograd.Function):
             time_weight,
             time_edges,
             last_query_time,
+            inv_scale_tensor,
         )
         ctx.args = (
             max_seqlen,
@@ -117,7 +120,7 @@ class _HstuAttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         (q, k, v, seq_offsets, num_contexts, num_targets, timestamps, pos_weight, time_weight,
-         time_edges, last_query_time) = ctx.saved_tensors  # fmt: skip
+         time_edges, last_query_time, inv_scale_tensor) = ctx.saved_tensors  # fmt: skip
         max_seqlen, tgs, window, alpha, inv_scale, causal, deterministic, max_pos = ctx.args
         dq, dk, dv, d_pos, d_time = torch.ops.hstu_attention.bwd(
             dout.contiguous(),
@@ -140,12 +143,13 @@ class _HstuAttentionFn(torch.autograd.Function):
             time_edges=time_edges,
             max_pos=max_pos,
             last_query_time=last_query_time,
+            inv_scale_tensor=inv_scale_tensor,
         )
         d_pos = d_pos if pos_weight is not None else None
         d_time = d_time if time_weight is not None else None
-        # seq_offsets .. deterministic (10 arguments), timestamps, time_edges, max_pos and
-        # last_query_time get no gradient
-        return (dq, dk, dv, *(None,) * 11, d_pos, d_time, None, None, None)
+        # seq_offsets .. deterministic (10 arguments), timestamps, time_edges, max_pos,
+        # last_query_time and inv_scale_tensor get no gradient
+        return (dq, dk, dv, *(None,) * 11, d_pos, d_time, None, None, None, None)
 
 
 def hstu_attention_cuda(
@@ -168,8 +172,15 @@ def hstu_attention_cuda(
     time_weight: torch.Tensor | None = None,
     max_pos: int = 0,
     last_query_time: torch.Tensor | None = None,
+    inv_scale_tensor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Jagged HSTU attention on the compiled kernel; q, k, v: [T, H, D] -> [T, H, D].
+
+    ``inv_scale_tensor``: float32 [1] on q's device, read by the kernels in place of
+    1 / scaling_seqlen (a captured CUDA graph takes each batch's scaling from it; see
+    `hstu.modules.graphed_encoder`). Under graph capture the metadata must be GPU tensors and
+    ``max_seqlen`` may be any upper bound of the lengths: nothing is validated here, the caller
+    checks each batch before it replays.
 
     ``pos_weight`` [Hw, 2 * max_pos + 1], ``time_weight`` [Hw, NB + 1] (Hw = 1 or H) and
     ``timestamps`` (int64 [T] on q's device, given iff ``time_weight`` is) add the in-kernel
@@ -241,4 +252,14 @@ def hstu_attention_cuda(
         time_edges,
         int(max_pos) if pos_weight is not None else 0,
         None if last_query_time is None else last_query_time.contiguous(),
+        _check_inv_scale_tensor(inv_scale_tensor, q),
     )
+
+
+def _check_inv_scale_tensor(t: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    if t is not None and (t.dtype != torch.float32 or t.numel() != 1 or t.device != q.device):
+        raise ValueError(
+            f"inv_scale_tensor must be one float32 value on q's device {q.device}; got "
+            f"{t.dtype} of shape {tuple(t.shape)} on {t.device}"
+        )
+    return t

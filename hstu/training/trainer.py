@@ -235,6 +235,7 @@ class Trainer:
             )
             logger.info("embedding tables:\n%s", format_memory_plan(plan))
             choices = self.core.encoder.kernel_choices(self.device)
+            choices["cuda_graphs"] = self._graphs_choice()
             logger.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in choices.items()))
 
     # ---- checkpoints -----------------------------------------------------------------------
@@ -626,6 +627,7 @@ class Trainer:
                 self._fit_loop(result, bar)
         finally:
             bar.close()  # before any error line, so that it starts on a line of its own
+        self._log_graph_stats()
         self._run_eval(result)
         result.final_metrics = result.evals[-1][1] if result.evals else {}
         if t.ckpt_save_interval >= 0:
@@ -636,6 +638,41 @@ class Trainer:
         self.tb.flush()
         barrier()
         return result
+
+    def _graphs_choice(self) -> str:
+        if getattr(self.core.encoder, "graphs", None) is None:
+            if not self.cfg.network.cuda_graphs:
+                return "off (NetworkArgs.cuda_graphs=False)"
+            return "off (the layers run a PyTorch attention)"
+        if self.device.type != "cuda":
+            return "n/a (CPU)"
+        if self.info.world_size > 1:
+            return "off (several processes)"
+        return "on (encoder forward+backward replayed per input shape)"
+
+    def graph_stats(self):
+        """The encoder's `GraphStats` (CUDA graphs), or None where it has no graphs."""
+        graphs = getattr(self.core.encoder, "graphs", None)
+        return None if graphs is None else graphs.stats
+
+    def _log_graph_stats(self) -> None:
+        stats = self.graph_stats()
+        if stats is None or self.device.type != "cuda" or not self.info.is_main:
+            return
+        if stats.disabled:
+            logger.info("CUDA graphs of the encoder: off (%s)", stats.disabled)
+            return
+        logger.info(
+            "CUDA graphs of the encoder: %d captures (%d shapes held) took %.1f s in all "
+            "(one-time, inside the first steps of each shape); %d steps replayed, %d eager "
+            "(shapes seen once, or over the limit of %d)",
+            stats.captures,
+            stats.graphs,
+            stats.capture_seconds,
+            stats.replays,
+            stats.eager,
+            self.core.encoder.graphs.max_graphs,
+        )
 
     def _fit_loop(self, result: TrainResult, bar: tqdm) -> None:
         """The training steps of `fit()` with their logging, evaluation and checkpoints."""

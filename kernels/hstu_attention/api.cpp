@@ -4,16 +4,24 @@
 //   torch.ops.hstu_attention.fwd(q, k, v, seq_offsets, max_seqlen, num_contexts, num_targets,
 //                                target_group_size, window_size, alpha, inv_scale, causal,
 //                                timestamps=None, pos_weight=None, time_weight=None,
-//                                time_edges=None, max_pos=0, last_query_time=None) -> out
+//                                time_edges=None, max_pos=0, last_query_time=None,
+//                                inv_scale_tensor=None) -> out
 //   torch.ops.hstu_attention.bwd(dout, q, k, v, seq_offsets, max_seqlen, num_contexts,
 //                                num_targets, target_group_size, window_size, alpha, inv_scale,
 //                                causal, deterministic, timestamps=None, pos_weight=None,
 //                                time_weight=None, time_edges=None, max_pos=0,
-//                                last_query_time=None)
+//                                last_query_time=None, inv_scale_tensor=None)
 //                                -> (dq, dk, dv, d_pos_weight, d_time_weight)
 // The optional arguments are the relative attention bias (bias.h, docs/design.md); the weight
-// gradients are empty tensors for an absent weight.
+// gradients are empty tensors for an absent weight. inv_scale_tensor: float32 [1] on q's device,
+// read by the kernels in place of inv_scale.
+//
+// Under CUDA graph capture (hstu.modules.graphed_encoder) the metadata must be on the GPU and is
+// taken as given: max_seqlen is an upper bound of the sequence lengths that sizes the grid, and the
+// caller validates every batch's metadata on the host before it replays the graph. Outside capture
+// every call validates the metadata itself (below).
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -252,10 +260,53 @@ std::mutex g_cache_mutex;
 std::deque<std::pair<CacheKey, Checked>> g_cache;  // most recent first, at most kCacheSize
 constexpr size_t kCacheSize = 16;
 
+// Under CUDA graph capture: shapes, dtypes and devices only (no value can be read without a
+// sync, and a replay runs with other values anyway); the lengths are bounded by max_seqlen, which
+// sizes the grid. GPU metadata only: a captured copy from host memory would replay stale bytes.
+Checked check_inputs_captured(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& seq_offsets, int64_t max_seqlen,
+                              const std::optional<Tensor>& num_contexts,
+                              const std::optional<Tensor>& num_targets, int64_t target_group_size,
+                              int64_t window_size, double alpha, double inv_scale, bool causal) {
+  check_tensors_and_scalars(q, k, v, max_seqlen, num_contexts, num_targets, target_group_size,
+                            window_size, alpha, inv_scale, causal);
+  auto on_gpu = [&](const Tensor& t, const char* name) {
+    HSTU_CHECK_VALUE(t.device() == q.device(), "hstu_attention: under CUDA graph capture ", name,
+                     " must be on q's device ", q.device(), " (its values are read at replay); "
+                     "got ", t.device());
+    HSTU_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
+                    "hstu_attention: ", name, " must be int32 or int64; got ", t.scalar_type());
+    return t.to(at::kInt).contiguous();
+  };
+  HSTU_CHECK_VALUE(seq_offsets.dim() == 1 && seq_offsets.numel() >= 1,
+                   "hstu_attention: seq_offsets must be 1-D [B+1]; got shape ",
+                   shape_str(seq_offsets));
+  const int64_t batch = seq_offsets.numel() - 1;
+  HSTU_CHECK_VALUE(batch <= 65535, "hstu_attention: batch size ", batch, " exceeds 65535");
+  HSTU_CHECK_VALUE(q.size(0) <= std::numeric_limits<int32_t>::max(),
+                   "hstu_attention: ", q.size(0), " tokens exceed the int32 range");
+  Checked c;
+  c.cu32 = on_gpu(seq_offsets, "seq_offsets");
+  for (auto [t, name, out] : {std::make_tuple(&num_contexts, "num_contexts", &c.ctx32),
+                              std::make_tuple(&num_targets, "num_targets", &c.tgt32)}) {
+    if (!t->has_value()) continue;
+    HSTU_CHECK_VALUE((*t)->dim() == 1 && (*t)->size(0) == batch, "hstu_attention: ", name,
+                     " must have shape [B]=[", batch, "]; got ", shape_str(**t));
+    *out = on_gpu(**t, name);
+  }
+  c.batch = int(batch);
+  c.max_len = max_seqlen;
+  return c;
+}
+
 Checked check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& seq_offsets,
                      int64_t max_seqlen, const std::optional<Tensor>& num_contexts,
                      const std::optional<Tensor>& num_targets, int64_t target_group_size,
                      int64_t window_size, double alpha, double inv_scale, bool causal) {
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    return check_inputs_captured(q, k, v, seq_offsets, max_seqlen, num_contexts, num_targets,
+                                 target_group_size, window_size, alpha, inv_scale, causal);
+  }
   const bool has_ctx = num_contexts.has_value(), has_tgt = num_targets.has_value();
   const bool use_cache = cacheable(seq_offsets) && (!has_ctx || cacheable(*num_contexts)) &&
                          (!has_tgt || cacheable(*num_targets));
@@ -432,6 +483,18 @@ void set_bias_params(hstu::HstuParams& p, const BiasArgs& b, double alpha) {
   }
 }
 
+// The device-side 1 / scaling_seqlen, checked; nullptr when absent.
+const float* scale_ptr(const std::optional<Tensor>& t, const Tensor& q) {
+  if (!t.has_value()) return nullptr;
+  HSTU_CHECK_VALUE(t->device() == q.device(), "hstu_attention: inv_scale_tensor is on ",
+                   t->device(), " but q is on ", q.device());
+  HSTU_CHECK_TYPE(t->scalar_type() == at::kFloat,
+                  "hstu_attention: inv_scale_tensor must be float32; got ", t->scalar_type());
+  HSTU_CHECK_VALUE(t->numel() == 1, "hstu_attention: inv_scale_tensor must hold one value; got "
+                   "shape ", shape_str(*t));
+  return t->data_ptr<float>();
+}
+
 void launch(hstu::Direction dir, hstu::HstuParams& p) {
   const bool bias = p.pos_w != nullptr || p.time_w != nullptr;
   hstu::Launcher fn = hstu::find_launcher(dir, p.dtype, p.head_dim, bias);
@@ -460,7 +523,8 @@ Tensor fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
                 int64_t window_size, double alpha, double inv_scale, bool causal,
                 const std::optional<Tensor>& timestamps, const std::optional<Tensor>& pos_weight,
                 const std::optional<Tensor>& time_weight, const std::optional<Tensor>& time_edges,
-                int64_t max_pos, const std::optional<Tensor>& last_query_time) {
+                int64_t max_pos, const std::optional<Tensor>& last_query_time,
+                const std::optional<Tensor>& inv_scale_tensor) {
   Checked c = check_inputs(q, k, v, seq_offsets, max_seqlen, num_contexts, num_targets,
                            target_group_size, window_size, alpha, inv_scale, causal);
   const BiasArgs bias{timestamps, pos_weight, time_weight, time_edges, max_pos, last_query_time};
@@ -473,6 +537,7 @@ Tensor fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.o = out.data_ptr();
+  p.inv_scale_ptr = scale_ptr(inv_scale_tensor, q);
   set_bias_params(p, bias, alpha);
   launch(hstu::Direction::kFwd, p);
   return out;
@@ -501,7 +566,8 @@ BwdResult bwd_cuda(
     double alpha, double inv_scale, bool causal, bool deterministic,
     const std::optional<Tensor>& timestamps, const std::optional<Tensor>& pos_weight,
     const std::optional<Tensor>& time_weight, const std::optional<Tensor>& time_edges,
-    int64_t max_pos, const std::optional<Tensor>& last_query_time) {
+    int64_t max_pos, const std::optional<Tensor>& last_query_time,
+    const std::optional<Tensor>& inv_scale_tensor) {
   Checked c = check_inputs(q, k, v, seq_offsets, max_seqlen, num_contexts, num_targets,
                            target_group_size, window_size, alpha, inv_scale, causal);
   const BiasArgs bias{timestamps, pos_weight, time_weight, time_edges, max_pos, last_query_time};
@@ -537,6 +603,7 @@ BwdResult bwd_cuda(
   p.dv = dv.data_ptr();
   p.dq_accum = dq_accum.data_ptr<float>();
   p.deterministic = deterministic;
+  p.inv_scale_ptr = scale_ptr(inv_scale_tensor, q);
   set_bias_params(p, bias, alpha);
   if (pos_weight.has_value()) p.dpos_w = dpos.data_ptr<float>();
   if (time_weight.has_value()) p.dtime_w = dtime.data_ptr<float>();
@@ -550,7 +617,8 @@ Tensor fwd_meta(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
                 int64_t window_size, double alpha, double inv_scale, bool causal,
                 const std::optional<Tensor>& timestamps, const std::optional<Tensor>& pos_weight,
                 const std::optional<Tensor>& time_weight, const std::optional<Tensor>& time_edges,
-                int64_t max_pos, const std::optional<Tensor>& last_query_time) {
+                int64_t max_pos, const std::optional<Tensor>& last_query_time,
+                const std::optional<Tensor>& inv_scale_tensor) {
   HSTU_CHECK(v.size(2) == q.size(2), "hstu_attention: the CUDA kernel requires Dqk == Dv");
   return at::empty_like(v);
 }
@@ -562,7 +630,8 @@ BwdResult bwd_meta(
     double alpha, double inv_scale, bool causal, bool deterministic,
     const std::optional<Tensor>& timestamps, const std::optional<Tensor>& pos_weight,
     const std::optional<Tensor>& time_weight, const std::optional<Tensor>& time_edges,
-    int64_t max_pos, const std::optional<Tensor>& last_query_time) {
+    int64_t max_pos, const std::optional<Tensor>& last_query_time,
+    const std::optional<Tensor>& inv_scale_tensor) {
   auto grad = [&](const std::optional<Tensor>& w) {
     return w.has_value() ? at::empty_like(*w) : at::empty({0}, q.options().dtype(at::kFloat));
   };
@@ -578,13 +647,14 @@ TORCH_LIBRARY(hstu_attention, m) {
       "Tensor? num_contexts, Tensor? num_targets, int target_group_size, int window_size, "
       "float alpha, float inv_scale, bool causal, Tensor? timestamps=None, "
       "Tensor? pos_weight=None, Tensor? time_weight=None, Tensor? time_edges=None, "
-      "int max_pos=0, Tensor? last_query_time=None) -> Tensor");
+      "int max_pos=0, Tensor? last_query_time=None, Tensor? inv_scale_tensor=None) -> Tensor");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor seq_offsets, int max_seqlen, "
       "Tensor? num_contexts, Tensor? num_targets, int target_group_size, int window_size, "
       "float alpha, float inv_scale, bool causal, bool deterministic, Tensor? timestamps=None, "
       "Tensor? pos_weight=None, Tensor? time_weight=None, Tensor? time_edges=None, "
-      "int max_pos=0, Tensor? last_query_time=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "int max_pos=0, Tensor? last_query_time=None, Tensor? inv_scale_tensor=None) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hstu_attention, CUDA, m) {

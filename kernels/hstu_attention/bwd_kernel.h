@@ -347,8 +347,8 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   //   dS = dP alpha / S_len sig (1 + alpha s (1 - sig))   = dP (1 + t) u c,
   //        u = 1 + h (1 - t),  c = alpha / (2 S_len)
   const float half_alpha = 0.5f * p.alpha;
-  const float inv_scale = p.inv_scale;
-  const float c_ds = 0.5f * p.alpha * p.inv_scale;
+  const float inv_scale = p.inv_scale_ptr ? *p.inv_scale_ptr : p.inv_scale;
+  const float c_ds = 0.5f * p.alpha * inv_scale;
 
   // Relative bias (bias.h): tables in shared memory past the tiles. Tile t (the t-th query block
   // of the walk) reads diagonal buffer t % 2; after its first barrier, tile t + 1 fills the

@@ -138,7 +138,8 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     }
   }
   const float half_alpha = 0.5f * p.alpha;
-  const float half_alpha_scale = 0.5f * p.alpha * p.inv_scale;
+  const float inv_scale = p.inv_scale_ptr ? *p.inv_scale_ptr : p.inv_scale;
+  const float half_alpha_scale = 0.5f * p.alpha * inv_scale;
   while (n_block >= n_lo) {
     const int n0 = n_block * kBlockN;
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});

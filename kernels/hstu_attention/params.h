@@ -58,6 +58,9 @@ struct HstuParams {
   int window_size = 0;
   float alpha = 1.f;      // multiplies <q, k> before SiLU
   float inv_scale = 1.f;  // 1 / scaling_seqlen, multiplies SiLU(.)
+  // When set: a float in device memory read in place of inv_scale (a CUDA graph replay takes the
+  // batch's own scaling from it; the by-value field would repeat the captured batch's).
+  const float* inv_scale_ptr = nullptr;
   // Grid order (grid_tile_of in utils.h, sized in launch.h): (sequence, head) pairs per dispatch
   // group, and the first pair of the last group (which takes the remaining pairs).
   int pair_group = 1;

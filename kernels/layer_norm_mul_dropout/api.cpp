@@ -1,9 +1,13 @@
 // Torch face of the LayerNorm(x) * u * dropout kernels: input checks before any launch, the
 // TORCH_LIBRARY schema (namespace hstu_lnmd) with CUDA and Meta implementations.
 //
-//   fwd(x, u, weight, bias, eps, p, seed, offset) -> (y, mean, rstd)
-//   bwd(dy, x, u, weight, bias, mean, rstd, p, seed, offset, recompute_y)
+//   fwd(x, u, weight, bias, eps, p, seed, offset, seed_offset=None) -> (y, mean, rstd)
+//   bwd(dy, x, u, weight, bias, mean, rstd, p, seed, offset, recompute_y, seed_offset=None)
 //       -> (dx, du, dweight, dbias, y)
+//
+// seed_offset: optional int64 [2] on x's device holding (seed, offset); the kernels then read
+// those two values from device memory instead of the seed/offset arguments, so that a CUDA graph
+// replay draws a fresh mask (the caller fills the tensor inside the graph).
 //
 // x, u, dy: [T, D] bf16/fp16 (same dtype), last dim contiguous, row stride a multiple of 8;
 // weight, bias: fp32 [D]; D a multiple of 8 in [8, 8192]; 0 <= p < 1 (dropout keep mask
@@ -37,6 +41,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "launch.h"
@@ -127,6 +132,19 @@ lnmd::Dropout make_dropout(double p, int64_t seed, int64_t offset) {
   return d;
 }
 
+// The device-side (seed, offset) pair, checked; nullptr when absent.
+const int64_t* seed_offset_ptr(const std::optional<Tensor>& so, const Tensor& x) {
+  if (!so.has_value()) return nullptr;
+  const Tensor& t = *so;
+  LNMD_VALUE(t.device() == x.device(), "seed_offset is on " + t.device().str() + " but x is on " +
+                                           x.device().str());
+  LNMD_TYPE(t.scalar_type() == at::kLong, "seed_offset must be int64; got " + dtype_of(t));
+  LNMD_VALUE(t.dim() == 1 && t.size(0) == 2 && t.is_contiguous(),
+             "seed_offset must be a contiguous 1-D tensor of 2 elements (seed, offset); got shape " +
+                 shape_of(t));
+  return t.data_ptr<int64_t>();
+}
+
 lnmd::DType dtype_enum(const Tensor& x) {
   return x.scalar_type() == at::kBFloat16 ? lnmd::DType::kBF16 : lnmd::DType::kFP16;
 }
@@ -143,7 +161,8 @@ void check_launch() {
 
 std::tuple<Tensor, Tensor, Tensor> fwd_cuda(const Tensor& x, const Tensor& u, const Tensor& weight,
                                             const Tensor& bias, double eps, double p,
-                                            int64_t seed, int64_t offset) {
+                                            int64_t seed, int64_t offset,
+                                            const std::optional<Tensor>& seed_offset) {
   check_rows(x, "x", x);
   check_rows(u, "u", x);
   check_width(x);
@@ -151,7 +170,8 @@ std::tuple<Tensor, Tensor, Tensor> fwd_cuda(const Tensor& x, const Tensor& u, co
   check_vec(bias, "bias", x.size(1), x);
   LNMD_VALUE(std::isfinite(eps) && eps > 0.0, "eps must be finite and > 0; got " +
                                                   std::to_string(eps));
-  const lnmd::Dropout drop = make_dropout(p, seed, offset);
+  lnmd::Dropout drop = make_dropout(p, seed, offset);
+  drop.seed_offset = seed_offset_ptr(seed_offset, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t t = x.size(0);
   auto y = at::empty({t, x.size(1)}, x.options());
@@ -180,7 +200,7 @@ std::tuple<Tensor, Tensor, Tensor> fwd_cuda(const Tensor& x, const Tensor& u, co
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
     const Tensor& dy, const Tensor& x, const Tensor& u, const Tensor& weight, const Tensor& bias,
     const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset,
-    bool recompute_y) {
+    bool recompute_y, const std::optional<Tensor>& seed_offset) {
   check_rows(x, "x", x);
   check_rows(u, "u", x);
   check_rows(dy, "dy", x);
@@ -189,7 +209,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
   check_vec(bias, "bias", x.size(1), x);
   check_vec(mean, "mean", x.size(0), x);
   check_vec(rstd, "rstd", x.size(0), x);
-  const lnmd::Dropout drop = make_dropout(p, seed, offset);
+  lnmd::Dropout drop = make_dropout(p, seed, offset);
+  drop.seed_offset = seed_offset_ptr(seed_offset, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t t = x.size(0);
   const int cols = static_cast<int>(x.size(1));
@@ -485,7 +506,8 @@ std::tuple<Tensor, Tensor> silu_bwd_meta(const Tensor& du, const Tensor& dv, con
 
 std::tuple<Tensor, Tensor, Tensor> fwd_meta(const Tensor& x, const Tensor& u, const Tensor& weight,
                                             const Tensor& bias, double eps, double p,
-                                            int64_t seed, int64_t offset) {
+                                            int64_t seed, int64_t offset,
+                                            const std::optional<Tensor>& seed_offset) {
   const auto t = x.sym_size(0);
   return {at::empty_symint({t, x.sym_size(1)}, x.options()),
           at::empty_symint({t}, x.options().dtype(at::kFloat)),
@@ -495,7 +517,7 @@ std::tuple<Tensor, Tensor, Tensor> fwd_meta(const Tensor& x, const Tensor& u, co
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_meta(
     const Tensor& dy, const Tensor& x, const Tensor& u, const Tensor& weight, const Tensor& bias,
     const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset,
-    bool recompute_y) {
+    bool recompute_y, const std::optional<Tensor>& seed_offset) {
   auto shape = x.sym_sizes();
   return {at::empty_symint(shape, x.options()), at::empty_symint(shape, x.options()),
           at::empty_like(weight), at::empty_like(bias),
@@ -506,9 +528,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_meta(
 
 TORCH_LIBRARY(hstu_lnmd, m) {
   m.def("fwd(Tensor x, Tensor u, Tensor weight, Tensor bias, float eps, float p, int seed, "
-        "int offset) -> (Tensor, Tensor, Tensor)");
+        "int offset, Tensor? seed_offset=None) -> (Tensor, Tensor, Tensor)");
   m.def("bwd(Tensor dy, Tensor x, Tensor u, Tensor weight, Tensor bias, Tensor mean, "
-        "Tensor rstd, float p, int seed, int offset, bool recompute_y) -> "
+        "Tensor rstd, float p, int seed, int offset, bool recompute_y, "
+        "Tensor? seed_offset=None) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("silu_chunk_major(Tensor z) -> Tensor");
   m.def("silu_chunk_major_backward(Tensor du, Tensor dv, Tensor dq, Tensor dk, Tensor z, "

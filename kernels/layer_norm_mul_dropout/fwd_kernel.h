@@ -15,6 +15,10 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const FwdParams p) {
   const int nchunks = p.cols / 8;
   const float inv_cols = 1.0f / static_cast<float>(p.cols);
   const bool dropout = p.dropout.threshold != 0u;
+  const uint64_t drop_seed =
+      p.dropout.seed_offset ? static_cast<uint64_t>(p.dropout.seed_offset[0]) : p.dropout.seed;
+  const uint64_t drop_offset =
+      p.dropout.seed_offset ? static_cast<uint64_t>(p.dropout.seed_offset[1]) : p.dropout.offset;
 
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * Tr::RPB; base < p.rows;
        base += static_cast<int64_t>(gridDim.x) * Tr::RPB) {
@@ -70,8 +74,8 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const FwdParams p) {
       load_f32x8(p.bias + c * 8, b);
       uint32_t keep = 0xFFu;
       if (dropout) {
-        keep = keep_bits(static_cast<uint64_t>(row) * nchunks + c, p.dropout.seed,
-                         p.dropout.offset, p.dropout.threshold);
+        keep = keep_bits(static_cast<uint64_t>(row) * nchunks + c, drop_seed,
+                         drop_offset, p.dropout.threshold);
       }
 #pragma unroll
       for (int j = 0; j < 8; ++j) {

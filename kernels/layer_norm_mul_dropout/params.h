@@ -20,6 +20,10 @@ struct Dropout {
   uint64_t offset = 0;
   uint32_t threshold = 0;  // keep iff 16-bit draw >= threshold; 0 = no dropout
   float scale = 1.0f;      // 65536 / (65536 - threshold)
+  // When set: int64 [2] in device memory holding (seed, offset), read by the kernel in place of
+  // the two fields above. A CUDA graph replays the launch with fresh values in that memory (the
+  // caller draws them inside the graph), where by-value fields would repeat the captured mask.
+  const int64_t* seed_offset = nullptr;
 };
 
 struct FwdParams {

@@ -1,0 +1,427 @@
+"""CUDA graphs of the HSTU encoder's training forward and backward, one pair per input shape.
+
+A small model issues hundreds of short kernels per step and the host's per-operator cost, not
+the GPU, sets the step time (docs/benchmarks.md). `EncoderGraphs` captures the encoder's forward
+and its backward (`torch.autograd.grad` of the output with respect to the input and every
+parameter) into two CUDA graphs and afterwards replays them: one launch each instead of every
+layer's operators.
+
+Shapes. A graph replays fixed shapes and fixed kernel arguments, so a graph is keyed by
+`GraphKey`: the token rows (the preprocessor already rounds them, `padded_token_count`), the
+number of sequences rounded up to a multiple of `SEQ_GRAIN` (the extra ones are empty), an upper
+bound of the longest sequence (the next power of two, at least 64: it sizes the attention grid;
+blocks past a sequence's end exit at once) and which optional inputs are present. The batch's
+own values travel through device memory that the graph reads: the jagged offsets, contextual and
+target counts, timestamps, the last query times and 1 / the longest sequence
+(`AttentionInputs.inv_max_seqlen`, the attention's default scaling, which the kernel reads at
+run time). Dropout masks are drawn inside the graph (torch's generators and the gating kernel's
+device-side seed, `layer_norm_mul_dropout.draw_seed_tensor`), so each replay draws fresh ones.
+
+The compiled attention op validates its metadata on every eager call; a replay cannot, so
+`run` checks each batch's host copy of the metadata (`AttentionInputs.host_*`) against the key
+before replaying and runs the encoder eagerly, with the op's own checks, when it does not fit.
+
+Memory. All graphs capture into one memory pool and are replayed strictly as forward then
+backward of one key, so their temporaries share memory. The input, output and both gradients of
+every key are views of four shared buffers (grown when a larger shape arrives; the graphs are
+then captured again), and the parameter gradients land in one shared buffer per parameter: the
+persistent cost is those buffers, not a copy per key.
+
+When. A key is captured the second time it is seen (a shape met once is not worth a capture) and
+while fewer than `max_graphs` exist; otherwise the step runs eagerly. Captures are counted and
+timed (`stats`) so that logs and benchmarks can report them apart from the steady state.
+Training on one CUDA process only: under DDP (several ranks) and in evaluation the encoder runs
+eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hstu.modules.attention_inputs import AttentionInputs
+
+__all__ = ["EncoderGraphs", "GraphKey", "GraphStats", "SEQ_GRAIN", "seqlen_bound"]
+
+logger = logging.getLogger(__name__)
+
+SEQ_GRAIN = 8  # sequences per key rounded up to a multiple of this (empty sequences fill up)
+MIN_SEQLEN_BOUND = 64  # the attention kernels' smallest query tile
+BUFFER_HEADROOM = 1.25  # shared buffers grow to this multiple of the rows that outgrew them
+
+
+def seqlen_bound(max_seqlen: int) -> int:
+    """The attention grid's bound for a batch whose longest sequence is ``max_seqlen``: the next
+    power of two, at least `MIN_SEQLEN_BOUND`."""
+    return max(MIN_SEQLEN_BOUND, 1 << max(0, int(max_seqlen) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    rows: int
+    hidden: int
+    dtype: torch.dtype
+    num_seqs: int  # sequences in the static metadata (a multiple of SEQ_GRAIN)
+    seqlen_bound: int
+    contexts: bool
+    targets: bool
+    timestamps: bool
+    last_query_time: bool
+    input_grad: bool
+    autocast: tuple[bool, torch.dtype]
+
+
+@dataclass
+class GraphStats:
+    """Counts since the encoder was built: ``captures`` (graph pairs captured, recaptures after
+    a buffer growth included) and the seconds they took, ``replays`` (steps run from a graph),
+    ``eager`` (training steps run eagerly: first sight of a shape, metadata that does not fit,
+    the graph limit), ``graphs`` (pairs held now)."""
+
+    captures: int = 0
+    capture_seconds: float = 0.0
+    replays: int = 0
+    eager: int = 0
+    graphs: int = 0
+    disabled: str = ""  # why graphs are off for this encoder ("" = on)
+
+
+@dataclass
+class _Entry:
+    key: GraphKey
+    offsets: torch.Tensor
+    contexts: torch.Tensor | None
+    targets: torch.Tensor | None
+    timestamps: torch.Tensor | None
+    last_query_time: torch.Tensor | None
+    inv_max_seqlen: torch.Tensor
+    x: torch.Tensor
+    y: torch.Tensor
+    grad_y: torch.Tensor
+    grad_x: torch.Tensor
+    used: list[bool] = field(default_factory=list)  # per parameter: has a gradient
+    fwd: torch.cuda.CUDAGraph | None = None
+    bwd: torch.cuda.CUDAGraph | None = None
+
+
+class _Replay(torch.autograd.Function):
+    """The captured forward as one autograd node; its backward replays the captured backward."""
+
+    @staticmethod
+    def forward(ctx, runner: EncoderGraphs, entry: _Entry, x: torch.Tensor, *params):  # type: ignore[override]
+        entry.x.copy_(x)
+        entry.fwd.replay()
+        ctx.runner, ctx.entry = runner, entry
+        return entry.y.detach()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):  # type: ignore[override]
+        runner, entry = ctx.runner, ctx.entry
+        entry.grad_y.copy_(grad_y)
+        entry.bwd.replay()
+        grads = []
+        for p, used, buf in zip(runner.params, entry.used, runner.param_grads):
+            if not used:
+                grads.append(None)
+            elif p.grad is None:
+                # detached: autograd installs the buffer as p.grad without a copy; the next
+                # replay writes it again, after the optimizer has consumed and dropped it
+                grads.append(buf.detach())
+            else:  # accumulating into an existing gradient: hand over a copy
+                grads.append(buf.clone())
+        grad_x = entry.grad_x.detach() if entry.key.input_grad else None
+        return (None, None, grad_x, *grads)
+
+
+class EncoderGraphs:
+    """CUDA graphs of an encoder's training forward + backward (module docstring).
+
+    The encoder hands itself to every call: ``encoder.forward_eager(x, attn)`` is its own
+    forward (the layers and the final norm). ``max_graphs``: graph pairs kept at most;
+    ``min_uses``: how often a shape is seen before it is captured; ``warmup``: eager forward +
+    backward passes before a capture."""
+
+    def __init__(self, *, max_graphs: int = 64, min_uses: int = 2, warmup: int = 1) -> None:
+        if max_graphs < 1 or min_uses < 1 or warmup < 1:
+            raise ValueError(
+                f"EncoderGraphs: max_graphs, min_uses and warmup must be >= 1; got {max_graphs}, "
+                f"{min_uses}, {warmup}"
+            )
+        self.max_graphs = int(max_graphs)
+        self.min_uses = int(min_uses)
+        self.warmup = int(warmup)
+        self.stats = GraphStats()
+        self._seen: dict[GraphKey, int] = {}
+        self._entries: dict[GraphKey, _Entry] = {}
+        self._pool = None
+        self._rows_capacity = 0
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.params: list[nn.Parameter] = []
+        self.param_grads: list[torch.Tensor] = []
+        self._param_ptrs: tuple[int, ...] = ()
+
+    # ---- state ---------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drops every graph and buffer (they are captured again on demand)."""
+        self._entries.clear()
+        self._seen.clear()
+        self._buffers.clear()
+        self._rows_capacity = 0
+        self.params, self.param_grads, self._param_ptrs = [], [], ()
+        self._pool = None
+        self.stats.graphs = 0
+
+    def _settings(self) -> dict:
+        return dict(max_graphs=self.max_graphs, min_uses=self.min_uses, warmup=self.warmup)
+
+    # copies and pickles of a model start without graphs (they hold device state)
+    def __getstate__(self) -> dict:
+        return self._settings()
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+    def __deepcopy__(self, memo) -> EncoderGraphs:
+        return EncoderGraphs(**self._settings())
+
+    def _disable(self, reason: str) -> None:
+        if not self.stats.disabled:
+            logger.warning("CUDA graphs of the encoder are off: %s; it runs eagerly", reason)
+        self.stats.disabled = reason
+        self.reset()
+
+    # ---- dispatch ------------------------------------------------------------------------------
+    def applies(self, encoder: nn.Module, x: torch.Tensor) -> bool:
+        """Whether this call may use graphs: CUDA, training with gradients, one process."""
+        if self.stats.disabled or not x.is_cuda:
+            return False
+        if not (encoder.training and torch.is_grad_enabled()):
+            return False
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._disable("several processes (DDP); multi-GPU runs are not graphed")
+            return False
+        return True
+
+    def run(self, encoder: nn.Module, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
+        """``encoder``'s forward of (x, attn) from a graph where one applies (captured first
+        if due), else eagerly."""
+        key = self._key(x, attn)
+        if key is None or not self._fits(key, x, attn):
+            self.stats.eager += 1
+            return encoder.forward_eager(x, attn)
+        entry = self._entries.get(key)
+        if entry is not None and self._param_ptrs != tuple(p.data_ptr() for p in self.params):
+            self.reset()  # parameters were replaced (e.g. moved): the graphs read stale addresses
+            entry = None
+        if entry is None:
+            seen = self._seen.get(key, 0) + 1
+            self._seen[key] = seen
+            if seen < self.min_uses or len(self._entries) >= self.max_graphs:
+                self.stats.eager += 1
+                return encoder.forward_eager(x, attn)
+            entry = self._capture(encoder, key, x, attn)
+            if entry is None:
+                self.stats.eager += 1
+                return encoder.forward_eager(x, attn)
+        self._load(entry, x, attn)
+        self.stats.replays += 1
+        return _Replay.apply(self, entry, x, *self.params)
+
+    # ---- keys and checks -----------------------------------------------------------------------
+    def _key(self, x: torch.Tensor, attn: AttentionInputs) -> GraphKey | None:
+        if attn.host_seq_offsets is None or x.dim() != 2:
+            return None  # no host copy to check the metadata against: eager (the op checks)
+        n = attn.seq_offsets.numel() - 1
+        dev = x.device.type
+        return GraphKey(
+            rows=int(x.shape[0]),
+            hidden=int(x.shape[1]),
+            dtype=x.dtype,
+            num_seqs=-(-max(n, 1) // SEQ_GRAIN) * SEQ_GRAIN,
+            seqlen_bound=seqlen_bound(attn.max_seqlen),
+            contexts=attn.num_contexts is not None,
+            targets=attn.num_targets is not None,
+            timestamps=attn.timestamps is not None,
+            last_query_time=attn.last_query_time is not None,
+            input_grad=x.requires_grad,
+            autocast=(torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)),
+        )
+
+    @staticmethod
+    def _fits(key: GraphKey, x: torch.Tensor, attn: AttentionInputs) -> bool:
+        """The checks the attention op makes on every eager call, on the host copy (no sync):
+        a batch that fails them runs eagerly and gets the op's own error."""
+        offs = attn.host_seq_offsets
+        if offs.numel() < 1 or int(offs[0]) != 0 or int(offs[-1]) != key.rows:
+            return False
+        lengths = offs[1:] - offs[:-1]
+        if lengths.numel() and (bool((lengths < 0).any()) or int(lengths.max()) > attn.max_seqlen):
+            return False
+        if attn.max_seqlen <= 0:
+            return False
+        used = torch.zeros_like(lengths)
+        for host in (attn.host_num_contexts, attn.host_num_targets):
+            if host is None:
+                continue
+            if host.shape != lengths.shape or bool((host < 0).any()):
+                return False
+            used = used + host
+        if bool((used > lengths).any()):
+            return False
+        for t, n in ((attn.timestamps, key.rows), (attn.last_query_time, lengths.numel())):
+            if t is not None and (t.device != x.device or t.shape != (n,)):
+                return False
+        return True
+
+    # ---- buffers -------------------------------------------------------------------------------
+    def _ensure_capacity(self, encoder: nn.Module, key: GraphKey, x: torch.Tensor) -> None:
+        buf = self._buffers.get("x")
+        if (
+            buf is not None
+            and key.rows <= self._rows_capacity
+            and buf.shape[1] == key.hidden
+            and buf.dtype == key.dtype
+        ):
+            return
+        if self._entries:
+            logger.info(
+                "CUDA graphs: %d token rows outgrow the shared buffers (%d); capturing anew",
+                key.rows,
+                self._rows_capacity,
+            )
+        captured_before = self.stats.captures
+        self.reset()
+        self.stats.captures = captured_before
+        rows = max(key.rows, int(key.rows * BUFFER_HEADROOM))
+        opts = dict(dtype=key.dtype, device=x.device)
+        self._buffers = {
+            name: torch.zeros((rows, key.hidden), **opts) for name in ("x", "y", "grad_y", "grad_x")
+        }
+        self._rows_capacity = rows
+        self.params = [p for p in encoder.parameters() if p.requires_grad]
+        self.param_grads = [torch.zeros_like(p) for p in self.params]
+        self._param_ptrs = tuple(p.data_ptr() for p in self.params)
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def _new_entry(self, key: GraphKey, x: torch.Tensor) -> _Entry:
+        dev = x.device
+        s = key.num_seqs
+
+        def ints(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int64, device=dev)
+
+        return _Entry(
+            key=key,
+            offsets=ints(s + 1),
+            contexts=ints(s) if key.contexts else None,
+            targets=ints(s) if key.targets else None,
+            timestamps=ints(key.rows) if key.timestamps else None,
+            last_query_time=ints(s) if key.last_query_time else None,
+            inv_max_seqlen=torch.ones(1, dtype=torch.float32, device=dev),
+            x=self._buffers["x"][: key.rows],
+            y=self._buffers["y"][: key.rows],
+            grad_y=self._buffers["grad_y"][: key.rows],
+            grad_x=self._buffers["grad_x"][: key.rows],
+        )
+
+    @staticmethod
+    def _load(entry: _Entry, x: torch.Tensor, attn: AttentionInputs) -> None:
+        """The batch's metadata into the graph's device memory (device copies and fills, no host
+        round trip); sequences past the batch's are empty."""
+        n = attn.seq_offsets.numel() - 1
+        s = entry.key.num_seqs
+        entry.offsets[: n + 1].copy_(attn.seq_offsets)
+        if n < s:
+            entry.offsets[n + 1 :].fill_(entry.key.rows)
+        for dst, src in (
+            (entry.contexts, attn.num_contexts),
+            (entry.targets, attn.num_targets),
+            (entry.last_query_time, attn.last_query_time),
+        ):
+            if dst is None:
+                continue
+            dst[:n].copy_(src)
+            if n < s:
+                dst[n:].zero_()
+        if entry.timestamps is not None:
+            entry.timestamps.copy_(attn.timestamps)
+        entry.inv_max_seqlen.fill_(1.0 / float(attn.max_seqlen))
+
+    # ---- capture -------------------------------------------------------------------------------
+    def _static_forward(self, encoder: nn.Module, entry: _Entry, x: torch.Tensor) -> torch.Tensor:
+        key = entry.key
+        attn = AttentionInputs(
+            seq_offsets=entry.offsets,
+            max_seqlen=key.seqlen_bound,
+            num_contexts=entry.contexts,
+            num_targets=entry.targets,
+            timestamps=entry.timestamps,
+            last_query_time=entry.last_query_time,
+            inv_max_seqlen=entry.inv_max_seqlen,
+        )
+        enabled, dtype = key.autocast
+        # no autocast cache: a cached weight cast made outside the graph would be read stale
+        with torch.autocast("cuda", enabled=enabled, dtype=dtype, cache_enabled=False):
+            return encoder.forward_eager(x, attn)
+
+    def _grads(self, entry: _Entry, y: torch.Tensor, x_leaf: torch.Tensor):
+        inputs = ([x_leaf] if entry.key.input_grad else []) + self.params
+        return torch.autograd.grad(y, inputs, entry.grad_y, allow_unused=True)
+
+    def _capture(
+        self, encoder: nn.Module, key: GraphKey, x: torch.Tensor, attn: AttentionInputs
+    ) -> _Entry | None:
+        start = time.perf_counter()
+        self._ensure_capacity(encoder, key, x)
+        entry = self._new_entry(key, x)
+        self._load(entry, x, attn)
+        entry.x.copy_(x)
+        x_leaf = entry.x.detach().requires_grad_(key.input_grad)
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream(device=x.device)
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):  # compilation, kernel setup, allocator warm-up
+                    y = self._static_forward(encoder, entry, x_leaf)
+                    self._grads(entry, y, x_leaf)
+                del y
+                torch.cuda.synchronize(x.device)
+                fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                fwd.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    y = self._static_forward(encoder, entry, x_leaf)
+                    entry.y.copy_(y)
+                finally:
+                    fwd.capture_end()
+                bwd.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    grads = list(self._grads(entry, y, x_leaf))
+                    if key.input_grad:
+                        entry.grad_x.copy_(grads.pop(0))
+                    entry.used = [g is not None for g in grads]
+                    for buf, g in zip(self.param_grads, grads):
+                        if g is not None:
+                            buf.copy_(g)
+                finally:
+                    bwd.capture_end()
+                del y, grads
+        except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly, say why
+            torch.cuda.synchronize(x.device)
+            self._disable(f"capturing failed ({type(exc).__name__}: {exc})")
+            return None
+        current.wait_stream(side)
+        entry.fwd, entry.bwd = fwd, bwd
+        self._entries[key] = entry
+        self.stats.captures += 1
+        self.stats.graphs = len(self._entries)
+        self.stats.capture_seconds += time.perf_counter() - start
+        return entry

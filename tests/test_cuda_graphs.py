@@ -1,0 +1,343 @@
+"""CUDA graphs of the encoder (hstu.modules.graphed_encoder) and what they rest on.
+
+CPU: keys, bounds, the metadata check and the switch. GPU (-m gpu): the device-side scaling and
+dropout seed of the compiled ops equal their by-value twins bitwise; the attention op captured
+with GPU metadata and a length bound replays other batches exactly as eager calls; a graphed
+encoder (fused and unfused layers, relative bias, contexts and targets) gives the eager
+encoder's outputs and gradients on batches of one key; dropout draws fresh masks per replay;
+a graphed training run follows the eager run's losses.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hstu.config.gin_utils import ConfigError, load_config
+from hstu.modules.attention_inputs import AttentionInputs
+from hstu.modules.graphed_encoder import (
+    SEQ_GRAIN,
+    EncoderGraphs,
+    GraphKey,
+    seqlen_bound,
+)
+from hstu.modules.hstu_layer import HSTUEncoder
+
+
+def _attn(lengths: list[int], *, rows: int | None = None, contexts: int = 0, targets=None,
+          device: str = "cpu", timestamps: bool = False) -> AttentionInputs:  # fmt: skip
+    lengths = list(lengths)
+    total = sum(lengths)
+    if rows is not None and rows > total:
+        lengths.append(rows - total)  # one padding sequence
+    offs = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offs[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    n = len(lengths)
+    ctx = None if not contexts else torch.tensor([contexts] * n, dtype=torch.int64)
+    if ctx is not None and rows is not None and rows > total:
+        ctx[-1] = 0
+    tgt = None if targets is None else torch.tensor(list(targets) + [0] * (n - len(targets)))
+    ts = None
+    if timestamps:
+        ts = torch.cat([torch.sort(torch.randint(0, 10**6, (n_,))).values for n_ in lengths])
+    dev = torch.device(device)
+    return AttentionInputs(
+        seq_offsets=offs.to(dev),
+        max_seqlen=max(lengths),
+        num_contexts=None if ctx is None else ctx.to(dev),
+        num_targets=None if tgt is None else tgt.to(dev),
+        host_seq_offsets=offs,
+        host_num_contexts=ctx,
+        host_num_targets=tgt,
+        timestamps=None if ts is None else ts.to(dev),
+    )
+
+
+# ---- CPU -----------------------------------------------------------------------------------------
+
+
+def test_seqlen_bound_is_the_next_power_of_two_from_64():
+    assert [seqlen_bound(n) for n in (0, 1, 63, 64, 65, 200, 256, 257, 4110)] == [
+        64, 64, 64, 64, 128, 256, 256, 512, 8192,
+    ]  # fmt: skip
+
+
+def test_cuda_graphs_switch_is_a_checked_bool():
+    cfg = load_config("retrieval", [], [])
+    assert cfg.network.cuda_graphs is True
+    assert load_config("retrieval", [], ["NetworkArgs.cuda_graphs=False"]).network.cuda_graphs is False
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        load_config("retrieval", [], ["NetworkArgs.cuda_graphs='yes'"])
+
+
+def test_encoder_has_graphs_only_where_the_compiled_attention_runs():
+    kw = dict(num_heads=2, head_dim=8)
+    assert HSTUEncoder(1, 16, cuda_graphs=True, **kw).graphs is not None
+    assert HSTUEncoder(1, 16, cuda_graphs=False, **kw).graphs is None
+    assert HSTUEncoder(1, 16, cuda_graphs=True, reference_attention=True, **kw).graphs is None
+    assert HSTUEncoder(1, 16, cuda_graphs=True, attention_type="softmax", **kw).graphs is None
+
+
+def test_cpu_forward_never_uses_graphs():
+    torch.manual_seed(0)
+    enc = HSTUEncoder(2, 16, num_heads=2, head_dim=8, cuda_graphs=True, fused=True)
+    ref = copy.deepcopy(enc)
+    assert ref.graphs is not None and ref.graphs is not enc.graphs  # a fresh, empty runner
+    attn = _attn([5, 9, 3], contexts=1)
+    x = torch.randn(17, 16, requires_grad=True)
+    torch.testing.assert_close(enc(x, attn), ref.forward_eager(x, attn), rtol=0, atol=0)
+    assert enc.graphs.stats.replays == 0 and enc.graphs.stats.captures == 0
+
+
+def _key(attn: AttentionInputs, rows: int) -> GraphKey:
+    return EncoderGraphs()._key(torch.zeros(rows, 8), attn)
+
+
+def test_keys_round_sequences_and_bound_lengths():
+    a = _attn([5, 9, 3], contexts=1)
+    k = _key(a, 17)
+    assert (k.rows, k.num_seqs, k.seqlen_bound, k.contexts, k.targets) == (
+        17, SEQ_GRAIN, 64, True, False,
+    )  # fmt: skip
+    # other lengths with the same rows, sequence count and bound: the same graph
+    assert _key(_attn([8, 8, 1], contexts=1), 17) == k
+    assert _key(_attn([70, 9, 3], contexts=1), 82).seqlen_bound == 128
+    no_host = AttentionInputs(seq_offsets=a.seq_offsets, max_seqlen=9)
+    assert EncoderGraphs()._key(torch.zeros(17, 8), no_host) is None  # eager: the op checks
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["offsets_start", "total", "too_long", "negative_length", "contexts_exceed", "bad_targets"],
+)
+def test_metadata_that_the_kernel_would_refuse_runs_eagerly(change):
+    a = _attn([5, 9, 3], contexts=1, targets=[1, 2, 1])
+    key = _key(a, 17)
+    x = torch.zeros(17, 8)
+    assert EncoderGraphs._fits(key, x, a)
+    offs = a.host_seq_offsets.clone()
+    if change == "offsets_start":
+        offs += 1
+    elif change == "total":
+        offs[-1] += 1
+    elif change == "too_long":
+        a.max_seqlen = 8
+    elif change == "negative_length":
+        offs[1] = 15
+    elif change == "contexts_exceed":
+        a.host_num_contexts = torch.tensor([5, 1, 1])
+    elif change == "bad_targets":
+        a.host_num_targets = torch.tensor([1, -1, 1])
+    a.host_seq_offsets = offs
+    assert not EncoderGraphs._fits(key, x, a)
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+
+
+def _needs_kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+    from hstu.ops import compiled_attention_available
+
+    if not compiled_attention_available() or not lnmd.load_extension():
+        pytest.skip("needs the compiled attention and hstu_lnmd kernels")
+
+
+@gpu
+def test_device_seed_equals_host_seed_bitwise():
+    _needs_kernels()
+    torch.manual_seed(0)
+    x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    u = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    w, b = torch.randn(64, device="cuda"), torch.randn(64, device="cuda")
+    dy = torch.randn_like(x)
+    seed, offset = 1234567, 40
+    so = torch.tensor([seed, offset], dtype=torch.int64, device="cuda")
+    host = torch.ops.hstu_lnmd.fwd(x, u, w, b, 1e-6, 0.3, seed, offset)
+    dev = torch.ops.hstu_lnmd.fwd(x, u, w, b, 1e-6, 0.3, 0, 0, seed_offset=so)
+    for a, c in zip(host, dev):
+        assert torch.equal(a, c)
+    mean, rstd = host[1], host[2]
+    hb = torch.ops.hstu_lnmd.bwd(dy, x, u, w, b, mean, rstd, 0.3, seed, offset, True)
+    db = torch.ops.hstu_lnmd.bwd(dy, x, u, w, b, mean, rstd, 0.3, 0, 0, True, seed_offset=so)
+    for a, c in zip(hb, db):
+        assert torch.equal(a, c)
+    with pytest.raises((ValueError, RuntimeError), match="seed_offset"):
+        torch.ops.hstu_lnmd.fwd(x, u, w, b, 1e-6, 0.3, 0, 0, seed_offset=so[:1])
+
+
+def _qkv(t: int, h: int = 2, d: int = 64, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(t)
+    return [torch.randn(t, h, d, device="cuda", dtype=dtype, generator=g) for _ in range(3)]
+
+
+@gpu
+def test_device_scaling_equals_the_by_value_scaling_bitwise():
+    _needs_kernels()
+    a = _attn([100, 37, 250], contexts=2, targets=[3, 0, 5])
+    q, k, v = _qkv(387)
+    dout = torch.randn_like(q)
+    meta = (a.host_seq_offsets, 250, a.host_num_contexts, a.host_num_targets, 1, 0, 0.125)
+    inv = torch.tensor([1 / 250], device="cuda")
+    ref = torch.ops.hstu_attention.fwd(q, k, v, *meta, 1 / 250, True)
+    out = torch.ops.hstu_attention.fwd(q, k, v, *meta, 1.0, True, inv_scale_tensor=inv)
+    assert torch.equal(ref, out)
+    rb = torch.ops.hstu_attention.bwd(dout, q, k, v, *meta, 1 / 250, True, True)
+    ob = torch.ops.hstu_attention.bwd(dout, q, k, v, *meta, 1.0, True, True, inv_scale_tensor=inv)
+    for x, y in zip(rb[:3], ob[:3]):
+        assert torch.equal(x, y)
+
+
+@gpu
+def test_captured_attention_replays_other_batches_like_eager_calls():
+    """Captured once with GPU metadata and a length bound, replayed with other lengths (same
+    token count): equal to eager calls with each batch's exact metadata."""
+    _needs_kernels()
+    t, bound = 400, 256
+    q, k, v = _qkv(t)
+    offs = torch.zeros(5, dtype=torch.int64, device="cuda")
+    ctx = torch.zeros(4, dtype=torch.int64, device="cuda")
+    tgt = torch.zeros(4, dtype=torch.int64, device="cuda")
+    inv = torch.ones(1, device="cuda")
+    batches = [([100, 200, 50, 50], [1, 1, 1, 0], [2, 0, 3, 0]), ([250, 10, 140, 0], [2, 0, 1, 0], [1, 1, 0, 0])]
+
+    def load(lengths, c, g):
+        o = torch.zeros(5, dtype=torch.int64)
+        o[1:] = torch.cumsum(torch.tensor(lengths), 0)
+        offs.copy_(o)
+        ctx.copy_(torch.tensor(c))
+        tgt.copy_(torch.tensor(g))
+        inv.fill_(1.0 / max(lengths))
+
+    load(*batches[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.ops.hstu_attention.fwd(q, k, v, offs, bound, ctx, tgt, 1, 0, 0.125, 1.0, True,
+                                     inv_scale_tensor=inv)  # fmt: skip
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin()
+        out = torch.ops.hstu_attention.fwd(q, k, v, offs, bound, ctx, tgt, 1, 0, 0.125, 1.0, True,
+                                           inv_scale_tensor=inv)  # fmt: skip
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    for lengths, c, g in batches:
+        load(lengths, c, g)
+        graph.replay()
+        o = torch.zeros(5, dtype=torch.int64)
+        o[1:] = torch.cumsum(torch.tensor(lengths), 0)
+        ref = torch.ops.hstu_attention.fwd(
+            q, k, v, o, max(lengths), torch.tensor(c), torch.tensor(g), 1, 0, 0.125,
+            1.0 / max(lengths), True,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+
+
+def _encoders(fused: bool, bias: str, dropout: float = 0.0):
+    torch.manual_seed(0)
+    kw = dict(num_heads=2, head_dim=32, dropout=dropout, fused=fused, relative_attention_bias=bias)
+    if bias != "none":
+        kw.update(max_relative_position=300, num_time_buckets=64)
+    graphed = HSTUEncoder(2, 64, cuda_graphs=True, **kw).cuda()
+    eager = HSTUEncoder(2, 64, cuda_graphs=False, **kw).cuda()
+    eager.load_state_dict(graphed.state_dict())
+    graphed.graphs.min_uses = 1
+    return graphed, eager
+
+
+def _batch(lengths, rows, targets, seed):
+    torch.manual_seed(seed)
+    a = _attn(lengths, rows=rows, contexts=2, targets=targets, device="cuda", timestamps=True)
+    x = torch.randn(rows, 64, device="cuda", requires_grad=True)
+    return a, x
+
+
+@gpu
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("bias", ["none", "position_time"])
+def test_graphed_encoder_equals_eager(fused, bias):
+    _needs_kernels()
+    graphed, eager = _encoders(fused, bias)
+    batches = [([120, 60, 30], [3, 0, 5]), ([110, 50, 50], [1, 1, 1]), ([90, 90, 30], [0, 2, 0])]
+    for step, (lengths, targets) in enumerate(batches):
+        attn, x = _batch(lengths, 256, targets, step)
+        g = torch.randn(256, 64, device="cuda")
+        outs = []
+        for enc in (graphed, eager):
+            enc.zero_grad(set_to_none=True)
+            xx = x.detach().clone().requires_grad_(True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = enc(xx, attn)
+            (y.float() * g).sum().backward()
+            outs.append((y.detach().float(), xx.grad, {n: p.grad for n, p in enc.named_parameters()}))
+        (yg, dxg, pg), (ye, dxe, pe) = outs
+        torch.testing.assert_close(yg, ye, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(dxg, dxe, rtol=2e-2, atol=2e-2)
+        for name, grad in pe.items():
+            if grad is None:
+                assert pg[name] is None, name
+                continue
+            scale = grad.abs().max().clamp(min=1e-6)
+            assert ((pg[name] - grad).abs().max() / scale) < 3e-2, name
+    stats = graphed.graphs.stats
+    assert stats.captures == 1 and stats.replays == 3 and stats.disabled == "", stats
+
+
+@gpu
+def test_graphed_dropout_draws_a_fresh_mask_per_replay():
+    _needs_kernels()
+    graphed, _ = _encoders(True, "none", dropout=0.3)
+    attn, x = _batch([120, 60, 30], 256, [3, 0, 5], 0)
+    outs = []
+    for _ in range(3):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = graphed(x, attn)
+        y.float().sum().backward()
+        outs.append(y.detach().clone())
+    assert graphed.graphs.stats.replays == 3
+    assert not torch.equal(outs[1], outs[2]) and torch.isfinite(outs[2]).all()
+
+
+@gpu
+def test_graphed_training_follows_the_eager_losses(tmp_path, run_dir_bindings):
+    _needs_kernels()
+    from hstu.training.trainer import run_training
+
+    losses = {}
+    for graphs in (True, False):
+        cfg = load_config(
+            "ranking",
+            [],
+            run_dir_bindings(tmp_path, f"g{graphs}")
+            + [
+                "DatasetArgs.synthetic_num_users=300",
+                "DatasetArgs.synthetic_num_items=200",
+                "DatasetArgs.max_history_seqlen=40",
+                "NetworkArgs.num_layers=2",
+                "NetworkArgs.hidden_size=64",
+                "NetworkArgs.num_attention_heads=2",
+                "NetworkArgs.kv_channels=32",
+                "NetworkArgs.hidden_dropout=0.0",
+                "NetworkArgs.fused_layer=True",
+                f"NetworkArgs.cuda_graphs={graphs}",
+                "TrainerArgs.train_batch_size=16",
+                "TrainerArgs.max_train_iters=60",
+                "TrainerArgs.eval_interval=0",
+                "TrainerArgs.max_eval_iters=1",
+                "TrainerArgs.log_interval=10",
+                "TrainerArgs.ckpt_save_interval=-1",
+                "TrainerArgs.progress_bar=False",
+                "EmbeddingArgs.embedding_backend='dense'",
+            ],
+        )
+        result = run_training(cfg, device_type="cuda")
+        losses[graphs] = [loss for _, loss in result.losses]
+    a, b = torch.tensor(losses[True]), torch.tensor(losses[False])
+    torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)

@@ -1,7 +1,11 @@
-"""Command-line inference from a training checkpoint.
+"""Command-line inference from a training checkpoint or an exported artifact.
 
     python -m hstu.infer retrieve --checkpoint runs/<run> --input users.jsonl --top-k 100 \\
         [--output out.jsonl] [--batch-size 256] [--config config.gin] [--device cpu]
+    python -m hstu.infer retrieve --artifact exported/ --input users.jsonl --top-k 100
+
+``--artifact`` (from ``python -m hstu.export``) needs torch only: no torchrec, no gin, no
+dataset; every request then gives its ``items``.
 
 Each input line is one request, ``{"user_id": 1, "items": [10, 20, 30]}`` with optional
 ``timestamps`` and ``actions`` (one per item), ``query_time`` (the request's time, for models
@@ -57,11 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="top-K items for each user of a JSON-lines file",
         description="Top-K retrieval for each request of a JSON-lines file.",
     )
-    r.add_argument(
+    source = r.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--checkpoint",
-        required=True,
         metavar="DIR",
         help="run directory, checkpoint root (its 'latest') or step_XXXXXXXX directory",
+    )
+    source.add_argument(
+        "--artifact",
+        metavar="DIR",
+        help="an exported artifact (python -m hstu.export): torch only, no training stack",
     )
     r.add_argument("--input", required=True, metavar="FILE", help="JSON lines, one user each")
     r.add_argument("--output", metavar="FILE", help="JSON lines out (default: stdout)")
@@ -136,7 +145,37 @@ def _chunks(items: list, size: int) -> Iterator[list]:
         yield items[s : s + size]
 
 
+def _artifact_users(ns: argparse.Namespace, requests: list[dict]):
+    """The artifact and the checked requests (each must give its items)."""
+    from hstu.inference.artifact import RetrievalArtifact
+    from hstu.inference.requests import as_user_history
+
+    artifact = RetrievalArtifact.load(ns.artifact, device=ns.device)
+    users = []
+    for req in requests:
+        where = f"{ns.input}:{req.pop('_line')}"
+        if "items" not in req:
+            raise ValueError(f"{where}: an artifact holds no histories; give the user's 'items'")
+        user = as_user_history(req, where)
+        try:
+            artifact.inputs([user])
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        users.append(user)
+    return artifact, users
+
+
 def _retrieve(ns: argparse.Namespace) -> None:
+    if ns.artifact is not None:
+        if ns.config or ns.gin_bindings:
+            raise UsageError("--config and --gin-bindings apply to --checkpoint only")
+        retriever, users = _artifact_users(ns, read_requests(ns.input))
+    else:
+        retriever, users = _checkpoint_users(ns)
+    _write_results(ns, retriever, users)
+
+
+def _checkpoint_users(ns: argparse.Namespace):
     from hstu.inference import Retriever, UserHistory, as_user_history
 
     ckpt = Path(ns.checkpoint)
@@ -160,6 +199,10 @@ def _retrieve(ns: argparse.Namespace) -> None:
                 ) from None
         retriever.check_users([user], where)
         users.append(user)
+    return retriever, users
+
+
+def _write_results(ns: argparse.Namespace, retriever, users: list) -> None:
     out = open(ns.output, "w", encoding="utf-8") if ns.output else sys.stdout  # noqa: SIM115
     try:
         with _progress(len(users)) as bar:

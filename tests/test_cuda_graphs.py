@@ -66,8 +66,8 @@ def test_seqlen_bound_is_the_next_power_of_two_from_64():
 
 def test_cuda_graphs_switch_is_a_checked_bool():
     cfg = load_config("retrieval", [], [])
-    assert cfg.network.cuda_graphs is True
-    assert load_config("retrieval", [], ["NetworkArgs.cuda_graphs=False"]).network.cuda_graphs is False
+    assert cfg.network.cuda_graphs is False  # opt-in
+    assert load_config("retrieval", [], ["NetworkArgs.cuda_graphs=True"]).network.cuda_graphs is True
     with pytest.raises(ConfigError, match="cuda_graphs"):
         load_config("retrieval", [], ["NetworkArgs.cuda_graphs='yes'"])
 

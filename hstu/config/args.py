@@ -411,8 +411,9 @@ class NetworkArgs:
         "auto"  # pad the jagged token count so matmul shapes repeat: auto (CUDA) | on | off
     )
     # training on one CUDA process: the encoder's forward + backward replayed from CUDA graphs
-    # captured per input shape (hstu.modules.graphed_encoder; False: eager every step)
-    cuda_graphs: bool = True
+    # captured per input shape (hstu.modules.graphed_encoder). Opt-in (False: eager every step)
+    # until its speed and equality to the eager step are measured on a GPU (docs/architecture.md)
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _int(self, "num_layers", min_value=1, max_value=INT32_MAX, why=_MEM)

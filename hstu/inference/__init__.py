@@ -1,5 +1,25 @@
-"""Inference from training checkpoints: top-K retrieval (`Retriever`)."""
+"""Inference: top-K retrieval from a training checkpoint (`Retriever`) or from an exported
+artifact (`RetrievalArtifact`, which needs torch only: no torchrec, no gin).
 
-from hstu.inference.retriever import Retriever, UserHistory, as_user_history, find_run_config
+Names load on first use, so that ``import hstu.inference.artifact`` stays free of the training
+stack."""
 
-__all__ = ["Retriever", "UserHistory", "as_user_history", "find_run_config"]
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["RetrievalArtifact", "Retriever", "UserHistory", "as_user_history", "find_run_config"]
+
+_WHERE = {
+    "Retriever": "hstu.inference.retriever",
+    "find_run_config": "hstu.inference.retriever",
+    "RetrievalArtifact": "hstu.inference.artifact",
+    "UserHistory": "hstu.inference.requests",
+    "as_user_history": "hstu.inference.requests",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'hstu.inference' has no attribute {name!r}")

@@ -16,7 +16,6 @@ import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
 from hstu.data.loader import BatchIterator
 from hstu.data.registry import build_samples, load_sequence_data
 from hstu.data.sequences import SequenceData
+from hstu.inference.requests import UserHistory, as_user_history
 from hstu.models.builder import build_model
 from hstu.models.retrieval import RetrievalGR
 from hstu.modules.metrics import RetrievalEvaluator, ks_from_metric_names
@@ -42,25 +42,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _GIN_TASK = re.compile(r"^# Resolved HSTU configuration \(task: (\w+)\)", re.MULTILINE)
-
-
-@dataclass
-class UserHistory:
-    """One retrieval request: a user's interactions, oldest first.
-
-    ``timestamps`` (one per item) are needed only by a model with a relative time bias;
-    ``query_time`` is then the time of the request (the last history token queries at it, as the
-    evaluation's does at the held-out item's time; default: the last item's own time).
-    ``actions`` (action bitmask per item) default to 0. ``features`` (contextual feature name ->
-    id) default to the user's row of the dataset.
-    """
-
-    user_id: int
-    items: list[int]
-    timestamps: list[int] | None = None
-    actions: list[int] | None = None
-    features: dict[str, int] | None = None
-    query_time: int | None = None
 
 
 def find_run_config(step_dir: Path) -> Path | None:
@@ -514,53 +495,3 @@ def _history_of(batch: Batch) -> list[torch.Tensor]:
     hist = batch.history_lengths().cpu()
     starts = torch.cumsum(batch.item_lengths().cpu(), 0) - batch.item_lengths().cpu()
     return [values[int(s) : int(s) + int(h)] for s, h in zip(starts, hist)]
-
-
-def as_user_history(user: UserHistory | Mapping[str, Any], where: str = "request") -> UserHistory:
-    """A `UserHistory` from a request dict (keys ``user_id``, ``items``, optional
-    ``timestamps``, ``actions``, ``features``); errors start with ``where``."""
-    if isinstance(user, UserHistory):
-        return user
-    if not isinstance(user, Mapping):
-        raise TypeError(f"{where} is a {type(user).__name__}, not a UserHistory or dict")
-    keys = {"user_id", "items", "timestamps", "actions", "features", "query_time"}
-    unknown = sorted(set(user) - keys)
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown}")
-    if "user_id" not in user or "items" not in user:
-        raise ValueError(f"{where} needs 'user_id' and 'items'")
-    (user_id,) = _ints([user["user_id"]], f"{where}: user_id")
-    features = user.get("features")
-    if features is not None and not isinstance(features, Mapping):
-        raise TypeError(f"{where}: features must be an object of name -> id")
-    return UserHistory(
-        user_id=user_id,
-        items=_ints(user["items"], f"{where}: items"),
-        timestamps=_ints(user["timestamps"], f"{where}: timestamps")
-        if user.get("timestamps") is not None
-        else None,
-        actions=_ints(user["actions"], f"{where}: actions")
-        if user.get("actions") is not None
-        else None,
-        features=None
-        if features is None
-        else dict(zip(features, _ints(list(features.values()), f"{where}: features"))),
-        query_time=None
-        if user.get("query_time") is None
-        else _ints([user["query_time"]], f"{where}: query_time")[0],
-    )
-
-
-def _ints(values: Any, where: str) -> list[int]:
-    """``values`` as a list of Python ints; TypeError naming the first value that is not one."""
-    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
-        if not isinstance(values, (np.ndarray, torch.Tensor)):
-            raise TypeError(f"{where} must be a list of integers, got {type(values).__name__}")
-    out = []
-    for v in list(values):
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.item()
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"{where}: {v!r} is not an integer")
-        out.append(int(v))
-    return out

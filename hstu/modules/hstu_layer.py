@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from hstu.config.args import FUSED_GATE_KERNELS, KERNEL_BACKENDS
-from hstu.ops.attention import attention_path
 from hstu.modules.attention_inputs import AttentionInputs
 from hstu.modules.fused_hstu_layer import FusedHSTULayer
 from hstu.modules.graphed_encoder import EncoderGraphs
 from hstu.modules.relative_bias import RelativeAttentionBias
 from hstu.modules.unfused_layer import HSTULayer
+from hstu.ops.attention import attention_path
 
 __all__ = ["AttentionInputs", "HSTULayer", "HSTUEncoder", "RelativeAttentionBias"]
 

@@ -407,7 +407,9 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
             "graph_capture_s_timed": round(timed_capture_s, 3),
             "graph_replays_timed": graphs.replays - g0.replays,
             "graph_eager_timed": graphs.eager - g0.eager,
-            "tflops_per_gpu_excl_capture": flops / world / max(elapsed - timed_capture_s, 1e-9)
+            "tflops_per_gpu_excl_capture": flops
+            / world
+            / max(elapsed - timed_capture_s, 1e-9)
             / 1e12,
         }
     elif graphs is not None and graphs.disabled:

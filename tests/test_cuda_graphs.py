@@ -67,7 +67,9 @@ def test_seqlen_bound_is_the_next_power_of_two_from_64():
 def test_cuda_graphs_switch_is_a_checked_bool():
     cfg = load_config("retrieval", [], [])
     assert cfg.network.cuda_graphs is False  # opt-in
-    assert load_config("retrieval", [], ["NetworkArgs.cuda_graphs=True"]).network.cuda_graphs is True
+    assert (
+        load_config("retrieval", [], ["NetworkArgs.cuda_graphs=True"]).network.cuda_graphs is True
+    )
     with pytest.raises(ConfigError, match="cuda_graphs"):
         load_config("retrieval", [], ["NetworkArgs.cuda_graphs='yes'"])
 
@@ -205,7 +207,10 @@ def test_captured_attention_replays_other_batches_like_eager_calls():
     ctx = torch.zeros(4, dtype=torch.int64, device="cuda")
     tgt = torch.zeros(4, dtype=torch.int64, device="cuda")
     inv = torch.ones(1, device="cuda")
-    batches = [([100, 200, 50, 50], [1, 1, 1, 0], [2, 0, 3, 0]), ([250, 10, 140, 0], [2, 0, 1, 0], [1, 1, 0, 0])]
+    batches = [
+        ([100, 200, 50, 50], [1, 1, 1, 0], [2, 0, 3, 0]),
+        ([250, 10, 140, 0], [2, 0, 1, 0], [1, 1, 0, 0]),
+    ]
 
     def load(lengths, c, g):
         o = torch.zeros(5, dtype=torch.int64)
@@ -276,7 +281,9 @@ def test_graphed_encoder_equals_eager(fused, bias):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 y = enc(xx, attn)
             (y.float() * g).sum().backward()
-            outs.append((y.detach().float(), xx.grad, {n: p.grad for n, p in enc.named_parameters()}))
+            outs.append(
+                (y.detach().float(), xx.grad, {n: p.grad for n, p in enc.named_parameters()})
+            )
         (yg, dxg, pg), (ye, dxe, pe) = outs
         torch.testing.assert_close(yg, ye, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(dxg, dxe, rtol=2e-2, atol=2e-2)

@@ -17,10 +17,11 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hstu.config.gin_utils import CONFIG_FILENAME, RunConfig, load_config
@@ -36,7 +37,7 @@ from hstu.training.checkpoint import Checkpointer
 from hstu.training.reshard import restore_into, unexpected_keys, upgrade_state_keys
 from hstu.training.rundir import config_identity
 
-__all__ = ["Retriever", "UserHistory", "as_user_history", "find_run_config"]
+__all__ = ["CheckpointModel", "Retriever", "UserHistory", "as_user_history", "find_run_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +63,17 @@ def _task_of(config_file: Path, meta: Mapping[str, Any]) -> str:
     return m.group(1) if m else "retrieval"
 
 
-class Retriever:
-    """A trained `RetrievalGR` in eval mode with its dataset and the corpus embeddings."""
+class CheckpointModel:
+    """A trained model of one task in eval mode with its dataset: loading from a checkpoint
+    (any number of rank files) and building request batches. `Retriever` and
+    `hstu.inference.ranker.Ranker` are its tasks."""
+
+    task: ClassVar[str] = ""
+    model_type: ClassVar[type] = nn.Module
 
     def __init__(
         self,
-        model: RetrievalGR,
+        model: nn.Module,
         cfg: RunConfig,
         data: SequenceData,
         *,
@@ -99,7 +105,7 @@ class Retriever:
         *,
         config_file: str | os.PathLike | None = None,
         bindings: Sequence[str] = (),
-    ) -> Retriever:
+    ) -> CheckpointModel:
         """Load the model of ``checkpoint_dir``: a run directory, a checkpoint root (its
         ``latest``) or one ``step_XXXXXXXX`` directory.
 
@@ -130,19 +136,20 @@ class Retriever:
         if not config_file.is_file():
             raise FileNotFoundError(f"config file {config_file} does not exist")
         task = _task_of(config_file, meta)
-        if task != "retrieval":
+        if task != cls.task:
             raise ValueError(
-                f"checkpoint {step_dir} holds a {task} model; Retriever needs a retrieval "
-                "checkpoint (inference for ranking models is not supported yet)"
+                f"checkpoint {step_dir} holds a {task} model; {cls.__name__} needs a "
+                f"{cls.task} checkpoint (retrieval: hstu.inference.Retriever, ranking: "
+                "hstu.inference.ranker.Ranker)"
             )
-        cfg = load_config("retrieval", [config_file], list(bindings))
+        cfg = load_config(cls.task, [config_file], list(bindings))
         _check_identity(cfg, meta, step_dir, config_file)
         dev = torch.device(device)
         num_tasks = 8 if cfg.dataset.dataset_name == "synthetic" else 0  # as the trainer does
         data = load_sequence_data(cfg.dataset, num_tasks=num_tasks)
         model = build_model(cfg, data, device_type=dev.type)
-        if not isinstance(model, RetrievalGR):  # pragma: no cover - the task decides
-            raise TypeError(f"{type(model).__name__} is not a retrieval model")
+        if not isinstance(model, cls.model_type):  # pragma: no cover - the task decides
+            raise TypeError(f"{type(model).__name__} is not a {cls.task} model")
         _load_weights(model, step_dir, meta)
         model.to(dev)
         logger.info(
@@ -154,102 +161,10 @@ class Retriever:
         )
         return cls(model, cfg, data, device=dev, step=int(meta["step"]), checkpoint=step_dir)
 
-    # ---- scoring -------------------------------------------------------------------------------
-
     def _autocast(self):
         if self._autocast_dtype is None or self._autocast_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast("cuda", dtype=self._autocast_dtype)
-
-    @torch.no_grad()
-    def corpus_embeddings(self, chunk: int = 65536) -> torch.Tensor:
-        """[C, D] L2-normalised float embeddings of the corpus (``self.corpus`` order), cached."""
-        if self._corpus_emb is None:
-            parts = []
-            for s in range(0, self.corpus.numel(), chunk):
-                ids = self.corpus[s : s + chunk].to(self.device)
-                with self._autocast():
-                    parts.append(self.model.item_embeddings(ids).float())
-            self._corpus_emb = torch.cat(parts)
-        return self._corpus_emb
-
-    @torch.no_grad()
-    def queries(self, batch: Batch) -> torch.Tensor:
-        """[B, D] query of each sample: the model's output at its last history item."""
-        if batch.target_item_ids is None:
-            # the model returns its evaluation query when the batch has targets; any id does
-            batch = _with_placeholder_targets(batch)
-        device_batch = batch.to(self.device)
-        with self._autocast():
-            out = self.model(device_batch)
-        return out["query"].float()
-
-    @torch.no_grad()
-    def retrieve(
-        self,
-        batch_or_users: Batch | Sequence[UserHistory | Mapping[str, Any]],
-        top_k: int = 100,
-        exclude_history: bool = True,
-        batch_size: int = 256,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top ``top_k`` items of each user: ``(item_ids [U, K] int64, scores [U, K] float32)``,
-        best first, on the CPU.
-
-        ``batch_or_users``: a `Batch` (its history window is the query and the excluded items)
-        or `UserHistory` requests (dicts with the same keys work too; every given item is
-        excluded, the last ``DatasetArgs.max_history_seqlen`` ones form the query). When fewer
-        than ``top_k`` items are left after the exclusion, the rest of the row is id -1 with
-        score -inf. ``K = min(top_k, corpus size)``.
-        """
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-            raise ValueError(f"top_k={top_k!r} must be a positive integer")
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be positive")
-        k = min(top_k, self.corpus.numel())
-        if isinstance(batch_or_users, Batch):
-            chunks = [(batch_or_users, _history_of(batch_or_users))]
-        else:
-            users = [as_user_history(u, f"request {i + 1}") for i, u in enumerate(batch_or_users)]
-            self.check_users(users)
-            chunks = (
-                (
-                    self.make_batch(users[s : s + batch_size]),
-                    [
-                        torch.as_tensor(u.items, dtype=torch.int64)
-                        for u in users[s : s + batch_size]
-                    ],
-                )
-                for s in range(0, len(users), batch_size)
-            )
-        ids_out, scores_out = [], []
-        for batch, histories in chunks:
-            ids, scores = self._top_k(
-                self.queries(batch), histories if exclude_history else None, k
-            )
-            ids_out.append(ids)
-            scores_out.append(scores)
-        if not ids_out:
-            return torch.empty(0, k, dtype=torch.int64), torch.empty(0, k)
-        return torch.cat(ids_out), torch.cat(scores_out)
-
-    def _top_k(
-        self, query: torch.Tensor, histories: list[torch.Tensor] | None, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        emb = self.corpus_embeddings()
-        scores = query @ emb.t()  # [B, C] cosine, as RetrievalEvaluator scores
-        if histories is not None:
-            rows, cols = [], []
-            for r, items in enumerate(histories):
-                col, found = self._columns(items)
-                cols.append(col[found])
-                rows.append(torch.full((int(found.sum()),), r, dtype=torch.int64))
-            if rows:
-                rows_t, cols_t = torch.cat(rows), torch.cat(cols)
-                scores[rows_t.to(scores.device), cols_t.to(scores.device)] = float("-inf")
-        top, pos = torch.topk(scores, k, dim=1)
-        ids = self.corpus.to(pos.device)[pos]
-        ids = torch.where(torch.isneginf(top), torch.full_like(ids, -1), ids)
-        return ids.cpu(), top.cpu()
 
     def _columns(self, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Corpus position of each id (the corpus is sorted) and whether it is in the corpus."""
@@ -362,6 +277,118 @@ class Retriever:
             target_timestamps=torch.as_tensor(query_times, dtype=torch.int64) if timed else None,
         )
 
+    def dataset_user(self, user_id: int) -> UserHistory:
+        """The whole stored history of a dataset user as a request (KeyError when unknown)."""
+        row = self._user_row(int(user_id))
+        if row is None:
+            raise KeyError(f"user {user_id} is not in dataset {self.data.name!r}")
+        lo, hi = int(self.data.offsets[row]), int(self.data.offsets[row + 1])
+        return UserHistory(
+            user_id=int(user_id),
+            items=self.data.item_ids[lo:hi].astype(np.int64).tolist(),
+            timestamps=self.data.timestamps[lo:hi].astype(np.int64).tolist()
+            if self.data.has_timestamps
+            else None,
+            actions=self.data.actions[lo:hi].astype(np.int64).tolist(),
+        )
+
+
+class Retriever(CheckpointModel):
+    """A trained `RetrievalGR` in eval mode with its dataset and the corpus embeddings."""
+
+    task = "retrieval"
+    model_type = RetrievalGR
+
+    # ---- scoring -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def corpus_embeddings(self, chunk: int = 65536) -> torch.Tensor:
+        """[C, D] L2-normalised float embeddings of the corpus (``self.corpus`` order), cached."""
+        if self._corpus_emb is None:
+            parts = []
+            for s in range(0, self.corpus.numel(), chunk):
+                ids = self.corpus[s : s + chunk].to(self.device)
+                with self._autocast():
+                    parts.append(self.model.item_embeddings(ids).float())
+            self._corpus_emb = torch.cat(parts)
+        return self._corpus_emb
+
+    @torch.no_grad()
+    def queries(self, batch: Batch) -> torch.Tensor:
+        """[B, D] query of each sample: the model's output at its last history item."""
+        if batch.target_item_ids is None:
+            # the model returns its evaluation query when the batch has targets; any id does
+            batch = _with_placeholder_targets(batch)
+        device_batch = batch.to(self.device)
+        with self._autocast():
+            out = self.model(device_batch)
+        return out["query"].float()
+
+    @torch.no_grad()
+    def retrieve(
+        self,
+        batch_or_users: Batch | Sequence[UserHistory | Mapping[str, Any]],
+        top_k: int = 100,
+        exclude_history: bool = True,
+        batch_size: int = 256,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top ``top_k`` items of each user: ``(item_ids [U, K] int64, scores [U, K] float32)``,
+        best first, on the CPU.
+
+        ``batch_or_users``: a `Batch` (its history window is the query and the excluded items)
+        or `UserHistory` requests (dicts with the same keys work too; every given item is
+        excluded, the last ``DatasetArgs.max_history_seqlen`` ones form the query). When fewer
+        than ``top_k`` items are left after the exclusion, the rest of the row is id -1 with
+        score -inf. ``K = min(top_k, corpus size)``.
+        """
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise ValueError(f"top_k={top_k!r} must be a positive integer")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be positive")
+        k = min(top_k, self.corpus.numel())
+        if isinstance(batch_or_users, Batch):
+            chunks = [(batch_or_users, _history_of(batch_or_users))]
+        else:
+            users = [as_user_history(u, f"request {i + 1}") for i, u in enumerate(batch_or_users)]
+            self.check_users(users)
+            chunks = (
+                (
+                    self.make_batch(users[s : s + batch_size]),
+                    [
+                        torch.as_tensor(u.items, dtype=torch.int64)
+                        for u in users[s : s + batch_size]
+                    ],
+                )
+                for s in range(0, len(users), batch_size)
+            )
+        ids_out, scores_out = [], []
+        for batch, histories in chunks:
+            ids, scores = self._top_k(
+                self.queries(batch), histories if exclude_history else None, k
+            )
+            ids_out.append(ids)
+            scores_out.append(scores)
+        if not ids_out:
+            return torch.empty(0, k, dtype=torch.int64), torch.empty(0, k)
+        return torch.cat(ids_out), torch.cat(scores_out)
+
+    def _top_k(
+        self, query: torch.Tensor, histories: list[torch.Tensor] | None, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        emb = self.corpus_embeddings()
+        scores = query @ emb.t()  # [B, C] cosine, as RetrievalEvaluator scores
+        if histories:
+            # every (user, history item) pair at once: one sorted search over the corpus
+            counts = torch.tensor([h.numel() for h in histories], dtype=torch.int64)
+            rows_t = torch.repeat_interleave(torch.arange(len(histories)), counts)
+            col, found = self._columns(torch.cat([h.reshape(-1) for h in histories]))
+            rows_t, cols_t = rows_t[found], col[found]
+            scores[rows_t.to(scores.device), cols_t.to(scores.device)] = float("-inf")
+        top, pos = torch.topk(scores, k, dim=1)
+        ids = self.corpus.to(pos.device)[pos]
+        ids = torch.where(torch.isneginf(top), torch.full_like(ids, -1), ids)
+        return ids.cpu(), top.cpu()
+
     # ---- evaluation ----------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -416,21 +443,6 @@ class Retriever:
             out.append(torch.from_numpy(np.asarray(self.data.item_ids[lo:hi], dtype=np.int64)))
         return out
 
-    def dataset_user(self, user_id: int) -> UserHistory:
-        """The whole stored history of a dataset user as a request (KeyError when unknown)."""
-        row = self._user_row(int(user_id))
-        if row is None:
-            raise KeyError(f"user {user_id} is not in dataset {self.data.name!r}")
-        lo, hi = int(self.data.offsets[row]), int(self.data.offsets[row + 1])
-        return UserHistory(
-            user_id=int(user_id),
-            items=self.data.item_ids[lo:hi].astype(np.int64).tolist(),
-            timestamps=self.data.timestamps[lo:hi].astype(np.int64).tolist()
-            if self.data.has_timestamps
-            else None,
-            actions=self.data.actions[lo:hi].astype(np.int64).tolist(),
-        )
-
 
 # ---- helpers -----------------------------------------------------------------------------------
 
@@ -453,7 +465,7 @@ def _check_identity(cfg: RunConfig, meta: Mapping[str, Any], step_dir: Path, con
         )
 
 
-def _load_weights(model: RetrievalGR, step_dir: Path, meta: Mapping[str, Any]) -> None:
+def _load_weights(model: nn.Module, step_dir: Path, meta: Mapping[str, Any]) -> None:
     """Fill ``model`` from every rank file of ``step_dir`` (one unsharded copy)."""
     fmt = int(meta.get("format_version", 1))
     if fmt < 2 and int(meta["world_size"]) > 1:

@@ -135,11 +135,32 @@ class HSTULayer(nn.Module):
         }
 
     def forward(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
-        t = x.shape[0]
+        u, v, q, k = self.project(x)
+        return self.finish(x, self.attend(q, k, v, attn), u)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(u, v, q, k), each [T, H * D]: SiLU(LayerNorm(x) @ W_uvqk + b) split in four."""
+        uvqk = F.silu(self.uvqk(self.input_norm(x)))
+        return torch.split(uvqk, self.num_heads * self.head_dim, dim=-1)
+
+    def finish(self, x: torch.Tensor, a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """x + W_o(dropout(LayerNorm(a) * u)): the layer output from its attention output."""
+        return x + self.out_proj(self.dropout(self.attn_norm(a) * u))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn: AttentionInputs,
+        scaling_seqlen: int | None = None,
+    ) -> torch.Tensor:
+        """The attention of [T, H * D] q, k, v over ``attn``'s layout -> [T, H * D].
+        ``scaling_seqlen`` overrides the layer's own (`hstu.inference.kv_cache` scores candidate
+        rows of a longer sequence than the one it is handed)."""
+        t = q.shape[0]
         h, d = self.num_heads, self.head_dim
-        n = self.input_norm(x)
-        uvqk = F.silu(self.uvqk(n))
-        u, v, q, k = torch.split(uvqk, h * d, dim=-1)
+        scaling = self.scaling_seqlen if scaling_seqlen is None else scaling_seqlen
         if self.attention_type == "softmax":
             attention = softmax_attention
             offsets, contexts, targets = attn.seq_offsets, attn.num_contexts, attn.num_targets
@@ -147,14 +168,14 @@ class HSTULayer(nn.Module):
         else:  # hstu_attention picks kernel or reference (hstu.ops.attention.attention_path)
             attention = hstu_attention
             # CPU metadata on CUDA: the kernel validates it on the host, no device sync
-            offsets, contexts, targets = attn.kernel_metadata(x.device)
+            offsets, contexts, targets = attn.kernel_metadata(q.device)
             extra = {"force_reference": self.reference_attention}
-            if self.scaling_seqlen is None and attn.inv_max_seqlen is not None:
+            if scaling is None and attn.inv_max_seqlen is not None:
                 extra["inv_scale_tensor"] = attn.inv_max_seqlen
         if self.relative_bias is not None:  # softmax: a dense bias; hstu: the op's weights
             dense = self.attention_type == "softmax"
             extra.update(self.relative_bias.attention_kwargs(attn, dense=dense))
-        a = attention(
+        return attention(
             q.reshape(t, h, d).contiguous(),
             k.reshape(t, h, d).contiguous(),
             v.reshape(t, h, d).contiguous(),
@@ -165,8 +186,6 @@ class HSTULayer(nn.Module):
             target_group_size=self.target_group_size,
             window_size=self.window_size,
             alpha=self.alpha,
-            scaling_seqlen=self.scaling_seqlen,
+            scaling_seqlen=scaling,
             **extra,
         ).reshape(t, h * d)
-        y = self.dropout(self.attn_norm(a) * u)
-        return x + self.out_proj(y)

@@ -45,6 +45,7 @@ __all__ = [
     "describe_attention",
     "force_reference_from_env",
     "hstu_attention",
+    "hstu_attention_cached",
 ]
 
 # Benchmark-only environment switch: read once at model build by the caller that builds the model
@@ -223,3 +224,64 @@ def hstu_attention(
         )
         return out[..., :d]
     return reference.hstu_attention(q, k, v, seq_offsets, max_seqlen, bias=bias, **kwargs)
+
+
+def hstu_attention_cached(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    *,
+    kv_lengths: torch.Tensor | None = None,
+    num_contexts: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+    target_group_size: int = 1,
+    window_size: int = 0,
+    alpha: float | None = None,
+    scaling_seqlen: int | None = None,
+    timestamps: torch.Tensor | None = None,
+    pos_weight: torch.Tensor | None = None,
+    time_weight: torch.Tensor | None = None,
+    max_pos: int = 0,
+    last_query_time: torch.Tensor | None = None,
+    max_q_seqlen: int = 0,
+    max_seqlen: int = 0,
+    force_reference: bool = False,
+) -> torch.Tensor:
+    """Each sequence's last queries against its whole (cached) keys and values, forward only:
+    `hstu.ops.reference.hstu_attention_cached` (semantics and arguments), on the compiled kernel
+    where `attention_path` picks it (other head dims zero-padded, as in `hstu_attention`).
+    ``max_q_seqlen`` / ``max_seqlen``: the compiled kernel's grid under CUDA graph capture
+    (`hstu.ops.cuda_attention.hstu_attention_cached_cuda`); ignored otherwise."""
+    kwargs = dict(
+        kv_lengths=kv_lengths,
+        num_contexts=num_contexts,
+        num_targets=num_targets,
+        target_group_size=target_group_size,
+        window_size=window_size,
+        alpha=alpha,
+        scaling_seqlen=scaling_seqlen,
+        timestamps=timestamps,
+        pos_weight=pos_weight,
+        time_weight=time_weight,
+        max_pos=max_pos,
+        last_query_time=last_query_time,
+    )
+    if attention_path(q.device, force_reference=force_reference) == "reference":
+        return reference.hstu_attention_cached(q, k, v, q_offsets, kv_offsets, **kwargs)
+    _require_kernel()
+    kwargs.update(max_q_seqlen=max_q_seqlen, max_seqlen=max_seqlen)
+    from hstu.ops.cuda_attention import hstu_attention_cached_cuda
+
+    d = q.shape[-1]
+    padded = next((h for h in KERNEL_HEAD_DIMS if h >= d), None)
+    if padded is None or padded == d:
+        return hstu_attention_cached_cuda(q, k, v, q_offsets, kv_offsets, **kwargs)
+    if kwargs["alpha"] is None:
+        kwargs["alpha"] = 1.0 / math.sqrt(d)
+    pad = (0, padded - d)
+    out = hstu_attention_cached_cuda(
+        F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), q_offsets, kv_offsets, **kwargs
+    )
+    return out[..., :d]

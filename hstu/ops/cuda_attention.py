@@ -21,7 +21,7 @@ import torch
 
 from hstu.ops import reference
 
-__all__ = ["is_available", "hstu_attention_cuda", "load_extension"]
+__all__ = ["hstu_attention_cached_cuda", "hstu_attention_cuda", "is_available", "load_extension"]
 
 _REBUILD_HINT = (
     'rebuild it with `HSTU_CUDA_ARCH_LIST="8.0" pip install --no-build-isolation -e .` '
@@ -263,3 +263,79 @@ def _check_inv_scale_tensor(t: torch.Tensor | None, q: torch.Tensor) -> torch.Te
             f"{t.dtype} of shape {tuple(t.shape)} on {t.device}"
         )
     return t
+
+
+def hstu_attention_cached_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    *,
+    kv_lengths: torch.Tensor | None = None,
+    num_contexts: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+    target_group_size: int = 1,
+    window_size: int = 0,
+    alpha: float | None = None,
+    scaling_seqlen: int | None = None,
+    timestamps: torch.Tensor | None = None,
+    pos_weight: torch.Tensor | None = None,
+    time_weight: torch.Tensor | None = None,
+    max_pos: int = 0,
+    last_query_time: torch.Tensor | None = None,
+    max_q_seqlen: int = 0,
+    max_seqlen: int = 0,
+) -> torch.Tensor:
+    """`hstu.ops.reference.hstu_attention_cached` on the compiled forward kernel
+    (`torch.ops.hstu_attention.fwd_cached`: only the query rows are computed; no autograd).
+    The metadata may live on the CPU (no sync) or on q's GPU (read back to be checked). Under
+    CUDA graph capture it must be on the GPU, already validated by the caller (e.g. with
+    `reference.cached_layout`), with ``scaling_seqlen``, ``max_q_seqlen`` (the most queries of a
+    sequence) and ``max_seqlen`` (the longest sequence) given."""
+    if not load_extension():
+        raise RuntimeError(f"hstu._hstu_attention_C is not built; {_REBUILD_HINT}")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"q, k, v must be jagged [T, H, D]; got q{tuple(q.shape)} k{tuple(k.shape)} "
+            f"v{tuple(v.shape)}"
+        )
+    reference.check_relative_bias(
+        k.shape[0], q.shape[1], timestamps, pos_weight, time_weight, max_pos, alpha,
+        last_query_time, kv_offsets.numel() - 1,
+    )  # fmt: skip
+    alpha = 1.0 / math.sqrt(q.shape[2]) if alpha is None else float(alpha)
+    if scaling_seqlen is None:
+        lengths = kv_lengths if kv_lengths is not None else kv_offsets[1:] - kv_offsets[:-1]
+        scaling_seqlen = int(lengths.max()) if lengths.numel() else 1
+    if not float(scaling_seqlen) > 0:
+        raise ValueError(f"scaling_seqlen must be > 0; got {scaling_seqlen}")
+    time_edges = None
+    if pos_weight is not None:
+        pos_weight = pos_weight.float().contiguous()
+    if time_weight is not None:
+        time_weight = time_weight.float().contiguous()
+        time_edges = reference.time_bucket_edges(time_weight.shape[1] - 1, q.device)
+        timestamps = timestamps.contiguous()
+    return torch.ops.hstu_attention.fwd_cached(
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        kv_lengths,
+        num_contexts,
+        num_targets,
+        int(target_group_size),
+        int(window_size),
+        alpha,
+        1.0 / float(scaling_seqlen),
+        timestamps,
+        pos_weight,
+        time_weight,
+        time_edges,
+        int(max_pos) if pos_weight is not None else 0,
+        None if last_query_time is None else last_query_time.contiguous(),
+        int(max_q_seqlen),
+        int(max_seqlen),
+    )

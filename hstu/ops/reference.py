@@ -40,7 +40,9 @@ from hstu.config.args import MAX_TIME_BUCKETS
 __all__ = [
     "MAX_TIME_BUCKETS",
     "TIME_BUCKET_BASE",
+    "cached_layout",
     "hstu_attention",
+    "hstu_attention_cached",
     "hstu_attention_mask",
     "check_attention_inputs",
     "check_attention_bias",
@@ -473,3 +475,109 @@ def hstu_attention(
     attn = F.silu(scores) * mask.unsqueeze(1).to(scores.dtype) / scaling
     out = torch.matmul(attn, vp).transpose(1, 2)  # [B, N, H, Dv]
     return padded_to_jagged(out, offs).to(q.dtype)
+
+
+def cached_layout(
+    q_offsets: torch.Tensor, kv_offsets: torch.Tensor, kv_lengths: torch.Tensor | None, num_q: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks the metadata of `hstu_attention_cached` (CPU or device int tensors) and returns
+    (kv lengths L [B] int64, query lengths Lq [B] int64, kv offsets [B + 1] int64) on the CPU."""
+    for name, t in (("q_offsets", q_offsets), ("kv_offsets", kv_offsets)):
+        if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"{name} must be a 1-D int32/int64 tensor; got {t.dtype} {tuple(t.shape)}"
+            )
+    if q_offsets.numel() != kv_offsets.numel() or kv_offsets.numel() < 1:
+        raise ValueError(
+            f"q_offsets [{q_offsets.numel()}] and kv_offsets [{kv_offsets.numel()}] must both be "
+            "[B + 1]"
+        )
+    qo = q_offsets.detach().cpu().long()
+    ko = kv_offsets.detach().cpu().long()
+    for name, o in (("q_offsets", qo), ("kv_offsets", ko)):
+        if int(o[0]) != 0 or bool((o[1:] < o[:-1]).any()):
+            raise ValueError(f"{name} must start at 0 and be non-decreasing; got {o.tolist()}")
+    if int(qo[-1]) != num_q:
+        raise ValueError(f"q_offsets[-1]={int(qo[-1])} != the {num_q} rows of q")
+    slots = ko[1:] - ko[:-1]
+    lengths = slots if kv_lengths is None else kv_lengths.detach().cpu().long()
+    if lengths.shape != slots.shape or bool(((lengths < 0) | (lengths > slots)).any()):
+        raise ValueError(
+            f"kv_lengths must be [B] with 0 <= kv_lengths[b] <= kv_offsets[b + 1] - kv_offsets[b]; "
+            f"got {lengths.tolist()} for slots {slots.tolist()}"
+        )
+    q_lengths = qo[1:] - qo[:-1]
+    bad = (q_lengths > lengths).nonzero().flatten()
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(
+            f"sequence {b} has {int(q_lengths[b])} queries but only {int(lengths[b])} keys (the "
+            "queries are its last positions)"
+        )
+    return lengths, q_lengths, ko
+
+
+def hstu_attention_cached(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    *,
+    kv_lengths: torch.Tensor | None = None,
+    num_contexts: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+    target_group_size: int = 1,
+    window_size: int = 0,
+    alpha: float | None = None,
+    scaling_seqlen: int | None = None,
+    timestamps: torch.Tensor | None = None,
+    pos_weight: torch.Tensor | None = None,
+    time_weight: torch.Tensor | None = None,
+    max_pos: int = 0,
+    last_query_time: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The attention of each sequence's last queries against its whole keys/values (inference
+    with a KV cache, forward only): the query rows of `hstu_attention` on the whole sequence.
+
+    q [Tq, H, D] is jagged by ``q_offsets`` [B + 1]: sequence b's Lq_b queries are its positions
+    L_b - Lq_b .. L_b - 1. k, v [Tk, H, D] hold sequence b's L_b rows from ``kv_offsets[b]``, with
+    L_b = ``kv_lengths[b]`` when given (the rest of the slot is ignored) or the slot's size.
+    ``num_contexts`` / ``num_targets`` / ``timestamps`` (k's layout) and the bias weights are those
+    of the whole sequence; ``scaling_seqlen`` defaults to the longest L_b. Computed by running
+    `hstu_attention` on the whole sequences with zero queries elsewhere (the compiled twin,
+    `torch.ops.hstu_attention.fwd_cached`, computes the query rows only)."""
+    lengths, q_lengths, ko = cached_layout(q_offsets, kv_offsets, kv_lengths, q.shape[0])
+    if q.shape[0] == 0:
+        return q.new_zeros((0, q.shape[1], v.shape[2]))
+    dev = q.device
+    b = lengths.numel()
+    max_len = int(lengths.max())
+    # rows of the sequences in k's layout, and of the queries in the compacted layout
+    rows = torch.cat([torch.arange(int(ko[i]), int(ko[i]) + int(lengths[i])) for i in range(b)])
+    offsets = torch.zeros(b + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    q_rows = torch.cat(
+        [torch.arange(int(offsets[i + 1] - q_lengths[i]), int(offsets[i + 1])) for i in range(b)]
+    )
+    rows, q_rows = rows.long().to(dev), q_rows.long().to(dev)
+    full_q = q.new_zeros((int(offsets[-1]), q.shape[1], q.shape[2])).index_copy(0, q_rows, q)
+    out = hstu_attention(
+        full_q,
+        k.index_select(0, rows),
+        v.index_select(0, rows),
+        offsets.to(dev),
+        max_len,
+        num_contexts=None if num_contexts is None else num_contexts.to(dev),
+        num_targets=None if num_targets is None else num_targets.to(dev),
+        target_group_size=target_group_size,
+        window_size=window_size,
+        alpha=alpha,
+        scaling_seqlen=scaling_seqlen,
+        timestamps=None if timestamps is None else timestamps.index_select(0, rows),
+        pos_weight=pos_weight,
+        time_weight=time_weight,
+        max_pos=max_pos,
+        last_query_time=last_query_time,
+    )
+    return out.index_select(0, q_rows)

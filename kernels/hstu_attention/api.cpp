@@ -12,6 +12,14 @@
 //                                time_weight=None, time_edges=None, max_pos=0,
 //                                last_query_time=None, inv_scale_tensor=None)
 //                                -> (dq, dk, dv, d_pos_weight, d_time_weight)
+//   torch.ops.hstu_attention.fwd_cached(q, k, v, q_offsets, kv_offsets, kv_lengths,
+//                                num_contexts, num_targets, target_group_size, window_size,
+//                                alpha, inv_scale, timestamps=None, pos_weight=None,
+//                                time_weight=None, time_edges=None, max_pos=0,
+//                                last_query_time=None, max_q_seqlen=0, max_seqlen=0) -> out
+//     forward only: each sequence's last queries against its whole k/v (inference with a KV
+//     cache; see fwd_cached_cuda). Under CUDA graph capture the metadata must be on the GPU and
+//     the two maxima (longest query run, longest sequence) size the grid.
 // The optional arguments are the relative attention bias (bias.h, docs/design.md); the weight
 // gradients are empty tensors for an absent weight. inv_scale_tensor: float32 [1] on q's device,
 // read by the kernels in place of inv_scale.
@@ -543,6 +551,198 @@ Tensor fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   return out;
 }
 
+// Queries against a cache (forward only; hstu.inference.kv_cache): q [Tq, H, D] jagged by
+// q_offsets holds, per sequence b, the queries of its last Lq_b positions; k and v [Tk, H, D]
+// hold sequence b's L_b rows from kv_offsets[b] (L_b = kv_lengths[b] when given, rows past it
+// in the slot are never read; else kv_offsets[b + 1] - kv_offsets[b]). Masks and the bias are
+// those of the whole sequence (num_contexts / num_targets / timestamps in the k/v layout);
+// the output holds the query rows of `fwd` on the whole sequence. Outside CUDA graph capture
+// every call validates the metadata on the host (GPU metadata is read back: a sync).
+struct CachedChecked {
+  Checked c;  // cu32: kv_offsets; ctx32 / tgt32
+  Tensor q_cu32, len32;
+  int64_t max_q_len = 0;
+};
+
+Tensor host_long(const Tensor& t, const char* name, int64_t n, const Tensor& q) {
+  HSTU_CHECK_VALUE(t.dim() == 1 && t.numel() == n, "hstu_attention: ", name, " must be 1-D [",
+                   n, "]; got shape ", shape_str(t));
+  HSTU_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
+                  "hstu_attention: ", name, " must be int32 or int64; got ", t.scalar_type());
+  HSTU_CHECK_VALUE(t.is_cpu() || t.device() == q.device(), "hstu_attention: ", name, " is on ",
+                   t.device(), " but q is on ", q.device());
+  return t.to(at::kCPU, at::kLong).contiguous();
+}
+
+// Offsets [n + 1] starting at 0, non-decreasing, ending at `total` (rows of `what`).
+void check_offsets(const int64_t* o, int64_t n, int64_t total, const char* name,
+                   const char* what) {
+  HSTU_CHECK_VALUE(o[0] == 0, "hstu_attention: ", name, "[0] must be 0; got ", o[0]);
+  for (int64_t b = 0; b < n; ++b) {
+    HSTU_CHECK_VALUE(o[b + 1] >= o[b], "hstu_attention: ", name, " must be non-decreasing; ",
+                     name, "[", b, "]=", o[b], " > ", name, "[", b + 1, "]=", o[b + 1]);
+  }
+  HSTU_CHECK_VALUE(o[n] == total, "hstu_attention: ", name, "[-1]=", o[n], " != the ", total,
+                   " rows of ", what);
+  HSTU_CHECK_VALUE(total <= std::numeric_limits<int32_t>::max(), "hstu_attention: ", total,
+                   " rows of ", what, " exceed the int32 range");
+}
+
+CachedChecked check_cached_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& q_offsets, const Tensor& kv_offsets,
+                                  const std::optional<Tensor>& kv_lengths,
+                                  const std::optional<Tensor>& num_contexts,
+                                  const std::optional<Tensor>& num_targets,
+                                  int64_t target_group_size, int64_t window_size, double alpha,
+                                  double inv_scale, int64_t max_q_seqlen, int64_t max_seqlen) {
+  check_qkv(q, "q", q);
+  check_qkv(k, "k", q);
+  check_qkv(v, "v", q);
+  HSTU_CHECK_VALUE(k.sizes() == v.sizes(), "hstu_attention: k and v must have the same shape; got k",
+                   shape_str(k), " v", shape_str(v));
+  HSTU_CHECK_VALUE(k.size(1) == q.size(1) && k.size(2) == q.size(2),
+                   "hstu_attention: q and k/v must share [H, D]; got q", shape_str(q), " k",
+                   shape_str(k));
+  // the scalar checks of the training op (q stands in for k/v: same [H, D] checked above)
+  check_tensors_and_scalars(q, q, q, 0, num_contexts, num_targets, target_group_size, window_size,
+                            alpha, inv_scale, true);
+  HSTU_CHECK_VALUE(kv_offsets.dim() == 1 && kv_offsets.numel() >= 1,
+                   "hstu_attention: kv_offsets must be 1-D [B+1]; got shape ",
+                   shape_str(kv_offsets));
+  const int64_t batch = kv_offsets.numel() - 1;
+  HSTU_CHECK_VALUE(batch <= 65535, "hstu_attention: batch size ", batch, " exceeds 65535");
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    // Under CUDA graph capture: GPU metadata taken as given (no value can be read without a
+    // sync); the caller validated it on the host and passes the maxima that size the grid.
+    HSTU_CHECK_VALUE(max_q_seqlen > 0 && max_seqlen >= max_q_seqlen &&
+                         max_seqlen <= std::numeric_limits<int32_t>::max(),
+                     "hstu_attention: under CUDA graph capture fwd_cached needs max_q_seqlen > 0 "
+                     "and max_seqlen >= max_q_seqlen; got ", max_q_seqlen, " and ", max_seqlen);
+    auto on_gpu = [&](const Tensor& t, const char* name, int64_t n) {
+      HSTU_CHECK_VALUE(t.device() == q.device() && t.dim() == 1 && t.numel() == n,
+                       "hstu_attention: under CUDA graph capture ", name, " must be a [", n,
+                       "] tensor on q's device ", q.device(), "; got ", shape_str(t), " on ",
+                       t.device());
+      HSTU_CHECK_TYPE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
+                      "hstu_attention: ", name, " must be int32 or int64; got ", t.scalar_type());
+      return t.to(at::kInt).contiguous();
+    };
+    CachedChecked r;
+    r.c.batch = int(batch);
+    r.c.max_len = max_seqlen;
+    r.c.cu32 = on_gpu(kv_offsets, "kv_offsets", batch + 1);
+    r.q_cu32 = on_gpu(q_offsets, "q_offsets", batch + 1);
+    if (kv_lengths.has_value()) r.len32 = on_gpu(*kv_lengths, "kv_lengths", batch);
+    if (num_contexts.has_value()) r.c.ctx32 = on_gpu(*num_contexts, "num_contexts", batch);
+    if (num_targets.has_value()) r.c.tgt32 = on_gpu(*num_targets, "num_targets", batch);
+    r.max_q_len = max_q_seqlen;
+    return r;
+  }
+  Tensor qo = host_long(q_offsets, "q_offsets", batch + 1, q);
+  Tensor ko = host_long(kv_offsets, "kv_offsets", batch + 1, q);
+  const int64_t* qp = qo.data_ptr<int64_t>();
+  const int64_t* kp = ko.data_ptr<int64_t>();
+  check_offsets(qp, batch, q.size(0), "q_offsets", "q");
+  check_offsets(kp, batch, k.size(0), "kv_offsets", "k and v");
+  std::vector<int64_t> len(batch);
+  Tensor lens;
+  if (kv_lengths.has_value()) {
+    lens = host_long(*kv_lengths, "kv_lengths", batch, q);
+    const int64_t* lp = lens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      HSTU_CHECK_VALUE(lp[b] >= 0 && lp[b] <= kp[b + 1] - kp[b], "hstu_attention: kv_lengths[",
+                       b, "]=", lp[b], " must be in [0, kv_offsets[", b + 1, "] - kv_offsets[",
+                       b, "]=", kp[b + 1] - kp[b], "]");
+      len[b] = lp[b];
+    }
+  } else {
+    for (int64_t b = 0; b < batch; ++b) len[b] = kp[b + 1] - kp[b];
+  }
+  CachedChecked r;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t lq = qp[b + 1] - qp[b];
+    HSTU_CHECK_VALUE(lq <= len[b], "hstu_attention: sequence ", b, " has ", lq,
+                     " queries but only ", len[b], " keys (the queries are its last positions)");
+    max_len = std::max(max_len, len[b]);
+    r.max_q_len = std::max(r.max_q_len, lq);
+  }
+  auto counts = [&](const std::optional<Tensor>& t, const char* name) -> std::vector<int64_t> {
+    std::vector<int64_t> out(batch, 0);
+    if (!t.has_value()) return out;
+    Tensor h = host_long(*t, name, batch, q);
+    const int64_t* p = h.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      HSTU_CHECK_VALUE(p[b] >= 0 && p[b] <= len[b], "hstu_attention: ", name, "[", b, "]=", p[b],
+                       " must be in [0, length=", len[b], "]");
+      out[b] = p[b];
+    }
+    return out;
+  };
+  const std::vector<int64_t> ctx = counts(num_contexts, "num_contexts");
+  const std::vector<int64_t> tgt = counts(num_targets, "num_targets");
+  for (int64_t b = 0; b < batch; ++b) {
+    HSTU_CHECK_VALUE(ctx[b] + tgt[b] <= len[b], "hstu_attention: num_contexts[", b, "]=", ctx[b],
+                     " + num_targets[", b, "]=", tgt[b], " exceeds the sequence length ", len[b]);
+  }
+  r.c.batch = int(batch);
+  r.c.max_len = max_len;
+  r.c.cu32 = to_device_int32(kv_offsets, kp, batch + 1, q);
+  if (num_contexts.has_value()) r.c.ctx32 = to_device_int32(*num_contexts, ctx.data(), batch, q);
+  if (num_targets.has_value()) r.c.tgt32 = to_device_int32(*num_targets, tgt.data(), batch, q);
+  r.q_cu32 = to_device_int32(q_offsets, qp, batch + 1, q);
+  if (kv_lengths.has_value()) r.len32 = to_device_int32(*kv_lengths, len.data(), batch, q);
+  return r;
+}
+
+Tensor fwd_cached_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_offsets,
+                       const Tensor& kv_offsets, const std::optional<Tensor>& kv_lengths,
+                       const std::optional<Tensor>& num_contexts,
+                       const std::optional<Tensor>& num_targets, int64_t target_group_size,
+                       int64_t window_size, double alpha, double inv_scale,
+                       const std::optional<Tensor>& timestamps,
+                       const std::optional<Tensor>& pos_weight,
+                       const std::optional<Tensor>& time_weight,
+                       const std::optional<Tensor>& time_edges, int64_t max_pos,
+                       const std::optional<Tensor>& last_query_time, int64_t max_q_seqlen,
+                       int64_t max_seqlen) {
+  CachedChecked cc = check_cached_inputs(q, k, v, q_offsets, kv_offsets, kv_lengths, num_contexts,
+                                         num_targets, target_group_size, window_size, alpha,
+                                         inv_scale, max_q_seqlen, max_seqlen);
+  const BiasArgs bias{timestamps, pos_weight, time_weight, time_edges, max_pos, last_query_time};
+  // the bias's per-token tensors follow the k/v layout
+  check_bias(bias, k, alpha, cc.c.batch);
+  c10::cuda::CUDAGuard guard(q.device());
+  Tensor out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  hstu::HstuParams p = make_params(q, cc.c, cc.c.max_len, target_group_size, window_size, alpha,
+                                   inv_scale, true);
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.total = int(k.size(0));
+  p.q_cu_seqlens = cc.q_cu32.data_ptr<int>();
+  p.seq_lens = cc.len32.defined() ? cc.len32.data_ptr<int>() : nullptr;
+  p.max_q_seqlen = int(cc.max_q_len);
+  set_bias_params(p, bias, alpha);
+  launch(hstu::Direction::kFwd, p);
+  return out;
+}
+
+Tensor fwd_cached_meta(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_offsets,
+                       const Tensor& kv_offsets, const std::optional<Tensor>& kv_lengths,
+                       const std::optional<Tensor>& num_contexts,
+                       const std::optional<Tensor>& num_targets, int64_t target_group_size,
+                       int64_t window_size, double alpha, double inv_scale,
+                       const std::optional<Tensor>& timestamps,
+                       const std::optional<Tensor>& pos_weight,
+                       const std::optional<Tensor>& time_weight,
+                       const std::optional<Tensor>& time_edges, int64_t max_pos,
+                       const std::optional<Tensor>& last_query_time, int64_t max_q_seqlen,
+                       int64_t max_seqlen) {
+  return at::empty_like(q);
+}
+
 // HSTU_ATTN_DQ_CONVERT=bwd: the backward kernel converts dQ itself (the last key block to reach a
 // query block converts it; per-query-block arrival counters) instead of the separate convert
 // kernel (unset or any other value). On the H100 it is slower (forward+backward: long_d128 215 vs
@@ -655,16 +855,25 @@ TORCH_LIBRARY(hstu_attention, m) {
       "Tensor? pos_weight=None, Tensor? time_weight=None, Tensor? time_edges=None, "
       "int max_pos=0, Tensor? last_query_time=None, Tensor? inv_scale_tensor=None) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "fwd_cached(Tensor q, Tensor k, Tensor v, Tensor q_offsets, Tensor kv_offsets, "
+      "Tensor? kv_lengths, Tensor? num_contexts, Tensor? num_targets, int target_group_size, "
+      "int window_size, float alpha, float inv_scale, Tensor? timestamps=None, "
+      "Tensor? pos_weight=None, Tensor? time_weight=None, Tensor? time_edges=None, "
+      "int max_pos=0, Tensor? last_query_time=None, int max_q_seqlen=0, int max_seqlen=0) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hstu_attention, CUDA, m) {
   m.impl("fwd", &fwd_cuda);
   m.impl("bwd", &bwd_cuda);
+  m.impl("fwd_cached", &fwd_cached_cuda);
 }
 
 TORCH_LIBRARY_IMPL(hstu_attention, Meta, m) {
   m.impl("fwd", &fwd_meta);
   m.impl("bwd", &bwd_meta);
+  m.impl("fwd_cached", &fwd_cached_meta);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

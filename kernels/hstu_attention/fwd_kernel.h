@@ -42,14 +42,23 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   // (grid_tile_of); inside a group CTAs go heaviest first: block 0 (it holds the contextual rows,
   // which see the whole history), then the last block down to block 1 (causal work shrinks
   // with m).
-  const int n_m_blocks = (p.max_seqlen + kBlockM - 1) / kBlockM;
+  const int n_m_blocks =
+      ((p.q_cu_seqlens ? p.max_q_seqlen : p.max_seqlen) + kBlockM - 1) / kBlockM;
   int order, bidb, bidh;
   grid_tile_of(p, int(blockIdx.x), n_m_blocks, order, bidb, bidh);
   const int m_block = order == 0 ? 0 : n_m_blocks - order;
   const int tidx = threadIdx.x;
   const int seq_start = p.cu_seqlens[bidb];
-  const int L = p.cu_seqlens[bidb + 1] - seq_start;
-  const int m0 = m_block * kBlockM;
+  const int L = p.seq_lens ? p.seq_lens[bidb] : p.cu_seqlens[bidb + 1] - seq_start;
+  // q/o rows: the sequence's own (training) or, against a cache, its last Lq positions; m0 and
+  // m1 are positions in the sequence (masks, bias), q_row0 the tile's first row of q/o.
+  int q_start = seq_start, q_shift = 0;
+  if (p.q_cu_seqlens) {
+    q_start = p.q_cu_seqlens[bidb];
+    q_shift = L - (p.q_cu_seqlens[bidb + 1] - q_start);
+  }
+  const int m0 = q_shift + m_block * kBlockM;
+  const int q_row0 = m_block * kBlockM;
   if (m0 >= L) return;
   const SeqMask mk = make_seq_mask(p, bidb, L);
   const int m1 = min(m0 + kBlockM, L);
@@ -60,15 +69,16 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   while (n_block >= n_lo && empty(n_block)) --n_block;
 
   const int64_t base = int64_t(seq_start) * p.row_stride + int64_t(bidh) * p.head_stride;
-  const Element* q_ptr = reinterpret_cast<const Element*>(p.q) + base;
+  const int64_t q_base = int64_t(q_start) * p.row_stride + int64_t(bidh) * p.head_stride;
+  const Element* q_ptr = reinterpret_cast<const Element*>(p.q) + q_base;
   const Element* k_ptr = reinterpret_cast<const Element*>(p.k) + base;
   const Element* v_ptr = reinterpret_cast<const Element*>(p.v) + base;
-  Element* o_ptr = reinterpret_cast<Element*>(p.o) + base;
+  Element* o_ptr = reinterpret_cast<Element*>(p.o) + q_base;
   auto row_tile = [&](const Element* ptr, int row0, auto rows) {
     return make_tensor(make_gmem_ptr(ptr + int64_t(row0) * p.row_stride),
                        make_shape(rows, Int<kHeadDim>{}), make_stride(p.row_stride, _1{}));
   };
-  Tensor gQ = row_tile(q_ptr, m0, Int<kBlockM>{});
+  Tensor gQ = row_tile(q_ptr, q_row0, Int<kBlockM>{});
 
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem_)),
                           typename Kt::SmemLayoutQ{});
@@ -200,7 +210,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   __syncthreads();
   copy(smem_tiled_copy_O, taccOrO, taccOsO);
   __syncthreads();
-  Tensor gO = make_tensor(make_gmem_ptr(o_ptr + int64_t(m0) * p.row_stride),
+  Tensor gO = make_tensor(make_gmem_ptr(o_ptr + int64_t(q_row0) * p.row_stride),
                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_stride(p.row_stride, _1{}));
   typename Kt::GmemTiledCopyStore gmem_tiled_copy_O;
   auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);

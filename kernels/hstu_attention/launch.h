@@ -214,9 +214,11 @@ cudaError_t launch_hstu_fwd_kernel(HstuParams& p, cudaStream_t stream) {
   static int slots[kMaxDevices] = {};
   cudaError_t err = prepare_kernel(kernel, Kt::kNThreads, smem, slots, kTwoPerSm);
   if (err != cudaSuccess) return err;
-  // Each CTA streams its pair's K and V rows.
+  // Each CTA streams its pair's K and V rows; one CTA per query block (of the cached-query
+  // layout when q_cu_seqlens is set).
+  const int q_len = p.q_cu_seqlens ? p.max_q_seqlen : p.max_seqlen;
   const int64_t ctas = set_grid_order(
-      p, (p.max_seqlen + Kt::kBlockM - 1) / Kt::kBlockM,
+      p, (q_len + Kt::kBlockM - 1) / Kt::kBlockM,
       int64_t(p.max_seqlen) * Kt::kHeadDim * 2 * sizeof(typename Kt::Element),
       current_slots(slots));
   if (ctas == 0) return cudaSuccess;

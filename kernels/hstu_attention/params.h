@@ -46,6 +46,14 @@ struct HstuParams {
   int64_t head_stride = 0;
 
   const int* cu_seqlens = nullptr;    // [B + 1] int32
+  // Forward only, queries against a cache (fwd_cached in api.cpp): when q_cu_seqlens is set, q
+  // and o are jagged by it ([B + 1] int32) and sequence b's Lq queries are its last Lq positions
+  // L - Lq .. L - 1; k, v and timestamps keep the cu_seqlens layout. seq_lens ([B] int32, or
+  // nullptr for cu_seqlens[b + 1] - cu_seqlens[b]) gives L where a sequence's rows do not fill
+  // its slot of the k/v buffers.
+  const int* q_cu_seqlens = nullptr;
+  const int* seq_lens = nullptr;
+  int max_q_seqlen = 0;
   const int* num_contexts = nullptr;  // [B] int32 or nullptr
   const int* num_targets = nullptr;   // [B] int32 or nullptr
 

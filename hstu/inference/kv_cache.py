@@ -1,0 +1,557 @@
+"""Ranking with a cache of the history: encode a user's history once, score candidate sets.
+
+In HSTU a history token never attends to a candidate (the target mask, docs/design.md), so the
+history's tokens, and each layer's keys and values of them, do not depend on the candidates.
+`encode_history` runs the histories through the model once and keeps, per layer, their keys and
+values (`HistoryCache`). `score_candidates` then runs only the candidate tokens through the
+layers: their input tokens (item embedding and position), their projections, the attention of
+their queries over the cached history keys plus the candidates' own keys
+(`hstu.ops.attention.hstu_attention_cached`: the compiled forward kernel on CUDA, which computes
+the candidate rows only; its PyTorch twin on the CPU), the gating and residual, the final norm
+and the head. `full_scores` is the plain recomputation (the model's forward on history +
+candidates) that the cached path equals.
+
+Cache layout: per user a slot of ``history tokens + capacity`` rows in each layer's key and value
+buffers ([rows, H, D]); the candidates of a call write their keys and values (and times) into
+the slot's tail, so the attention reads one buffer, and nothing of the history is copied per
+call. A call with more candidates than the capacity re-lays the cache out once.
+
+What has to hold for the cached and full scores to be equal:
+
+- **Scaling.** With the model's default `NetworkArgs.scaling_seqlen` (0: the batch's longest
+  sequence), every token's attention is divided by a length that counts the candidates; the
+  cache records it (``num_candidates`` per user at encoding), and candidate sets of that size
+  are scored exactly. A model with a fixed `scaling_seqlen` scores sets of any size.
+- **Time bias.** The last history token queries the relative time bias at the first
+  candidate's time; the cache is encoded at ``query_time`` (default the last history time) and
+  a candidate set's first time must equal it (its default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
+from hstu.models.ranking import RankingGR
+from hstu.modules.preprocessor import host_lengths
+from hstu.ops.attention import hstu_attention_cached
+
+__all__ = [
+    "CachedLayout",
+    "GraphedScorer",
+    "HistoryCache",
+    "encode_history",
+    "full_scores",
+    "score_candidates",
+    "split_candidates",
+    "with_candidates",
+]
+
+
+@dataclass
+class CachedLayout:
+    """The per-token inputs of the relative bias for the cached attention (k/v slot layout):
+    what `RelativeAttentionBias.attention_kwargs` reads of an `AttentionInputs`."""
+
+    timestamps: torch.Tensor | None
+    last_query_time: torch.Tensor | None = None
+
+
+@dataclass
+class HistoryCache:
+    """Per layer, the history tokens' keys and values, in per-user slots (module docstring)."""
+
+    keys: list[torch.Tensor]  # per layer [rows, H, D]
+    values: list[torch.Tensor]
+    slot_offsets: torch.Tensor  # [B + 1] CPU int64: user b's slot starts at slot_offsets[b]
+    history_tokens: torch.Tensor  # [B] CPU int64: contextual + history tokens of each user
+    history_items: torch.Tensor  # [B] CPU int64: history items (the candidates' position id)
+    num_contexts: torch.Tensor  # [B] CPU int64
+    capacity: int  # candidate rows per slot
+    timestamps: torch.Tensor | None  # [rows] int64 on the device (time bias only)
+    history: Batch  # the encoded histories (CPU)
+    num_candidates: int  # candidates per user that the attention scaling assumes
+    scaling_seqlen: int  # the scaling the history was encoded with
+    query_time: torch.Tensor | None  # [B] CPU: the time the last history token queried at
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.history_tokens.numel())
+
+    def nbytes(self) -> int:
+        """Bytes of the cached keys, values and times."""
+        n = sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return n + (0 if self.timestamps is None else self.timestamps.numel() * 8)
+
+
+def _split_features(batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    feats = batch.features
+    return {k: (feats[k].values(), feats[k].lengths()) for k in feats.keys()}
+
+
+def _batch_from_parts(parts, like: Batch, counts: torch.Tensor, timestamps) -> Batch:
+    keys = list(parts)
+    features = KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=torch.cat([parts[k][0] for k in keys]),
+        lengths=torch.cat([parts[k][1] for k in keys]),
+    )
+    return Batch(
+        features=features,
+        contextual_feature_names=list(like.contextual_feature_names),
+        num_candidates=counts,
+        user_ids=like.user_ids,
+        timestamps=timestamps,
+    )
+
+
+def with_candidates(
+    history: Batch,
+    candidates: list[list[int]] | list[torch.Tensor],
+    timestamps: list[list[int]] | None = None,
+    query_time: torch.Tensor | None = None,
+) -> Batch:
+    """``history`` (no candidates) with each user's candidate items appended (ranking layout:
+    history items, then candidates); candidate times default to ``query_time[b]`` if given, else
+    the history's last time."""
+    if history.batch_size != len(candidates):
+        raise ValueError(
+            f"{len(candidates)} candidate sets for {history.batch_size} users; give one per user"
+        )
+    if int(history.num_candidates.sum()) != 0:
+        raise ValueError("the history batch already holds candidates")
+    if timestamps is not None and len(timestamps) != len(candidates):
+        raise ValueError(f"{len(timestamps)} timestamp lists for {len(candidates)} candidate sets")
+    parts = _split_features(history)
+    item_v, item_l = parts[ITEM_FEATURE]
+    cands = [torch.as_tensor(c, dtype=torch.int64).reshape(-1) for c in candidates]
+    counts = torch.tensor([c.numel() for c in cands], dtype=torch.int64)
+    starts = torch.cumsum(item_l, 0) - item_l
+    values, times = [], []
+    for b, c in enumerate(cands):
+        lo, n = int(starts[b]), int(item_l[b])
+        values += [item_v[lo : lo + n], c]
+        if history.timestamps is not None:
+            hist_t = history.timestamps[lo : lo + n]
+            times += [hist_t, _candidate_times(b, c, hist_t, timestamps, query_time)]
+    parts[ITEM_FEATURE] = (torch.cat(values), item_l + counts)
+    return _batch_from_parts(parts, history, counts, torch.cat(times) if times else None)
+
+
+def _candidate_times(b, cands, hist_t, timestamps, query_time) -> torch.Tensor:
+    if timestamps is not None:
+        t = torch.as_tensor(timestamps[b], dtype=torch.int64).reshape(-1)
+        if t.numel() != cands.numel():
+            raise ValueError(f"user {b}: {t.numel()} timestamps for {cands.numel()} candidates")
+        return t
+    if query_time is not None:
+        return query_time[b].reshape(1).to(torch.int64).expand(cands.numel())
+    if hist_t.numel():
+        return hist_t[-1:].expand(cands.numel())
+    return torch.zeros(cands.numel(), dtype=torch.int64)
+
+
+def split_candidates(batch: Batch) -> tuple[Batch, list[torch.Tensor], list[torch.Tensor] | None]:
+    """(the histories alone, each user's candidate items, their times or None) of a ranking
+    ``batch`` (CPU): the inverse of `with_candidates`."""
+    parts = _split_features(batch)
+    item_v, item_l = parts[ITEM_FEATURE]
+    hist = batch.history_lengths()
+    starts = torch.cumsum(item_l, 0) - item_l
+    keep, cands, times, hist_times = [], [], [], []
+    for b in range(batch.batch_size):
+        lo, h, n = int(starts[b]), int(hist[b]), int(item_l[b])
+        keep.append(item_v[lo : lo + h])
+        cands.append(item_v[lo + h : lo + n])
+        if batch.timestamps is not None:
+            hist_times.append(batch.timestamps[lo : lo + h])
+            times.append(batch.timestamps[lo + h : lo + n])
+    parts[ITEM_FEATURE] = (torch.cat(keep), hist.clone())
+    history = _batch_from_parts(
+        parts,
+        batch,
+        torch.zeros_like(batch.num_candidates),
+        torch.cat(hist_times) if hist_times else None,
+    )
+    return history, cands, (times if batch.timestamps is not None else None)
+
+
+def _check_model(model: RankingGR) -> None:
+    if model.training:
+        raise ValueError("the KV cache needs the model in eval mode (model.eval())")
+    for layer in model.encoder.layers:
+        if getattr(layer, "attention_type", "hstu") != "hstu":
+            raise ValueError(
+                f"the KV cache serves HSTU attention layers; this model's layers use "
+                f"attention_type={layer.attention_type!r}"
+            )
+
+
+def _scaling(layer, cache_scaling: int) -> int:
+    return cache_scaling if layer.scaling_seqlen is None else int(layer.scaling_seqlen)
+
+
+def _bias_kwargs(layer, layout: CachedLayout) -> dict:
+    if layer.relative_bias is None:
+        return {}
+    return layer.relative_bias.attention_kwargs(layout)
+
+
+def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """CPU int64 concatenation of arange(starts[i], starts[i] + counts[i])."""
+    total = int(counts.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    seg = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    first = torch.cumsum(counts, 0) - counts
+    return starts[seg] + torch.arange(total) - first[seg]
+
+
+@torch.no_grad()
+def encode_history(
+    model: RankingGR,
+    history: Batch,
+    num_candidates: int,
+    query_time: torch.Tensor | None = None,
+) -> HistoryCache:
+    """Runs ``history`` (a batch without candidates, on the model's device) through ``model``
+    (eval mode) and caches each layer's history keys and values. ``num_candidates``: the
+    candidates per user the scores will be for (the attention scaling counts them; also the
+    slots' capacity); ``query_time`` [B]: the time of the candidates (default: each history's
+    last time)."""
+    _check_model(model)
+    if int(history.num_candidates.sum()) != 0:
+        raise ValueError("encode_history takes histories only (num_candidates all 0)")
+    if num_candidates < 1:
+        raise ValueError(f"num_candidates={num_candidates} must be >= 1")
+    host = history.host_batch() or history
+    lengths = host_lengths(host)
+    pre = model.preprocessor
+    needed = int(lengths.history.max()) + 1 if lengths.history.numel() else 0
+    if needed > pre.max_positions:
+        raise ValueError(
+            f"a history needs {needed} positions (history + 1 for its candidates) but the model "
+            f"has {pre.max_positions} (NetworkArgs.num_position_embeddings)"
+        )
+    emb = model.embeddings(history)
+    contextual = [emb[name].values() for name in model.contextual_names]
+    x, layout = pre(history, contextual, emb[ITEM_FEATURE])
+    attn = layout.attn
+    f = len(model.contextual_names)
+    b = history.batch_size
+    tokens = lengths.history + f
+    scaling = (int(tokens.max()) if b else 0) + int(num_candidates)
+    if attn.timestamps is not None:
+        if query_time is None:
+            ends = torch.cumsum(host.item_lengths(), 0) - 1
+            query_time = host.timestamps[ends.clamp(min=0)]
+        last = torch.zeros(attn.seq_offsets.numel() - 1, dtype=torch.int64, device=x.device)
+        last[:b] = query_time.to(x.device, torch.int64)
+        attn.last_query_time = last
+    # slot rows of the history tokens (the encoder's rows are the jagged layout of tokens)
+    cap = int(num_candidates)
+    slot_offsets = torch.zeros(b + 1, dtype=torch.int64)
+    slot_offsets[1:] = torch.cumsum(tokens + cap, 0)
+    src = _ranges(attn.host_seq_offsets[:b], tokens).to(x.device)
+    dst = _ranges(slot_offsets[:-1], tokens).to(x.device)
+    rows = int(slot_offsets[-1])
+    h, d = model.encoder.layers[0].num_heads, model.encoder.layers[0].head_dim
+    keys, values = [], []
+    for layer in model.encoder.layers:
+        u, v, q, k = layer.project(x)
+        a = layer.attend(q, k, v, attn, scaling_seqlen=_scaling(layer, scaling))
+        x = layer.finish(x, a, u)
+        for buf, t in ((keys, k), (values, v)):
+            slots = t.new_zeros((rows, h, d))
+            buf.append(slots.index_copy_(0, dst, t.index_select(0, src).view(-1, h, d)))
+    ts = None
+    if attn.timestamps is not None:
+        ts = attn.timestamps.new_zeros(rows).index_copy_(0, dst, attn.timestamps[src])
+    return HistoryCache(
+        keys=keys,
+        values=values,
+        slot_offsets=slot_offsets,
+        history_tokens=tokens.clone(),
+        history_items=lengths.history.clone(),
+        num_contexts=torch.full((b,), f, dtype=torch.int64),
+        capacity=cap,
+        timestamps=ts,
+        history=host,
+        num_candidates=int(num_candidates),
+        scaling_seqlen=scaling,
+        query_time=None if query_time is None else query_time.cpu(),
+    )
+
+
+def _grow(cache: HistoryCache, capacity: int) -> None:
+    """Re-lays the cache out with ``capacity`` candidate rows per slot (in place)."""
+    b = cache.batch_size
+    new_offsets = torch.zeros(b + 1, dtype=torch.int64)
+    new_offsets[1:] = torch.cumsum(cache.history_tokens + capacity, 0)
+    dev = cache.keys[0].device if cache.keys else torch.device("cpu")
+    src = _ranges(cache.slot_offsets[:-1], cache.history_tokens).to(dev)
+    dst = _ranges(new_offsets[:-1], cache.history_tokens).to(dev)
+    rows = int(new_offsets[-1])
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_zeros((rows, *t.shape[1:]))
+        return out.index_copy_(0, dst, t.index_select(0, src))
+
+    cache.keys = [move(t) for t in cache.keys]
+    cache.values = [move(t) for t in cache.values]
+    if cache.timestamps is not None:
+        cache.timestamps = move(cache.timestamps)
+    cache.slot_offsets = new_offsets
+    cache.capacity = capacity
+
+
+def _candidate_inputs(model: RankingGR, cache: HistoryCache, cands: list[torch.Tensor], device):
+    """[sum n, D] input tokens of the candidates: item embedding (scaled as the preprocessor
+    scales it) + the position embedding of position = history items (dropout is off in eval)."""
+    hist = cache.history
+    parts = _split_features(hist)
+    counts = torch.tensor([c.numel() for c in cands], dtype=torch.int64)
+    parts[ITEM_FEATURE] = (torch.cat(cands), counts)
+    actions = parts[ACTION_FEATURE][0]
+    parts[ACTION_FEATURE] = (actions[:0], torch.zeros_like(counts))
+    batch = _batch_from_parts(parts, hist, counts, None).to(device)
+    items = model.embeddings(batch)[ITEM_FEATURE].values()
+    pre = model.preprocessor
+    scaled = items * pre.item_scale if pre.item_scale != 1.0 else items
+    pos = torch.repeat_interleave(cache.history_items.clamp(max=pre.max_positions - 1), counts)
+    return scaled + pre.position_embedding(pos.to(device))
+
+
+@torch.no_grad()
+def score_candidates(
+    model: RankingGR,
+    cache: HistoryCache,
+    candidates: list[list[int]] | list[torch.Tensor],
+    timestamps: list[list[int]] | None = None,
+) -> torch.Tensor:
+    """Logits [sum of candidates, num_tasks] of each user's candidates (users in the cache's
+    order, candidates in the given order) from ``cache``. The candidates' keys and values are
+    written into the cache's slots (the history's rows are left as they are)."""
+    _check_model(model)
+    b = cache.batch_size
+    if len(candidates) != b:
+        raise ValueError(f"{len(candidates)} candidate sets for {b} users; give one per user")
+    cands = [torch.as_tensor(c, dtype=torch.int64).reshape(-1) for c in candidates]
+    counts = torch.tensor([c.numel() for c in cands], dtype=torch.int64)
+    if bool((counts < 1).any()):
+        raise ValueError("every user needs at least one candidate")
+    fixed = all(layer.scaling_seqlen is not None for layer in model.encoder.layers)
+    if not fixed and bool((counts != cache.num_candidates).any()):
+        raise ValueError(
+            f"the cache was encoded for {cache.num_candidates} candidates per user (the attention "
+            f"scaling counts them); got {counts.tolist()}: encode the history for this count, or "
+            "train with a fixed NetworkArgs.scaling_seqlen"
+        )
+    times = None
+    if cache.timestamps is not None:
+        if timestamps is not None and len(timestamps) != b:
+            raise ValueError(f"{len(timestamps)} timestamp lists for {b} candidate sets")
+        times = [
+            _candidate_times(i, c, torch.zeros(0, dtype=torch.int64), timestamps, cache.query_time)
+            for i, c in enumerate(cands)
+        ]
+        firsts = torch.stack([t[0] for t in times])
+        if not torch.equal(firsts, cache.query_time):
+            raise ValueError(
+                "the first candidate's time differs from the time the history was encoded at "
+                "(the last history token queries the time bias at it): encode the history with "
+                "query_time = the candidates' time"
+            )
+    if int(counts.max()) > cache.capacity:
+        _grow(cache, int(counts.max()))
+    device = cache.keys[0].device
+    x = _candidate_inputs(model, cache, cands, device)
+    # the candidates' rows: the tail of each user's slot
+    dst = _ranges(cache.slot_offsets[:-1] + cache.history_tokens, counts).to(device)
+    q_offsets = torch.zeros(b + 1, dtype=torch.int64)
+    q_offsets[1:] = torch.cumsum(counts, 0)
+    kv_lengths = cache.history_tokens + counts
+    layout = CachedLayout(timestamps=cache.timestamps)
+    if cache.timestamps is not None:
+        cache.timestamps.index_copy_(0, dst, torch.cat(times).to(device))
+    meta = dict(
+        kv_lengths=kv_lengths,
+        num_contexts=cache.num_contexts if int(cache.num_contexts.sum()) else None,
+        num_targets=counts,
+    )
+    for layer, k_buf, v_buf in zip(model.encoder.layers, cache.keys, cache.values):
+        h, d = layer.num_heads, layer.head_dim
+        u, v, q, k = layer.project(x)
+        k_buf.index_copy_(0, dst, k.reshape(-1, h, d).to(k_buf.dtype))
+        v_buf.index_copy_(0, dst, v.reshape(-1, h, d).to(v_buf.dtype))
+        a = hstu_attention_cached(
+            q.reshape(-1, h, d).to(k_buf.dtype).contiguous(),
+            k_buf,
+            v_buf,
+            q_offsets,
+            cache.slot_offsets,
+            target_group_size=layer.target_group_size,
+            window_size=layer.window_size,
+            alpha=layer.alpha,
+            scaling_seqlen=_scaling(layer, cache.scaling_seqlen),
+            force_reference=layer.reference_attention,
+            **meta,
+            **_bias_kwargs(layer, layout),
+        )
+        x = layer.finish(x, a.reshape(-1, h * d).to(u.dtype), u)
+    if model.encoder.final_norm is not None:
+        x = model.encoder.final_norm(x)
+    return model.head(x).float()
+
+
+class GraphedScorer:
+    """`score_candidates` for one cache and fixed candidate counts per user, replayed from a CUDA
+    graph (CUDA only). Scoring a small candidate set issues a few dozen small kernels per layer,
+    so it is bound by the host's launch cost; the graph issues them all at once.
+
+    The candidates' input rows (the embedding lookup) are computed eagerly, written into the
+    graph's static input, then the layers, the norm and the head replay. Built from the cache's
+    current layout (the cache must not be grown or re-encoded while the scorer is used).
+
+        scorer = GraphedScorer(model, cache, counts=[100] * B)
+        logits = scorer(candidates)               # equals score_candidates(model, cache, ...)
+    """
+
+    def __init__(
+        self,
+        model: RankingGR,
+        cache: HistoryCache,
+        counts: list[int],
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
+        _check_model(model)
+        device = cache.keys[0].device if cache.keys else torch.device("cpu")
+        if device.type != "cuda":
+            raise ValueError("GraphedScorer needs a cache on a CUDA device")
+        b = cache.batch_size
+        counts_t = torch.as_tensor(counts, dtype=torch.int64).reshape(-1)
+        if counts_t.numel() != b or bool((counts_t < 1).any()):
+            raise ValueError(f"counts must give >= 1 candidates for each of the {b} users")
+        fixed = all(layer.scaling_seqlen is not None for layer in model.encoder.layers)
+        if not fixed and bool((counts_t != cache.num_candidates).any()):
+            raise ValueError(
+                f"the cache was encoded for {cache.num_candidates} candidates per user; got "
+                f"{counts_t.tolist()}"
+            )
+        if int(counts_t.max()) > cache.capacity:
+            _grow(cache, int(counts_t.max()))
+        self.model, self.cache, self.counts = model, cache, counts_t
+        self.autocast_dtype = autocast_dtype
+        q_offsets = torch.zeros(b + 1, dtype=torch.int64)
+        q_offsets[1:] = torch.cumsum(counts_t, 0)
+        kv_lengths = cache.history_tokens + counts_t
+        # validated here on the host: the captured kernel takes the device copies as given
+        from hstu.ops.reference import cached_layout
+
+        cached_layout(q_offsets, cache.slot_offsets, kv_lengths, int(q_offsets[-1]))
+        dev = dict(device=device)
+        self._dst = _ranges(cache.slot_offsets[:-1] + cache.history_tokens, counts_t).to(**dev)
+        self._meta = dict(
+            q_offsets=q_offsets.to(**dev),
+            kv_offsets=cache.slot_offsets.to(**dev),
+            kv_lengths=kv_lengths.to(**dev),
+            num_contexts=cache.num_contexts.to(**dev) if int(cache.num_contexts.sum()) else None,
+            num_targets=counts_t.to(**dev),
+            max_q_seqlen=int(counts_t.max()),
+            max_seqlen=int(kv_lengths.max()),
+        )
+        n = int(q_offsets[-1])
+        hidden = model.encoder.layers[0].hidden_size
+        param_dtype = next(model.parameters()).dtype
+        self._x = torch.zeros(n, hidden, dtype=param_dtype, device=device)
+        self._times = torch.zeros(n, dtype=torch.int64, device=device)
+        self._out: torch.Tensor | None = None
+        # warm up on a side stream (kernel selection, lazy tables), then capture
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self._run()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._out = self._run()
+
+    def _autocast(self):
+        import contextlib
+
+        if self.autocast_dtype is None or self.autocast_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=self.autocast_dtype)
+
+    @torch.no_grad()
+    def _run(self) -> torch.Tensor:
+        model, cache, meta = self.model, self.cache, self._meta
+        layout = CachedLayout(timestamps=cache.timestamps)
+        with self._autocast():
+            if cache.timestamps is not None:
+                cache.timestamps.index_copy_(0, self._dst, self._times)
+            x = self._x
+            for layer, k_buf, v_buf in zip(model.encoder.layers, cache.keys, cache.values):
+                h, d = layer.num_heads, layer.head_dim
+                u, v, q, k = layer.project(x)
+                k_buf.index_copy_(0, self._dst, k.reshape(-1, h, d).to(k_buf.dtype))
+                v_buf.index_copy_(0, self._dst, v.reshape(-1, h, d).to(v_buf.dtype))
+                a = hstu_attention_cached(
+                    q.reshape(-1, h, d).to(k_buf.dtype).contiguous(),
+                    k_buf,
+                    v_buf,
+                    target_group_size=layer.target_group_size,
+                    window_size=layer.window_size,
+                    alpha=layer.alpha,
+                    scaling_seqlen=_scaling(layer, cache.scaling_seqlen),
+                    **meta,
+                    **_bias_kwargs(layer, layout),
+                )
+                x = layer.finish(x, a.reshape(-1, h * d).to(u.dtype), u)
+            if model.encoder.final_norm is not None:
+                x = model.encoder.final_norm(x)
+            return model.head(x).float()
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        candidates: list[list[int]] | list[torch.Tensor],
+        timestamps: list[list[int]] | None = None,
+    ) -> torch.Tensor:
+        """Logits [sum of candidates, num_tasks] (on the device; the graph's output buffer is
+        copied) of each user's candidates, as `score_candidates` computes them."""
+        cache = self.cache
+        cands = [torch.as_tensor(c, dtype=torch.int64).reshape(-1) for c in candidates]
+        counts = torch.tensor([c.numel() for c in cands], dtype=torch.int64)
+        if not torch.equal(counts, self.counts):
+            raise ValueError(
+                f"this scorer was captured for {self.counts.tolist()} candidates per user; got "
+                f"{counts.tolist()}"
+            )
+        if cache.timestamps is not None:
+            times = [
+                _candidate_times(
+                    i, c, torch.zeros(0, dtype=torch.int64), timestamps, cache.query_time
+                )
+                for i, c in enumerate(cands)
+            ]
+            if not torch.equal(torch.stack([t[0] for t in times]), cache.query_time):
+                raise ValueError(
+                    "the first candidate's time differs from the time the history was encoded at"
+                )
+            self._times.copy_(torch.cat(times), non_blocking=True)
+        with self._autocast():
+            x = _candidate_inputs(self.model, cache, cands, self._x.device)
+        self._x.copy_(x)
+        self.graph.replay()
+        return self._out.clone()
+
+
+@torch.no_grad()
+def full_scores(model: RankingGR, batch: Batch) -> torch.Tensor:
+    """Logits [sum of candidates, num_tasks] by the model's own forward on history +
+    candidates: what `score_candidates` equals."""
+    return model(batch)["logits"].float()

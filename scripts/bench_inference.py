@@ -1,0 +1,258 @@
+"""Inference benchmarks: ranking from a KV cache of the history, and top-K retrieval.
+
+    # ranking: the synthetic_benchmark_ranking model (8 layers, 1024 wide, 4 heads x 256), each
+    # user with 2,000 history items and 100 candidates, batches of 1 and 64 users
+    python scripts/bench_inference.py ranking --batches 1,64
+    # retrieval: users/s of top-100 over the whole ML-1M catalogue (encoding + scoring)
+    python scripts/bench_inference.py retrieval --config configs/ml_1m_retrieval.gin
+
+Ranking times one request (a batch of users, each with its candidate set) from the ids on the
+host to the logits on the host, three ways in one process: the full recomputation (the model's
+forward on history + candidates: what a server without a cache runs), `score_candidates` on the
+cache (eager) and `GraphedScorer` (the same, replayed from a CUDA graph). The history cache is
+encoded once beforehand (its time is reported apart). Per request: p50 / p99 / mean ms over
+``--iters`` requests after ``--warmup``; the speed-ups are of the p50s. The largest difference
+of the cached logits from the full ones is reported (bf16 noise).
+
+Retrieval times `Retriever.retrieve` on the dataset's users (their evaluation windows as
+batches of ``--batch-size``; history excluded, top ``--top-k``), model weights as initialised
+or from ``--checkpoint``: users/s for the whole pass, and apart the batch assembly.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path[:0] = [
+    os.path.dirname(os.path.abspath(__file__)),
+    os.path.join(os.path.dirname(__file__), ".."),
+]
+
+import torch  # noqa: E402
+from bench_common import base_parser, emit_json  # noqa: E402
+
+RANKING_CONFIG = "configs/synthetic_benchmark_ranking.gin"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _parse(argv):
+    p = base_parser(__doc__, iters=30, warmup=5, out="")
+    p.add_argument("task", choices=["ranking", "retrieval"])
+    p.add_argument("--config", default=None, help="gin config (default per task)")
+    p.add_argument("--bindings", nargs="*", default=[], help="extra gin bindings")
+    p.add_argument("--batches", default="1,64", help="ranking: users per request, comma list")
+    p.add_argument("--history", type=int, default=2000, help="ranking: history items per user")
+    p.add_argument("--candidates", type=int, default=100, help="ranking: candidates per user")
+    p.add_argument("--no-full", action="store_true", help="ranking: skip the full recomputation")
+    p.add_argument("--top-k", type=int, default=100, help="retrieval: K")
+    p.add_argument("--batch-size", type=int, default=2048, help="retrieval: users per batch")
+    p.add_argument("--checkpoint", default=None, help="retrieval: a run or checkpoint directory")
+    return p.parse_args(argv)
+
+
+def _stats(times_ms: list[float]) -> dict:
+    ts = sorted(times_ms)
+    p99 = ts[min(len(ts) - 1, int(round(0.99 * (len(ts) - 1))))]
+    return {
+        "p50_ms": round(statistics.median(ts), 3),
+        "p99_ms": round(p99, 3),
+        "mean_ms": round(statistics.fmean(ts), 3),
+    }
+
+
+def _time(fn, iters: int, warmup: int) -> tuple[dict, object]:
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return _stats(times), out
+
+
+def _fixed_histories(history, length: int, num_items: int, action_bits: int, gen):
+    """``history`` with every user's items replaced by ``length`` random items (and actions,
+    increasing times): requests of one size."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
+
+    b = history.batch_size
+    feats = history.features
+    parts = {k: (feats[k].values(), feats[k].lengths()) for k in feats.keys()}
+    n = b * length
+    lengths = torch.full((b,), length, dtype=parts[ITEM_FEATURE][1].dtype)
+    parts[ITEM_FEATURE] = (torch.randint(1, num_items + 1, (n,), generator=gen), lengths)
+    parts[ACTION_FEATURE] = (torch.randint(0, 1 << action_bits, (n,), generator=gen), lengths)
+    keys = list(parts)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=keys,
+        values=torch.cat([parts[k][0] for k in keys]),
+        lengths=torch.cat([parts[k][1] for k in keys]),
+    )
+    gaps = torch.randint(1, 10_000, (b, length), generator=gen)
+    times = (1_700_000_000 + torch.cumsum(gaps, 1)).reshape(-1)
+    return Batch(
+        features=kjt,
+        contextual_feature_names=list(history.contextual_feature_names),
+        num_candidates=torch.zeros(b, dtype=torch.int64),
+        user_ids=history.user_ids,
+        timestamps=times if history.timestamps is not None else None,
+    )
+
+
+def bench_ranking(args) -> None:
+    from hstu.config.gin_utils import load_config
+    from hstu.data.registry import build_samples, load_sequence_data
+    from hstu.inference.kv_cache import (
+        GraphedScorer,
+        encode_history,
+        split_candidates,
+        with_candidates,
+    )
+    from hstu.models.builder import build_model
+
+    config = args.config or RANKING_CONFIG
+    batches = [int(x) for x in args.batches.split(",")]
+    bindings = [
+        "EmbeddingArgs.embedding_backend='dense'",
+        "DatasetArgs.synthetic_num_users=512",
+        f"DatasetArgs.max_history_seqlen={args.history}",
+        f"DatasetArgs.max_num_candidates={args.candidates}",
+        *args.bindings,
+    ]
+    cfg = load_config("ranking", [config], bindings)
+    data = load_sequence_data(cfg.dataset, num_tasks=cfg.ranking.num_tasks)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = build_model(cfg, data, device_type="cuda").to(dev).eval()
+    dtype = DTYPES[cfg.network.dtype_str]
+    samples = build_samples(data, cfg.dataset, "ranking").eval
+    gen = torch.Generator().manual_seed(0)
+    n_items = int(data.item_vocab_size) - 1
+    for b in batches:
+        base, _, _ = split_candidates(samples.collate(list(range(b))))
+        history = _fixed_histories(
+            base, args.history, n_items, model.preprocessor.num_action_bits, gen
+        )
+        cands = [torch.randint(1, n_items + 1, (args.candidates,), generator=gen) for _ in range(b)]
+        amp = torch.autocast("cuda", dtype=dtype)
+        row = {
+            "bench": "ranking_kv_cache",
+            "config": config,
+            "batch": b,
+            "history": args.history,
+            "candidates": args.candidates,
+            "layers": cfg.network.num_layers,
+            "hidden": cfg.network.hidden_size,
+            "dtype": cfg.network.dtype_str,
+            "device": torch.cuda.get_device_name(),
+        }
+        with torch.no_grad(), amp:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            cache = encode_history(model, history.to(dev), args.candidates)
+            torch.cuda.synchronize()
+            row["encode_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
+            row["cache_mb"] = round(cache.nbytes() / 2**20, 1)
+
+            def full():
+                batch = with_candidates(history, cands).to(dev, non_blocking=True)
+                return model(batch)["logits"].float().cpu()
+
+            def cached():
+                from hstu.inference.kv_cache import score_candidates
+
+                return score_candidates(model, cache, cands).cpu()
+
+            scorer = GraphedScorer(model, cache, [args.candidates] * b, autocast_dtype=dtype)
+
+            def graphed():
+                return scorer(cands).cpu()
+
+            if not args.no_full:
+                row["full"], ref = _time(full, args.iters, args.warmup)
+            row["cached_eager"], got_eager = _time(cached, args.iters, args.warmup)
+            row["cached_graph"], got_graph = _time(graphed, args.iters, args.warmup)
+        if not args.no_full:
+            for name in ("cached_eager", "cached_graph"):
+                row[f"speedup_{name}"] = round(row["full"]["p50_ms"] / row[name]["p50_ms"], 2)
+            row["max_abs_diff_eager"] = float((got_eager - ref).abs().max())
+            row["max_abs_diff_graph"] = float((got_graph - ref).abs().max())
+            row["max_abs_logit"] = float(ref.abs().max())
+        emit_json(row, args.out)
+        del cache, scorer
+        torch.cuda.empty_cache()
+
+
+def bench_retrieval(args) -> None:
+    from hstu.config.gin_utils import load_config
+    from hstu.data.registry import build_samples, load_sequence_data
+    from hstu.inference.retriever import Retriever
+    from hstu.models.builder import build_model
+
+    dev = torch.device("cuda")
+    if args.checkpoint:
+        retriever = Retriever.from_checkpoint(args.checkpoint, device=dev)
+    else:
+        cfg = load_config(
+            "retrieval", [args.config or "configs/ml_1m_retrieval.gin"], args.bindings
+        )
+        data = load_sequence_data(cfg.dataset, num_tasks=0)
+        torch.manual_seed(0)
+        model = build_model(cfg, data, device_type="cuda").to(dev)
+        retriever = Retriever(model, cfg, data, device=dev)
+    samples = build_samples(retriever.data, retriever.cfg.dataset, "retrieval").eval
+    n = len(samples)
+    bs = args.batch_size
+    t0 = time.perf_counter()
+    batches = [samples.collate(list(range(s, min(n, s + bs)))) for s in range(0, n, bs)]
+    collate_s = time.perf_counter() - t0
+    retriever.corpus_embeddings()  # cached, as a server keeps it
+
+    def run():
+        out = None
+        for batch in batches:
+            out = retriever.retrieve(batch, top_k=args.top_k)
+        return out
+
+    stats, _ = _time(run, max(3, args.iters // 10), 1)
+    per_pass = stats["p50_ms"] / 1e3
+    emit_json(
+        {
+            "bench": "retrieval_top_k",
+            "users": n,
+            "corpus": int(retriever.corpus.numel()),
+            "top_k": args.top_k,
+            "batch_size": bs,
+            "pass_ms": stats,
+            "users_per_s": round(n / per_pass, 1),
+            "users_per_s_with_batch_assembly": round(n / (per_pass + collate_s), 1),
+            "batch_assembly_s": round(collate_s, 3),
+            "device": torch.cuda.get_device_name(),
+        },
+        args.out,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if not torch.cuda.is_available():
+        print("bench_inference.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.task == "ranking":
+        bench_ranking(args)
+    else:
+        bench_retrieval(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,8 @@
     python -m hstu.infer retrieve --checkpoint runs/<run> --input users.jsonl --top-k 100 \\
         [--output out.jsonl] [--batch-size 256] [--config config.gin] [--device cpu]
     python -m hstu.infer retrieve --artifact exported/ --input users.jsonl --top-k 100
+    python -m hstu.infer rank --checkpoint runs/<ranking run> --input requests.jsonl \
+        [--output out.jsonl] [--batch-size 64] [--device cuda]
 
 ``--artifact`` (from ``python -m hstu.export``) needs torch only: no torchrec, no gin, no
 dataset; every request then gives its ``items``.
@@ -12,8 +14,12 @@ Each input line is one request, ``{"user_id": 1, "items": [10, 20, 30]}`` with o
 with a relative time bias) and ``features`` (contextual feature name -> id; default: the user's
 row of the dataset); ``items`` may be left out for a user of the dataset (its
 whole stored history is used). Each output line is ``{"user_id": ..., "items": [...],
-"scores": [...]}``, best first. Errors follow `hstu.errors`: one ``error:`` line, exit 2 for
-input and configuration problems.
+"scores": [...]}``, best first. ``rank`` requests add ``candidates``: one candidate set (a list
+of item ids) or several (a list of lists); each history is encoded once and every set is scored
+from its KV cache (`hstu.inference.ranker.Ranker`). Its output lines are ``{"user_id": ...,
+"probabilities": ...}`` with one list of per-task probabilities per candidate, nested as the
+candidates were given. Errors follow `hstu.errors`: one ``error:`` line, exit 2 for input and
+configuration problems.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ def _positive(value: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m hstu.infer", description="Inference from HSTU checkpoints.")
-    sub = parser.add_subparsers(dest="command", metavar="{retrieve}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{retrieve,rank}", parser_class=_Parser)
     sub.required = True
     r = sub.add_parser(
         "retrieve",
@@ -99,6 +105,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--log-level", dest="log_level", default="WARNING", help="logging level (default WARNING)"
     )
+    k = sub.add_parser(
+        "rank",
+        help="per-task probabilities of each request's candidates (ranking checkpoints)",
+        description="Score candidate sets of each request of a JSON-lines file from a KV cache "
+        "of its history.",
+    )
+    k.add_argument("--checkpoint", required=True, metavar="DIR", help="a ranking run's checkpoint")
+    k.add_argument("--input", required=True, metavar="FILE", help="JSON lines, one user each")
+    k.add_argument("--output", metavar="FILE", help="JSON lines out (default: stdout)")
+    k.add_argument("--batch-size", dest="batch_size", type=_positive, default=64, metavar="N")
+    k.add_argument("--config", metavar="FILE", help="the run's config.gin if elsewhere")
+    k.add_argument(
+        "--gin-bindings", dest="gin_bindings", action="append", default=[],
+        metavar="'Class.field=value'", help="bindings applied after the config",
+    )  # fmt: skip
+    k.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    k.add_argument("--log-level", dest="log_level", default="WARNING", help="logging level")
     return parser
 
 
@@ -229,6 +252,65 @@ def _write_results(ns: argparse.Namespace, retriever, users: list) -> None:
         logger.info("wrote %d users to %s", len(users), ns.output)
 
 
+def _candidate_sets(value, where: str) -> tuple[list[list[int]], bool]:
+    """(the request's candidate sets, whether it gave several) from its ``candidates``."""
+    from hstu.inference.requests import _ints
+
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}: 'candidates' must be a non-empty list of item ids or of lists")
+    nested = all(isinstance(c, list) for c in value)
+    sets = value if nested else [value]
+    return [_ints(c, f"{where}: candidates") for c in sets], nested
+
+
+def _rank(ns: argparse.Namespace) -> None:
+    from hstu.inference.ranker import Ranker
+    from hstu.inference.requests import as_user_history
+
+    ckpt = Path(ns.checkpoint)
+    if not ckpt.exists():
+        raise FileNotFoundError(f"--checkpoint {ckpt} does not exist")
+    requests = read_requests(ns.input)
+    ranker = Ranker.from_checkpoint(
+        ckpt, device=ns.device, config_file=ns.config, bindings=ns.gin_bindings
+    )
+    users, sets, nested = [], [], []
+    for req in requests:
+        where = f"{ns.input}:{req.pop('_line')}"
+        if "candidates" not in req:
+            raise ValueError(f"{where}: missing 'candidates'")
+        cand, many = _candidate_sets(req.pop("candidates"), where)
+        if "items" in req:
+            user = as_user_history(req, where)
+        else:
+            try:
+                user = ranker.dataset_user(req["user_id"])
+            except (KeyError, TypeError):
+                raise ValueError(
+                    f"{where}: user {req['user_id']!r} gives no 'items' and is not in the dataset"
+                ) from None
+        try:
+            ranker.check_users([user], where)
+            ranker.check_candidates(cand)
+        except ValueError as exc:
+            if str(exc).startswith(where):
+                raise
+            raise ValueError(f"{where}: {exc}") from None
+        users.append(user)
+        sets.append(cand)
+        nested.append(many)
+    logits = ranker.score_sets(users, sets, batch_size=ns.batch_size)
+    out = open(ns.output, "w", encoding="utf-8") if ns.output else sys.stdout  # noqa: SIM115
+    try:
+        for user, per_set, many in zip(users, logits, nested):
+            probs = [[[round(p, 6) for p in row] for row in t.sigmoid().tolist()] for t in per_set]
+            line = {"user_id": user.user_id, "probabilities": probs if many else probs[0]}
+            out.write(json.dumps(line) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0, 1 runtime failure, 2 input/config problem)."""
     try:
@@ -236,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=getattr(logging, str(ns.log_level).upper(), logging.WARNING))
         if ns.command == "retrieve":
             _retrieve(ns)
+        elif ns.command == "rank":
+            _rank(ns)
     except KeyboardInterrupt:
         print(error_line("interrupted"), file=sys.stderr)
         return 130

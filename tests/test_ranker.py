@@ -77,3 +77,51 @@ def test_errors_name_the_problem(ranker):
         ranker.score(cache, [[], [2, 3]])
     with pytest.raises(ValueError, match="encoded for 2 candidates"):
         ranker.score(cache, [[1, 2, 3], [2, 3, 4]])
+
+
+def test_score_sets_groups_by_size_and_equals_the_full_forward(ranker):
+    users = _requests(ranker, [0, 3, 7])
+    sets = [[[1, 2, 3], [4, 5]], [[6, 7]], [[8, 9, 10], [11, 12, 13], [14, 15]]]
+    # batches of one user: the model's default attention scaling is the batch's longest sequence,
+    # so a user's scores depend on who shares its batch (a fixed scaling_seqlen removes that)
+    out = ranker.score_sets(users, sets, batch_size=1)
+    for u, user_sets in enumerate(sets):
+        assert len(out[u]) == len(user_sets)
+        for k, cand in enumerate(user_sets):
+            want = ranker.score_full([users[u]], [cand])
+            torch.testing.assert_close(out[u][k], want, rtol=0, atol=1e-5)
+
+
+def test_cli_rank_end_to_end(ranker, tmp_path, capsys):
+    import json
+
+    from hstu.infer import main as infer_main
+
+    users = _requests(ranker, [0, 3])
+    rows = [
+        {**users[0], "candidates": [1, 2, 3]},
+        {**users[1], "candidates": [[4, 5], [6, 7, 8]]},
+        {"user_id": int(ranker.data.user_ids[5]), "candidates": [9]},
+    ]
+    inp = tmp_path / "req.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    run_dir = ranker.checkpoint.parent.parent if ranker.checkpoint else None
+    code = infer_main(
+        ["rank", "--checkpoint", str(run_dir), "--input", str(inp), "--output", str(out)]
+        + ["--batch-size", "1"]
+    )
+    assert code == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["user_id"] for x in lines] == [r["user_id"] for r in rows]
+    want0 = ranker.score_full([users[0]], [[1, 2, 3]]).sigmoid()
+    torch.testing.assert_close(torch.tensor(lines[0]["probabilities"]), want0, atol=2e-6, rtol=0)
+    assert len(lines[1]["probabilities"]) == 2 and len(lines[1]["probabilities"][1]) == 3
+    want1 = ranker.score_full([users[1]], [[6, 7, 8]]).sigmoid()
+    torch.testing.assert_close(torch.tensor(lines[1]["probabilities"][1]), want1, atol=2e-6, rtol=0)
+    # a bad request: one error line naming the line, exit 2
+    inp.write_text(json.dumps({**users[0], "candidates": [1, 10**9]}) + "\n")
+    capsys.readouterr()
+    assert infer_main(["rank", "--checkpoint", str(run_dir), "--input", str(inp)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "req.jsonl:1" in err[0] and "unknown candidate item ids" in err[0]

@@ -39,7 +39,8 @@ class Ranker(CheckpointModel):
         self.check_users(reqs)
         return self.make_batch(reqs)
 
-    def _check_candidates(self, candidates: Sequence[Sequence[int]]) -> None:
+    def check_candidates(self, candidates: Sequence[Sequence[int]]) -> None:
+        """ValueError for candidate ids outside the item corpus or an empty set."""
         unknown = self.unknown_items([int(i) for c in candidates for i in c])
         if unknown:
             raise ValueError(
@@ -72,12 +73,49 @@ class Ranker(CheckpointModel):
     ) -> torch.Tensor:
         """Logits [sum of candidates, num_tasks] (float32, CPU) of each user's candidates, in
         the cache's user order; times default to each user's query time."""
-        self._check_candidates(candidates)
+        self.check_candidates(candidates)
         with self._autocast():
             out = score_candidates(
                 self.model, cache, [list(map(int, c)) for c in candidates], timestamps
             )
         return out.float().cpu()
+
+    def score_sets(
+        self,
+        users: Sequence[UserHistory | Mapping[str, Any]],
+        candidate_sets: Sequence[Sequence[Sequence[int]]],
+        batch_size: int = 64,
+    ) -> list[list[torch.Tensor]]:
+        """Logits of any number of candidate sets per user: ``out[u][k]`` is [len(set k),
+        num_tasks] for user u's k-th set (candidates at the request's query time). Users are
+        encoded once per set size, ``batch_size`` at a time; each of their sets of that size is
+        then scored from the cache."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be positive")
+        if len(candidate_sets) != len(users):
+            raise ValueError(
+                f"{len(candidate_sets)} lists of candidate sets for {len(users)} users"
+            )
+        out: list[list[torch.Tensor | None]] = [[None] * len(sets) for sets in candidate_sets]
+        by_size: dict[int, dict[int, list[int]]] = {}
+        for u, sets in enumerate(candidate_sets):
+            if len(sets) == 0:
+                raise ValueError(f"request {u + 1}: no candidate sets")
+            for k, cand in enumerate(sets):
+                by_size.setdefault(len(cand), {}).setdefault(u, []).append(k)
+        for n, per_user in sorted(by_size.items()):
+            order = list(per_user)
+            for start in range(0, len(order), batch_size):
+                chunk = order[start : start + batch_size]
+                cache = self.encode([users[u] for u in chunk], num_candidates=max(n, 1))
+                for r in range(max(len(per_user[u]) for u in chunk)):
+                    # users with fewer sets of this size repeat their first one (dropped)
+                    ks = [per_user[u][min(r, len(per_user[u]) - 1)] for u in chunk]
+                    logits = self.score(cache, [candidate_sets[u][k] for u, k in zip(chunk, ks)])
+                    for u, k, part in zip(chunk, ks, torch.split(logits, n)):
+                        if r < len(per_user[u]):
+                            out[u][k] = part
+        return out  # type: ignore[return-value]
 
     def predict(self, cache: HistoryCache, candidates, timestamps=None) -> torch.Tensor:
         """Per-task probabilities (sigmoid of `score`)."""
@@ -91,7 +129,7 @@ class Ranker(CheckpointModel):
         timestamps: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """The same logits by the model's forward on history + candidates (no cache)."""
-        self._check_candidates(candidates)
+        self.check_candidates(candidates)
         batch = self._history_batch(users)
         query_time = batch.target_timestamps
         batch.target_timestamps = None

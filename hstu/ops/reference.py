@@ -544,40 +544,65 @@ def hstu_attention_cached(
     L_b - Lq_b .. L_b - 1. k, v [Tk, H, D] hold sequence b's L_b rows from ``kv_offsets[b]``, with
     L_b = ``kv_lengths[b]`` when given (the rest of the slot is ignored) or the slot's size.
     ``num_contexts`` / ``num_targets`` / ``timestamps`` (k's layout) and the bias weights are those
-    of the whole sequence; ``scaling_seqlen`` defaults to the longest L_b. Computed by running
-    `hstu_attention` on the whole sequences with zero queries elsewhere (the compiled twin,
-    `torch.ops.hstu_attention.fwd_cached`, computes the query rows only)."""
+    of the whole sequence; ``scaling_seqlen`` defaults to the longest L_b. Only the query rows
+    are computed (padded [B, H, max Lq, max L] scores; the mask and the bias are the whole
+    sequence's rows at the query positions); the compiled twin is
+    `torch.ops.hstu_attention.fwd_cached`."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"q, k, v must be jagged [T, H, D]; got q{tuple(q.shape)} k{tuple(k.shape)} "
+            f"v{tuple(v.shape)}"
+        )
+    if k.shape[:2] != v.shape[:2] or k.shape[1] != q.shape[1] or k.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"q [Tq, H, D], k [Tk, H, D] and v [Tk, H, Dv] do not match: q{tuple(q.shape)} "
+            f"k{tuple(k.shape)} v{tuple(v.shape)}"
+        )
     lengths, q_lengths, ko = cached_layout(q_offsets, kv_offsets, kv_lengths, q.shape[0])
     if q.shape[0] == 0:
         return q.new_zeros((0, q.shape[1], v.shape[2]))
     dev = q.device
-    b = lengths.numel()
-    max_len = int(lengths.max())
-    # rows of the sequences in k's layout, and of the queries in the compacted layout
+    b, h = lengths.numel(), q.shape[1]
+    n, nq = int(lengths.max()), int(q_lengths.max())
+    alpha = 1.0 / math.sqrt(q.shape[2]) if alpha is None else float(alpha)
+    scaling = float(n if scaling_seqlen is None else scaling_seqlen)
+    if scaling <= 0:
+        raise ValueError(f"scaling_seqlen must be > 0; got {scaling}")
+    check_relative_bias(
+        k.shape[0], h, timestamps, pos_weight, time_weight, max_pos, alpha, last_query_time, b
+    )
+    cdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # the sequences' rows of k's layout (compacted), and the queries padded to [B, Nq]
     rows = torch.cat([torch.arange(int(ko[i]), int(ko[i]) + int(lengths[i])) for i in range(b)])
     offsets = torch.zeros(b + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
-    q_rows = torch.cat(
-        [torch.arange(int(offsets[i + 1] - q_lengths[i]), int(offsets[i + 1])) for i in range(b)]
-    )
-    rows, q_rows = rows.long().to(dev), q_rows.long().to(dev)
-    full_q = q.new_zeros((int(offsets[-1]), q.shape[1], q.shape[2])).index_copy(0, q_rows, q)
-    out = hstu_attention(
-        full_q,
-        k.index_select(0, rows),
-        v.index_select(0, rows),
-        offsets.to(dev),
-        max_len,
-        num_contexts=None if num_contexts is None else num_contexts.to(dev),
-        num_targets=None if num_targets is None else num_targets.to(dev),
-        target_group_size=target_group_size,
-        window_size=window_size,
-        alpha=alpha,
-        scaling_seqlen=scaling_seqlen,
-        timestamps=None if timestamps is None else timestamps.index_select(0, rows),
-        pos_weight=pos_weight,
-        time_weight=time_weight,
-        max_pos=max_pos,
-        last_query_time=last_query_time,
-    )
-    return out.index_select(0, q_rows)
+    q_offs = torch.zeros(b + 1, dtype=torch.int64)
+    q_offs[1:] = torch.cumsum(q_lengths, 0)
+    rows, offsets, q_offs = rows.to(dev), offsets.to(dev), q_offs.to(dev)
+    kp = jagged_to_padded(k.index_select(0, rows).to(cdtype), offsets, n).transpose(1, 2)
+    vp = jagged_to_padded(v.index_select(0, rows).to(cdtype), offsets, n).transpose(1, 2)
+    qp = jagged_to_padded(q.to(cdtype), q_offs, nq).transpose(1, 2)  # [B, H, Nq, D]
+    scores = torch.matmul(qp, kp.transpose(-1, -2)) * alpha  # [B, H, Nq, N]
+    # position of query row r of sequence b: L_b - Lq_b + r (rows past Lq_b are padding)
+    r = torch.arange(nq, device=dev).view(1, nq)
+    shift = (lengths - q_lengths).to(dev).view(b, 1)
+    is_query = r < q_lengths.to(dev).view(b, 1)
+    pos = torch.where(is_query, shift + r, torch.zeros_like(r))  # [B, Nq]
+    gather = pos.view(b, 1, nq, 1)
+    if pos_weight is not None or time_weight is not None:
+        rab = relative_attention_bias(
+            offsets, n, None if timestamps is None else timestamps.index_select(0, rows),
+            pos_weight, time_weight, max_pos, h, last_query_time,
+        )  # fmt: skip
+        rab = rab.gather(2, gather.expand(b, rab.shape[1], nq, n))
+        scores = scores + rab.to(cdtype)
+    mask = hstu_attention_mask(
+        lengths.to(dev), n,
+        None if num_contexts is None else num_contexts.to(dev),
+        None if num_targets is None else num_targets.to(dev),
+        target_group_size, window_size,
+    )  # fmt: skip
+    mask = mask.gather(1, pos.view(b, nq, 1).expand(b, nq, n)) & is_query.view(b, nq, 1)
+    attn = F.silu(scores) * mask.unsqueeze(1).to(scores.dtype) / scaling
+    out = torch.matmul(attn, vp).transpose(1, 2)  # [B, Nq, H, Dv]
+    return padded_to_jagged(out, q_offs).to(q.dtype)

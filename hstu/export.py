@@ -3,10 +3,11 @@
     python -m hstu.export --checkpoint runs/<run> --out exported/ [--config config.gin] \\
         [--gin-bindings 'DatasetArgs.dataset_path="..."'] [--overwrite]
 
-The checkpoint may come from any number of ranks. The artifact (docs/inference.md) holds the
-query encoder as a `torch.export` program, the frozen tables, the configuration and a manifest
-with checksums; ``python -m hstu.infer retrieve --artifact DIR`` and
-`hstu.inference.artifact.RetrievalArtifact` serve it with torch alone. Retrieval models only.
+The checkpoint (a retrieval or a ranking run) may come from any number of ranks. The artifact
+(docs/inference.md) holds the model as a `torch.export` program (retrieval: the query encoder;
+ranking: history + candidates -> logits), the frozen tables, the configuration and a manifest
+with checksums; ``python -m hstu.infer retrieve|rank --artifact DIR`` and
+`hstu.inference.artifact.load_artifact` serve it with torch alone.
 Errors follow `hstu.errors`: one ``error:`` line, exit 2 for input and configuration problems.
 """
 
@@ -52,9 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Path(ns.out)
         if out.exists() and not ns.overwrite and not (out.is_dir() and not any(out.iterdir())):
             raise UsageError(f"--out {out} exists and is not empty: choose another or --overwrite")
-        from hstu.inference.export import export_retrieval
+        from hstu.inference.export import export_checkpoint
 
-        out = export_retrieval(
+        out = export_checkpoint(
             ns.checkpoint,
             ns.out,
             config_file=ns.config,

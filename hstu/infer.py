@@ -111,7 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Score candidate sets of each request of a JSON-lines file from a KV cache "
         "of its history.",
     )
-    k.add_argument("--checkpoint", required=True, metavar="DIR", help="a ranking run's checkpoint")
+    ksource = k.add_mutually_exclusive_group(required=True)
+    ksource.add_argument("--checkpoint", metavar="DIR", help="a ranking run's checkpoint")
+    ksource.add_argument(
+        "--artifact", metavar="DIR", help="an exported ranking artifact (torch only; no cache)"
+    )
     k.add_argument("--input", required=True, metavar="FILE", help="JSON lines, one user each")
     k.add_argument("--output", metavar="FILE", help="JSON lines out (default: stdout)")
     k.add_argument("--batch-size", dest="batch_size", type=_positive, default=64, metavar="N")
@@ -263,10 +267,41 @@ def _candidate_sets(value, where: str) -> tuple[list[list[int]], bool]:
     return [_ints(c, f"{where}: candidates") for c in sets], nested
 
 
+def _rank_artifact(ns: argparse.Namespace) -> None:
+    """``rank --artifact``: the exported program on history + each candidate set."""
+    from hstu.inference.artifact import RankingArtifact
+    from hstu.inference.requests import as_user_history
+
+    if ns.config or ns.gin_bindings:
+        raise UsageError("--config and --gin-bindings apply to --checkpoint only")
+    artifact = RankingArtifact.load(ns.artifact)
+    out = open(ns.output, "w", encoding="utf-8") if ns.output else sys.stdout  # noqa: SIM115
+    try:
+        for req in read_requests(ns.input):
+            where = f"{ns.input}:{req.pop('_line')}"
+            if "candidates" not in req or "items" not in req:
+                raise ValueError(f"{where}: an artifact request needs 'items' and 'candidates'")
+            sets, many = _candidate_sets(req.pop("candidates"), where)
+            user = as_user_history(req, where)
+            try:
+                logits = [artifact.score([user], [c]) for c in sets]
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+            probs = [[[round(p, 6) for p in row] for row in t.sigmoid().tolist()] for t in logits]
+            line = {"user_id": user.user_id, "probabilities": probs if many else probs[0]}
+            out.write(json.dumps(line) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
 def _rank(ns: argparse.Namespace) -> None:
     from hstu.inference.ranker import Ranker
     from hstu.inference.requests import as_user_history
 
+    if ns.artifact is not None:
+        _rank_artifact(ns)
+        return
     ckpt = Path(ns.checkpoint)
     if not ckpt.exists():
         raise FileNotFoundError(f"--checkpoint {ckpt} does not exist")

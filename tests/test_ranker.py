@@ -125,3 +125,84 @@ def test_cli_rank_end_to_end(ranker, tmp_path, capsys):
     assert infer_main(["rank", "--checkpoint", str(run_dir), "--input", str(inp)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "req.jsonl:1" in err[0] and "unknown candidate item ids" in err[0]
+
+
+# ---- export of a ranking checkpoint -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ranking_artifact(ranker, tmp_path_factory):
+    from hstu.inference.export import export_checkpoint
+
+    run_dir = ranker.checkpoint.parent.parent
+    return export_checkpoint(run_dir, tmp_path_factory.mktemp("rank_export") / "artifact")
+
+
+def _long_requests(r: Ranker, rows: list[int]) -> list[dict]:
+    """Whole dataset histories (some longer than max_history_seqlen=20: the last 20 are kept)."""
+    out = []
+    for row in rows:
+        u = r.dataset_user(int(r.data.user_ids[row]))
+        out.append({"user_id": u.user_id, "items": u.items, "timestamps": u.timestamps,
+                    "actions": u.actions})  # fmt: skip
+    return out
+
+
+def test_ranking_artifact_equals_the_full_forward(ranker, ranking_artifact):
+    from hstu.inference.artifact import RankingArtifact, load_artifact, read_manifest
+
+    art = load_artifact(ranking_artifact)
+    assert isinstance(art, RankingArtifact)
+    manifest = read_manifest(ranking_artifact)
+    assert manifest["task"] == "ranking" and manifest["model"]["num_tasks"] == 8
+    users = _long_requests(ranker, [0, 1, 2, 5])
+    assert max(len(u["items"]) for u in users) > art.max_history
+    sets = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11]]  # counts differ: padded candidates
+    got = art.score(users, sets)
+    want = ranker.score_full(users, sets)
+    assert got.shape == want.shape == (11, 8)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown item ids"):
+        art.score(users[:1], [[10**9]])
+    with pytest.raises(ValueError, match="at least one candidate"):
+        art.score(users[:1], [[]])
+
+
+def test_ranking_artifact_serves_in_a_fresh_process(ranker, ranking_artifact, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    users = _long_requests(ranker, [0, 1])
+    sets = [[1, 2, 3], [4, 5]]
+    code = f"""
+import json, sys
+from hstu.inference.artifact import load_artifact
+art = load_artifact({str(ranking_artifact)!r})
+probs = art.predict(json.loads({json.dumps(json.dumps(users))}), {sets!r})
+heavy = sorted({{m.split('.')[0] for m in sys.modules}} & {{'torchrec', 'gin', 'fbgemm_gpu', 'tensorboard'}})
+print(json.dumps({{"probs": probs.tolist(), "heavy": heavy}}))
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["heavy"] == []
+    want = ranker.score_full(users, sets).sigmoid()
+    torch.testing.assert_close(torch.tensor(out["probs"]), want, rtol=0, atol=1e-5)
+    # the command line on the artifact
+    from hstu.infer import main as infer_main
+
+    inp = tmp_path / "req.jsonl"
+    inp.write_text(json.dumps({**users[0], "candidates": [[1, 2, 3], [4, 5]]}) + "\n")
+    res = tmp_path / "out.jsonl"
+    argv = ["rank", "--artifact", str(ranking_artifact), "--input", str(inp), "--output", str(res)]
+    assert infer_main(argv) == 0
+    line = json.loads(res.read_text())
+    want0 = ranker.score_full(users[:1], [[1, 2, 3]]).sigmoid()
+    torch.testing.assert_close(torch.tensor(line["probabilities"][0]), want0, atol=2e-6, rtol=0)

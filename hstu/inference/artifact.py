@@ -1,17 +1,20 @@
-"""Loading and serving an exported retrieval artifact with torch alone.
+"""Loading and serving an exported artifact (retrieval or ranking) with torch alone.
 
 An artifact (written by ``python -m hstu.export``, `hstu.inference.export`) is a directory:
 
-    manifest.json   format, versions, source checkpoint, the model's fixed sizes, and the sha256
-                    and size of every other file
-    model.pt2       torch.export program: dense user batch -> L2-normalised queries [B, D]
-    tables.pt       corpus ids (sorted) + normalised corpus embeddings, dataset users (sorted)
-                    with their contextual feature ids (tensors only, loaded with weights_only)
+    manifest.json   format, versions, task, source checkpoint, the model's fixed sizes, and the
+                    sha256 and size of every other file
+    model.pt2       torch.export program: retrieval, dense user batch -> L2-normalised queries
+                    [B, D]; ranking, dense user batch + candidates -> logits [B, C, tasks]
+    tables.pt       corpus ids (sorted) (+ retrieval: normalised corpus embeddings), dataset
+                    users (sorted) with their contextual feature ids (tensors only, loaded with
+                    weights_only)
     config.gin      the training configuration, for people (not read here)
 
-`RetrievalArtifact.load` checks the manifest and every checksum before it loads anything, so a
-truncated, edited or swapped file is a clear error, never garbage scores. This module imports
-torch, NumPy and `hstu.inference.requests` only: serving needs neither torchrec nor gin.
+`load_artifact` (or `RetrievalArtifact.load` / `RankingArtifact.load`) checks the manifest and
+every checksum before it loads anything, so a truncated, edited or swapped file is a clear
+error, never garbage scores. This module imports torch, NumPy and `hstu.inference.requests`
+only: serving needs neither torchrec nor gin.
 """
 
 from __future__ import annotations
@@ -28,10 +31,20 @@ import torch
 
 from hstu.inference.requests import UserHistory, as_user_history
 
-__all__ = ["ARTIFACT_FORMAT", "ARTIFACT_VERSION", "FILES", "ArtifactError", "RetrievalArtifact"]
+__all__ = [
+    "ARTIFACT_FORMAT",
+    "ARTIFACT_VERSION",
+    "FILES",
+    "ArtifactError",
+    "RankingArtifact",
+    "RetrievalArtifact",
+    "load_artifact",
+    "read_manifest",
+]
 
-ARTIFACT_FORMAT = "hstu-retrieval-artifact"
+ARTIFACT_FORMAT = "hstu-inference-artifact"
 ARTIFACT_VERSION = 1
+TASKS = ("retrieval", "ranking")
 FILES = {
     "manifest": "manifest.json",
     "model": "model.pt2",
@@ -69,7 +82,11 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ArtifactError(f"{mpath} is not readable JSON ({exc}); {_EXPORT_HINT}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != ARTIFACT_FORMAT:
-        raise ArtifactError(f"{mpath} is not an HSTU retrieval artifact manifest; {_EXPORT_HINT}")
+        raise ArtifactError(f"{mpath} is not an HSTU artifact manifest; {_EXPORT_HINT}")
+    if manifest.get("task") not in TASKS:
+        raise ArtifactError(
+            f"{mpath}: task {manifest.get('task')!r} is not one of {list(TASKS)}; {_EXPORT_HINT}"
+        )
     if manifest.get("version") != ARTIFACT_VERSION:
         raise ArtifactError(
             f"{mpath}: artifact format version {manifest.get('version')!r}, this library reads "
@@ -94,15 +111,22 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-class RetrievalArtifact:
-    """A loaded retrieval artifact: queries and top-K over the exported corpus.
+class _Artifact:
+    """What both tasks' artifacts share: the checked files, the program, the request inputs.
 
-    ``device``: where the corpus scoring runs; the query program runs on the CPU, where it was
-    traced (its constants live there)."""
+    ``device``: where the corpus scoring runs (retrieval); the program runs on the CPU, where it
+    was traced (its constants live there)."""
+
+    task = ""
 
     def __init__(self, path: str | os.PathLike, device: str | torch.device = "cpu") -> None:
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
+        if self.manifest["task"] != self.task:
+            raise ArtifactError(
+                f"{self.path} holds a {self.manifest['task']} model, not a {self.task} model "
+                "(hstu.inference.artifact.load_artifact picks the class)"
+            )
         model = self.manifest.get("model") or {}
         try:
             self.max_history = int(model["max_history"])
@@ -115,18 +139,19 @@ class RetrievalArtifact:
             ) from exc
         self.device = torch.device(device)
         try:
-            tables = torch.load(self.path / FILES["tables"], map_location="cpu", weights_only=True)
+            self.tables = torch.load(
+                self.path / FILES["tables"], map_location="cpu", weights_only=True
+            )
             self.program = torch.export.load(str(self.path / FILES["model"]))
         except Exception as exc:  # noqa: BLE001 - any load failure is an artifact problem
             raise ArtifactError(f"{self.path}: cannot load ({exc}); {_EXPORT_HINT}") from exc
-        self.query_module = self.program.module()
-        self.corpus = tables["corpus"].long()
-        self.corpus_emb = tables["corpus_embeddings"].float().to(self.device)
-        self.user_ids = tables["user_ids"].long()
-        self.user_features = tables["user_features"].long()
+        self.module = self.program.module()
+        self.corpus = self.tables["corpus"].long()
+        self.user_ids = self.tables["user_ids"].long()
+        self.user_features = self.tables["user_features"].long()
 
     @classmethod
-    def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu") -> RetrievalArtifact:
+    def load(cls, path: str | os.PathLike, device: str | torch.device = "cpu"):
         return cls(path, device)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -161,7 +186,8 @@ class RetrievalArtifact:
         return values
 
     def inputs(self, users: Sequence[UserHistory | Mapping[str, Any]]) -> tuple[torch.Tensor, ...]:
-        """The query program's dense inputs for ``users`` (the last max_history items each)."""
+        """The program's dense history inputs for ``users`` (the last max_history items each):
+        (item rows, lengths, actions, contextual ids, timestamps, query times)."""
         reqs = [as_user_history(u, f"request {i + 1}") for i, u in enumerate(users)]
         b, lmax, f = len(reqs), self.max_history, len(self.feature_names)
         rows = torch.zeros(b, lmax, dtype=torch.int64)
@@ -193,6 +219,60 @@ class RetrievalArtifact:
                 query_time[r] = u.timestamps[-1] if u.query_time is None else u.query_time
             ctx[r] = torch.as_tensor(self._features_of(u, where), dtype=torch.int64)
         return rows, lengths, actions, ctx, times, query_time
+
+
+class RankingArtifact(_Artifact):
+    """A loaded ranking artifact: logits of each request's candidates, the model's forward on
+    history + candidates (the exported program; equal to `Ranker.score_full`)."""
+
+    task = "ranking"
+
+    @torch.no_grad()
+    def score(
+        self,
+        users: Sequence[UserHistory | Mapping[str, Any]],
+        candidates: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """Logits [sum of candidates, num_tasks] (float32, CPU), users in order; candidates are
+        scored at each request's query time (default its last item's time)."""
+        if len(candidates) != len(users):
+            raise ValueError(f"{len(candidates)} candidate sets for {len(users)} users")
+        rows, lengths, actions, ctx, times, query_time = self.inputs(users)
+        b = len(candidates)
+        c = max((len(x) for x in candidates), default=0)
+        cand_rows = torch.zeros(b, max(c, 1), dtype=torch.int64)
+        counts = torch.zeros(b, dtype=torch.int64)
+        for r, cand in enumerate(candidates):
+            if len(cand) == 0:
+                raise ValueError(f"request {r + 1}: every user needs at least one candidate")
+            cand_rows[r, : len(cand)] = self._rows_of(cand, f"request {r + 1}: candidates")
+            counts[r] = len(cand)
+        cand_times = query_time.view(-1, 1).expand(b, cand_rows.shape[1]).contiguous()
+        logits = self.module(rows, lengths, actions, ctx, times, cand_rows, counts, cand_times)
+        keep = torch.arange(cand_rows.shape[1]).view(1, -1) < counts.view(-1, 1)
+        return logits[keep]
+
+    def predict(self, users, candidates) -> torch.Tensor:
+        """Per-task probabilities (sigmoid of `score`)."""
+        return torch.sigmoid(self.score(users, candidates))
+
+
+def load_artifact(path: str | os.PathLike, device: str | torch.device = "cpu") -> _Artifact:
+    """The artifact at ``path`` as a `RetrievalArtifact` or `RankingArtifact` (by its task)."""
+    task = read_manifest(path)["task"]
+    cls = RankingArtifact if task == "ranking" else RetrievalArtifact
+    return cls(path, device)
+
+
+class RetrievalArtifact(_Artifact):
+    """A loaded retrieval artifact: queries and top-K over the exported corpus."""
+
+    task = "retrieval"
+
+    def __init__(self, path: str | os.PathLike, device: str | torch.device = "cpu") -> None:
+        super().__init__(path, device)
+        self.query_module = self.module
+        self.corpus_emb = self.tables["corpus_embeddings"].float().to(self.device)
 
     # ---- scoring -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -37,7 +37,14 @@ from hstu.training.checkpoint import Checkpointer
 from hstu.training.reshard import restore_into, unexpected_keys, upgrade_state_keys
 from hstu.training.rundir import config_identity
 
-__all__ = ["CheckpointModel", "Retriever", "UserHistory", "as_user_history", "find_run_config"]
+__all__ = [
+    "CheckpointModel",
+    "Retriever",
+    "UserHistory",
+    "as_user_history",
+    "find_run_config",
+    "locate_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +60,36 @@ def find_run_config(step_dir: Path) -> Path | None:
         if path.is_file():
             return path
     return None
+
+
+def locate_checkpoint(
+    checkpoint_dir: str | os.PathLike, config_file: str | os.PathLike | None = None
+) -> tuple[Path, dict, Path, str]:
+    """(step directory, its meta.json, the run's config.gin, the task) of ``checkpoint_dir``: a
+    run directory, a checkpoint root (its ``latest``) or one ``step_XXXXXXXX`` directory."""
+    path = Path(checkpoint_dir)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"checkpoint {path} does not exist: give a run directory, its checkpoints/ "
+            "directory or one of its step_XXXXXXXX directories"
+        )
+    if (path / CONFIG_FILENAME).is_file() and (path / "checkpoints").is_dir():
+        path = path / "checkpoints"  # a run directory
+    step_dir = Checkpointer.resolve(path)
+    meta = Checkpointer.read_meta(step_dir)
+    if config_file is None:
+        found = find_run_config(step_dir)
+        if found is None:
+            raise FileNotFoundError(
+                f"no {CONFIG_FILENAME} found for checkpoint {step_dir} (looked in "
+                f"{step_dir.parent} and {step_dir.parent.parent}); pass the run's resolved "
+                "config with --config (Retriever.from_checkpoint(config_file=...))"
+            )
+        config_file = found
+    config_file = Path(config_file)
+    if not config_file.is_file():
+        raise FileNotFoundError(f"config file {config_file} does not exist")
+    return step_dir, meta, config_file, _task_of(config_file, meta)
 
 
 def _task_of(config_file: Path, meta: Mapping[str, Any]) -> str:
@@ -113,29 +150,7 @@ class CheckpointModel:
         ``bindings``: gin bindings applied after it (e.g. ``DatasetArgs.dataset_path`` when the
         data moved).
         """
-        path = Path(checkpoint_dir)
-        if not path.exists():
-            raise FileNotFoundError(
-                f"checkpoint {path} does not exist: give a run directory, its checkpoints/ "
-                "directory or one of its step_XXXXXXXX directories"
-            )
-        if (path / CONFIG_FILENAME).is_file() and (path / "checkpoints").is_dir():
-            path = path / "checkpoints"  # a run directory
-        step_dir = Checkpointer.resolve(path)
-        meta = Checkpointer.read_meta(step_dir)
-        if config_file is None:
-            found = find_run_config(step_dir)
-            if found is None:
-                raise FileNotFoundError(
-                    f"no {CONFIG_FILENAME} found for checkpoint {step_dir} (looked in "
-                    f"{step_dir.parent} and {step_dir.parent.parent}); pass the run's resolved "
-                    "config with --config (Retriever.from_checkpoint(config_file=...))"
-                )
-            config_file = found
-        config_file = Path(config_file)
-        if not config_file.is_file():
-            raise FileNotFoundError(f"config file {config_file} does not exist")
-        task = _task_of(config_file, meta)
+        step_dir, meta, config_file, task = locate_checkpoint(checkpoint_dir, config_file)
         if task != cls.task:
             raise ValueError(
                 f"checkpoint {step_dir} holds a {task} model; {cls.__name__} needs a "

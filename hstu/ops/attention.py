@@ -208,22 +208,24 @@ def hstu_attention(
         _require_kernel()
         from hstu.ops.cuda_attention import hstu_attention_cuda
 
-        d = q.shape[-1]
-        padded = next((h for h in KERNEL_HEAD_DIMS if h >= d), None)
         kwargs["inv_scale_tensor"] = inv_scale_tensor
-        if padded is None or padded == d or v.shape[-1] != d:
-            return hstu_attention_cuda(q, k, v, seq_offsets, max_seqlen, **kwargs)
-        # Zero columns change neither <q, k> nor the used output columns: run the kernel at the next
-        # compiled head dim (alpha keeps its 1/sqrt(d) default) and drop the padding. The relative
-        # bias does not depend on the head dim.
-        if kwargs["alpha"] is None:
-            kwargs["alpha"] = 1.0 / math.sqrt(d)
-        pad = (0, padded - d)
-        out = hstu_attention_cuda(
-            F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), seq_offsets, max_seqlen, **kwargs
-        )
-        return out[..., :d]
+        return _at_kernel_head_dim(hstu_attention_cuda, q, k, v, seq_offsets, max_seqlen, **kwargs)
     return reference.hstu_attention(q, k, v, seq_offsets, max_seqlen, bias=bias, **kwargs)
+
+
+def _at_kernel_head_dim(op: Callable, q, k, v, *args, **kwargs) -> torch.Tensor:
+    """``op(q, k, v, *args, **kwargs)`` at a head dim the kernel is compiled for: zero columns
+    change neither <q, k> nor the used output columns, so other head dims run at the next
+    compiled one (alpha keeps its 1/sqrt(d) default) with the padding dropped. The relative bias
+    does not depend on the head dim."""
+    d = q.shape[-1]
+    padded = next((h for h in KERNEL_HEAD_DIMS if h >= d), None)
+    if padded is None or padded == d or v.shape[-1] != d:
+        return op(q, k, v, *args, **kwargs)
+    if kwargs.get("alpha") is None:
+        kwargs["alpha"] = 1.0 / math.sqrt(d)
+    pad = (0, padded - d)
+    return op(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), *args, **kwargs)[..., :d]
 
 
 def hstu_attention_cached(
@@ -274,14 +276,4 @@ def hstu_attention_cached(
     kwargs.update(max_q_seqlen=max_q_seqlen, max_seqlen=max_seqlen)
     from hstu.ops.cuda_attention import hstu_attention_cached_cuda
 
-    d = q.shape[-1]
-    padded = next((h for h in KERNEL_HEAD_DIMS if h >= d), None)
-    if padded is None or padded == d:
-        return hstu_attention_cached_cuda(q, k, v, q_offsets, kv_offsets, **kwargs)
-    if kwargs["alpha"] is None:
-        kwargs["alpha"] = 1.0 / math.sqrt(d)
-    pad = (0, padded - d)
-    out = hstu_attention_cached_cuda(
-        F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), q_offsets, kv_offsets, **kwargs
-    )
-    return out[..., :d]
+    return _at_kernel_head_dim(hstu_attention_cached_cuda, q, k, v, q_offsets, kv_offsets, **kwargs)

@@ -44,6 +44,30 @@ def is_available() -> bool:
     return torch.cuda.is_available() and load_extension()
 
 
+def _check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The extension is built and q, k, v are 3-D (the ops check the rest)."""
+    if not load_extension():
+        raise RuntimeError(f"hstu._hstu_attention_C is not built; {_REBUILD_HINT}")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"q, k, v must be jagged [T, H, D]; got q{tuple(q.shape)} k{tuple(k.shape)} "
+            f"v{tuple(v.shape)}"
+        )
+
+
+def _bias_tensors(pos_weight, time_weight, timestamps, device):
+    """(pos_weight, time_weight, time_edges, timestamps) as the kernels read them: fp32
+    contiguous weights (no-ops for fp32 parameters), the bucket edges of the time weight."""
+    time_edges = None
+    if pos_weight is not None:
+        pos_weight = pos_weight.float().contiguous()
+    if time_weight is not None:
+        time_weight = time_weight.float().contiguous()
+        time_edges = reference.time_bucket_edges(time_weight.shape[1] - 1, device)
+        timestamps = timestamps.contiguous()
+    return pos_weight, time_weight, time_edges, timestamps
+
+
 class _HstuAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -194,13 +218,7 @@ def hstu_attention_cuda(
     `deterministic=True` makes dQ bitwise reproducible (key blocks add their dQ contributions in
     a fixed order) at some backward speed. Bad inputs raise ValueError/TypeError before launch.
     """
-    if not load_extension():
-        raise RuntimeError(f"hstu._hstu_attention_C is not built; {_REBUILD_HINT}")
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
-            f"q, k, v must be jagged [T, H, D]; got q{tuple(q.shape)} k{tuple(k.shape)} "
-            f"v{tuple(v.shape)}"
-        )
+    _check_call(q, k, v)
     reference.check_relative_bias(
         q.shape[0],
         q.shape[1],
@@ -224,14 +242,9 @@ def hstu_attention_cuda(
     ):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}; got {t.device}")
-    # the kernel reads fp32 contiguous weights (no-ops for fp32 parameters)
-    if pos_weight is not None:
-        pos_weight = pos_weight.float().contiguous()
-    time_edges = None
-    if time_weight is not None:
-        time_weight = time_weight.float().contiguous()
-        time_edges = reference.time_bucket_edges(time_weight.shape[1] - 1, q.device)
-        timestamps = timestamps.contiguous()
+    pos_weight, time_weight, time_edges, timestamps = _bias_tensors(
+        pos_weight, time_weight, timestamps, q.device
+    )
     return _HstuAttentionFn.apply(
         q,
         k,
@@ -293,13 +306,7 @@ def hstu_attention_cached_cuda(
     CUDA graph capture it must be on the GPU, already validated by the caller (e.g. with
     `reference.cached_layout`), with ``scaling_seqlen``, ``max_q_seqlen`` (the most queries of a
     sequence) and ``max_seqlen`` (the longest sequence) given."""
-    if not load_extension():
-        raise RuntimeError(f"hstu._hstu_attention_C is not built; {_REBUILD_HINT}")
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
-            f"q, k, v must be jagged [T, H, D]; got q{tuple(q.shape)} k{tuple(k.shape)} "
-            f"v{tuple(v.shape)}"
-        )
+    _check_call(q, k, v)
     reference.check_relative_bias(
         k.shape[0], q.shape[1], timestamps, pos_weight, time_weight, max_pos, alpha,
         last_query_time, kv_offsets.numel() - 1,
@@ -310,13 +317,9 @@ def hstu_attention_cached_cuda(
         scaling_seqlen = int(lengths.max()) if lengths.numel() else 1
     if not float(scaling_seqlen) > 0:
         raise ValueError(f"scaling_seqlen must be > 0; got {scaling_seqlen}")
-    time_edges = None
-    if pos_weight is not None:
-        pos_weight = pos_weight.float().contiguous()
-    if time_weight is not None:
-        time_weight = time_weight.float().contiguous()
-        time_edges = reference.time_bucket_edges(time_weight.shape[1] - 1, q.device)
-        timestamps = timestamps.contiguous()
+    pos_weight, time_weight, time_edges, timestamps = _bias_tensors(
+        pos_weight, time_weight, timestamps, q.device
+    )
     return torch.ops.hstu_attention.fwd_cached(
         q,
         k,

@@ -7,7 +7,10 @@
 #
 # Steps: build (all kernels, HSTU_CUDA_ARCH_LIST default "8.0;9.0"), tests (pytest -m gpu),
 # attn (scripts/bench_attention.py --graph, JSON lines), layer (scripts/bench_layer.py), e2e
-# (scripts/bench_e2e.py, 1 GPU, the docs/benchmarks.md command); A/B runs of one build (no
+# (scripts/bench_e2e.py, 1 GPU, the docs/benchmarks.md command), data (prepare ML-1M, Amazon
+# Beauty, ML-100K from data/raw), inference (scripts/bench_inference.py), small
+# (scripts/bench_small.py, eager vs CUDA graphs), attn-bias (the relative bias's cost), hybrid
+# (scripts/bench_embedding.py --hybrid); A/B runs of one build (no
 # reference): attn-ab (dispatch order), attn-fwd256 (d256 forward tiles), dq-convert-ab (where dQ
 # is converted); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute).
 # Every step runs even if an earlier one failed; the exit code is the number of failed steps.
@@ -60,6 +63,27 @@ step() {
       python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --steps 30 \
         --paths compiled --bindings "EmbeddingArgs.item_capacity=2000000" \
         "EmbeddingArgs.user_capacity=1000000" "TrainerArgs.peak_tflops=989" ;;
+    data)  # the public datasets, from copies in data/raw (ml-1m.txt.gz, Beauty.txt, ml-100k/u.data)
+      python3 -m hstu.data.prepare --dataset sequences --source data/raw/ml-1m.txt.gz --output data/ml-1m
+      python3 -m hstu.data.prepare --dataset amazon-beauty --source data/raw/Beauty.txt --output data/amazon-beauty
+      python3 -m hstu.data.prepare --dataset ml-100k --source data/raw/ml-100k --output data/ml-100k ;;
+    inference)  # ranking from a KV cache (batches of 1 and 64), retrieval users/s on ML-1M
+      python3 scripts/bench_inference.py ranking --batches 1,64 --out "$out/inference.jsonl"
+      python3 scripts/bench_inference.py retrieval --config configs/ml_1m_retrieval.gin \
+        --out "$out/inference.jsonl" ;;
+    small)  # the small configs, eager vs CUDA graphs of the encoder, 2000 steps each
+      for g in False True; do
+        python3 scripts/bench_small.py --config configs/ml_1m_retrieval.gin --steps 2000 \
+          --evals 1 --bindings "NetworkArgs.cuda_graphs=$g" --out "$out/small.jsonl"
+        python3 scripts/bench_small.py --config configs/amazon_beauty_retrieval.gin --steps 2000 \
+          --evals 1 --bindings "NetworkArgs.cuda_graphs=$g" --out "$out/small.jsonl"
+      done ;;
+    attn-bias)  # the relative bias's cost (docs/benchmarks.md, "With the relative attention bias")
+      for b in none position position_time; do
+        python3 scripts/bench_attention.py --graph --iters 20 --ref-iters 3 \
+          --shapes long_d128,rank_targets --bias "$b" --out "$out/attn_bias.jsonl"
+      done ;;
+    hybrid) python3 scripts/bench_embedding.py --hybrid ;;
     ncu-bwd256) ncu_kernel hstu_bwd_kernel 2 long_d256 ;;
     ncu-fwd256) ncu_kernel hstu_fwd_kernel 2 long_d256 ;;
     ncu-bwd128) ncu_kernel hstu_bwd_kernel 2 long_d128 ;;

@@ -484,7 +484,8 @@ class GraphedScorer:
 
         if self.autocast_dtype is None or self.autocast_dtype == torch.float32:
             return contextlib.nullcontext()
-        return torch.autocast("cuda", dtype=self.autocast_dtype)
+        # no cast cache: a cast made outside the capture must not be read by the graph
+        return torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
 
     @torch.no_grad()
     def _run(self) -> torch.Tensor:

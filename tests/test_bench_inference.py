@@ -30,3 +30,18 @@ def test_bench_inference_ranking_on_cpu(load_script, tmp_path):
         assert r["speedup_cached_eager"] > 0
         assert r["max_abs_diff_eager"] <= 1e-5 * max(1.0, r["max_abs_logit"])
         assert "cached_graph" not in r  # CUDA only
+
+
+def test_bench_inference_retrieval_on_cpu(load_script, tmp_path):
+    from pathlib import Path
+
+    bench = load_script("bench_inference")
+    out = tmp_path / "rows.jsonl"
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "synthetic_retrieval.gin")
+    argv = ["retrieval", "--device", "cpu", "--config", config, "--batch-size", "64"]
+    argv += ["--iters", "3", "--top-k", "20", "--out", str(out), "--bindings", *TINY[:2]]
+    argv += ["DatasetArgs.max_history_seqlen=16", *TINY[2:]]
+    assert bench.main(argv) == 0
+    row = json.loads(out.read_text().strip().splitlines()[-1])
+    assert row["users"] == 64 and row["corpus"] > 0 and row["top_k"] == 20
+    assert row["users_per_s"] > 0 and row["pass_ms"]["p50_ms"] > 0

@@ -545,30 +545,46 @@ def test_position_time_model_learns(tmp_path, run_dir_bindings):
     assert np.mean(losses[-4:]) < np.mean(losses[:4]), losses
 
 
+# configs/synthetic_time_retrieval.gin with and without the time bias: the seeds compared, and the
+# evaluations (steps) whose HR@10 is averaged into a run's HR@10
+PLANTED_SEEDS = (0, 1)
+PLANTED_EVAL_INTERVAL = 200
+PLANTED_EVAL_STEPS = (800, 1000)
+
+
 def test_time_bias_beats_no_bias_on_the_planted_time_effect(tmp_path, run_dir_bindings):
-    """configs/synthetic_time_retrieval.gin (the next item depends on the time gap before it):
-    the same model and runs with the relative position + time bias reach a clearly higher mean
-    HR@10 than without a bias (1,000 users, full-corpus evaluation, seeds 1-3). One run is not
-    enough: from some initialisations the time bias has not taken hold after 600 steps (measured
-    HR@10 per seed: position_time 0.462 / 0.451 / 0.355, none 0.382 / 0.371 / 0.383)."""
+    """configs/synthetic_time_retrieval.gin (the next item depends on the time gap before it),
+    trained as configured (1,000 steps) with the relative position + time bias and without a
+    bias: the time bias is ahead by >= 0.04 HR@10 for every seed and by >= 0.05 on the mean
+    (1,000 users, full-corpus evaluation; measured for seeds 0-9: 0.062-0.081 ahead,
+    docs/results.md).
+
+    The time bias takes hold at a step that depends on the seed and on how fast the item table
+    learns: with the table at its earlier learning rate (0.05) anywhere between ~400 and ~800
+    steps, so runs stopped at 600 steps compared half-trained models for some seeds; at the
+    config's 0.2 every seed measured has by step 600. A run's HR@10 is the mean of its
+    evaluations at steps 800 and 1,000: at a constant learning rate one evaluation moves by up to
+    ~0.03 from one checkpoint to the next."""
     config = str(Path(__file__).resolve().parents[1] / "configs" / "synthetic_time_retrieval.gin")
-    hr: dict[str, list[float]] = {"none": [], "position_time": []}
-    for kind, seed in itertools.product(hr, (1, 2, 3)):
+    hr: dict[str, dict[int, float]] = {"none": {}, "position_time": {}}
+    for kind, seed in itertools.product(hr, PLANTED_SEEDS):
         cfg = load_config(
             "retrieval",
             [config],
             run_dir_bindings(tmp_path, f"{kind}-{seed}")
             + [
-                "TrainerArgs.max_train_iters=600",
-                "TrainerArgs.eval_interval=0",
+                f"TrainerArgs.eval_interval={PLANTED_EVAL_INTERVAL}",
                 "TrainerArgs.ckpt_save_interval=-1",
                 "TrainerArgs.progress_bar=False",
                 f"TrainerArgs.seed={seed}",
                 f"NetworkArgs.relative_attention_bias='{kind}'",
             ],
         )
-        hr[kind].append(run_training(cfg).final_metrics["HR@10"])
-    assert np.mean(hr["position_time"]) > np.mean(hr["none"]) + 0.02, hr
+        assert cfg.trainer.max_train_iters == PLANTED_EVAL_STEPS[-1]
+        evals = dict(run_training(cfg).evals)
+        hr[kind][seed] = float(np.mean([evals[step]["HR@10"] for step in PLANTED_EVAL_STEPS]))
+    gains = [hr["position_time"][seed] - hr["none"][seed] for seed in PLANTED_SEEDS]
+    assert min(gains) >= 0.04 and np.mean(gains) >= 0.05, hr
 
 
 # ---- errors ---------------------------------------------------------------------------------------

@@ -206,3 +206,26 @@ print(json.dumps({{"probs": probs.tolist(), "heavy": heavy}}))
     line = json.loads(res.read_text())
     want0 = ranker.score_full(users[:1], [[1, 2, 3]]).sigmoid()
     torch.testing.assert_close(torch.tensor(line["probabilities"][0]), want0, atol=2e-6, rtol=0)
+
+
+def test_export_applies_the_window_and_target_groups(tmp_path):
+    """A model with a local window and candidate groups of 2: the exported program applies both
+    mask rules as the model does (the full forward on the same batch)."""
+    from hstu.inference.artifact import load_artifact
+    from hstu.inference.export import export_checkpoint
+
+    bindings = [b for b in TINY if "max_train_iters" not in b]
+    bindings += ["TrainerArgs.max_train_iters=5", "NetworkArgs.max_attn_len=6"]
+    bindings += ["NetworkArgs.target_group_size=2"]
+    cfg = load_config(
+        "ranking", [], [*bindings, f"TrainerArgs.log_dir='{tmp_path}'", "TrainerArgs.run_name='w'"]
+    )
+    result = run_training(cfg)
+    ranker = Ranker.from_checkpoint(result.run_dir)
+    assert all(layer.window_size == 6 for layer in ranker.model.encoder.layers)
+    art = load_artifact(export_checkpoint(result.run_dir, tmp_path / "artifact"))
+    users = _long_requests(ranker, [0, 1, 2])
+    sets = [[1, 2, 3, 4], [5, 6, 7], [8]]
+    torch.testing.assert_close(
+        art.score(users, sets), ranker.score_full(users, sets), rtol=0, atol=1e-5
+    )

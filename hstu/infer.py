@@ -25,6 +25,7 @@ configuration problems.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -202,56 +203,74 @@ def _retrieve(ns: argparse.Namespace) -> None:
     _write_results(ns, retriever, users)
 
 
-def _checkpoint_users(ns: argparse.Namespace):
-    from hstu.inference import Retriever, UserHistory, as_user_history
+def _request_user(model, req: dict, where: str):
+    """The request's `UserHistory`: its ``items``, else the user's whole stored history."""
+    from hstu.inference import as_user_history
 
+    if "items" in req:
+        return as_user_history(req, where)
+    try:
+        return model.dataset_user(req["user_id"])
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"{where}: user {req['user_id']!r} gives no 'items' and is not in the dataset"
+        ) from None
+
+
+def _checkpoint_and_requests(ns: argparse.Namespace, cls):
+    """(``cls.from_checkpoint`` of ``--checkpoint``, the requests of ``--input``); a missing
+    checkpoint is reported first, before the input is read."""
     ckpt = Path(ns.checkpoint)
     if not ckpt.exists():
         raise FileNotFoundError(f"--checkpoint {ckpt} does not exist")
     requests = read_requests(ns.input)
-    retriever = Retriever.from_checkpoint(
+    model = cls.from_checkpoint(
         ckpt, device=ns.device, config_file=ns.config, bindings=ns.gin_bindings
     )
-    users: list[UserHistory] = []
+    return model, requests
+
+
+@contextlib.contextmanager
+def _output(ns: argparse.Namespace):
+    """``--output`` opened for writing, or stdout."""
+    if not ns.output:
+        yield sys.stdout
+        return
+    with open(ns.output, "w", encoding="utf-8") as out:
+        yield out
+
+
+def _checkpoint_users(ns: argparse.Namespace):
+    from hstu.inference import Retriever
+
+    retriever, requests = _checkpoint_and_requests(ns, Retriever)
+    users = []
     for req in requests:
         where = f"{ns.input}:{req.pop('_line')}"
-        if "items" in req:
-            user = as_user_history(req, where)
-        else:
-            try:
-                user = retriever.dataset_user(req["user_id"])
-            except (KeyError, TypeError):
-                raise ValueError(
-                    f"{where}: user {req['user_id']!r} gives no 'items' and is not in the dataset"
-                ) from None
+        user = _request_user(retriever, req, where)
         retriever.check_users([user], where)
         users.append(user)
     return retriever, users
 
 
 def _write_results(ns: argparse.Namespace, retriever, users: list) -> None:
-    out = open(ns.output, "w", encoding="utf-8") if ns.output else sys.stdout  # noqa: SIM115
-    try:
-        with _progress(len(users)) as bar:
-            for chunk in _chunks(users, ns.batch_size):
-                ids, scores = retriever.retrieve(
-                    chunk,
-                    top_k=ns.top_k,
-                    exclude_history=not ns.include_history,
-                    batch_size=ns.batch_size,
-                )
-                for u, row_ids, row_scores in zip(chunk, ids.tolist(), scores.tolist()):
-                    kept = [(i, s) for i, s in zip(row_ids, row_scores) if i >= 0]
-                    line = {
-                        "user_id": u.user_id,
-                        "items": [i for i, _ in kept],
-                        "scores": [round(s, 6) for _, s in kept],
-                    }
-                    out.write(json.dumps(line) + "\n")
-                bar.update(len(chunk))
-    finally:
-        if out is not sys.stdout:
-            out.close()
+    with _output(ns) as out, _progress(len(users)) as bar:
+        for chunk in _chunks(users, ns.batch_size):
+            ids, scores = retriever.retrieve(
+                chunk,
+                top_k=ns.top_k,
+                exclude_history=not ns.include_history,
+                batch_size=ns.batch_size,
+            )
+            for u, row_ids, row_scores in zip(chunk, ids.tolist(), scores.tolist()):
+                kept = [(i, s) for i, s in zip(row_ids, row_scores) if i >= 0]
+                line = {
+                    "user_id": u.user_id,
+                    "items": [i for i, _ in kept],
+                    "scores": [round(s, 6) for _, s in kept],
+                }
+                out.write(json.dumps(line) + "\n")
+            bar.update(len(chunk))
     if ns.output:
         logger.info("wrote %d users to %s", len(users), ns.output)
 
@@ -267,6 +286,12 @@ def _candidate_sets(value, where: str) -> tuple[list[list[int]], bool]:
     return [_ints(c, f"{where}: candidates") for c in sets], nested
 
 
+def _probabilities(user_id: int, logits: list, many: bool) -> str:
+    """One output line: per-task probabilities of each candidate, nested as given."""
+    probs = [[[round(p, 6) for p in row] for row in t.sigmoid().tolist()] for t in logits]
+    return json.dumps({"user_id": user_id, "probabilities": probs if many else probs[0]}) + "\n"
+
+
 def _rank_artifact(ns: argparse.Namespace) -> None:
     """``rank --artifact``: the exported program on history + each candidate set."""
     from hstu.inference.artifact import RankingArtifact
@@ -275,8 +300,7 @@ def _rank_artifact(ns: argparse.Namespace) -> None:
     if ns.config or ns.gin_bindings:
         raise UsageError("--config and --gin-bindings apply to --checkpoint only")
     artifact = RankingArtifact.load(ns.artifact)
-    out = open(ns.output, "w", encoding="utf-8") if ns.output else sys.stdout  # noqa: SIM115
-    try:
+    with _output(ns) as out:
         for req in read_requests(ns.input):
             where = f"{ns.input}:{req.pop('_line')}"
             if "candidates" not in req or "items" not in req:
@@ -287,43 +311,23 @@ def _rank_artifact(ns: argparse.Namespace) -> None:
                 logits = [artifact.score([user], [c]) for c in sets]
             except ValueError as exc:
                 raise ValueError(f"{where}: {exc}") from None
-            probs = [[[round(p, 6) for p in row] for row in t.sigmoid().tolist()] for t in logits]
-            line = {"user_id": user.user_id, "probabilities": probs if many else probs[0]}
-            out.write(json.dumps(line) + "\n")
-    finally:
-        if out is not sys.stdout:
-            out.close()
+            out.write(_probabilities(user.user_id, logits, many))
 
 
 def _rank(ns: argparse.Namespace) -> None:
     from hstu.inference.ranker import Ranker
-    from hstu.inference.requests import as_user_history
 
     if ns.artifact is not None:
         _rank_artifact(ns)
         return
-    ckpt = Path(ns.checkpoint)
-    if not ckpt.exists():
-        raise FileNotFoundError(f"--checkpoint {ckpt} does not exist")
-    requests = read_requests(ns.input)
-    ranker = Ranker.from_checkpoint(
-        ckpt, device=ns.device, config_file=ns.config, bindings=ns.gin_bindings
-    )
+    ranker, requests = _checkpoint_and_requests(ns, Ranker)
     users, sets, nested = [], [], []
     for req in requests:
         where = f"{ns.input}:{req.pop('_line')}"
         if "candidates" not in req:
             raise ValueError(f"{where}: missing 'candidates'")
         cand, many = _candidate_sets(req.pop("candidates"), where)
-        if "items" in req:
-            user = as_user_history(req, where)
-        else:
-            try:
-                user = ranker.dataset_user(req["user_id"])
-            except (KeyError, TypeError):
-                raise ValueError(
-                    f"{where}: user {req['user_id']!r} gives no 'items' and is not in the dataset"
-                ) from None
+        user = _request_user(ranker, req, where)
         try:
             ranker.check_users([user], where)
             ranker.check_candidates(cand)
@@ -335,15 +339,9 @@ def _rank(ns: argparse.Namespace) -> None:
         sets.append(cand)
         nested.append(many)
     logits = ranker.score_sets(users, sets, batch_size=ns.batch_size)
-    out = open(ns.output, "w", encoding="utf-8") if ns.output else sys.stdout  # noqa: SIM115
-    try:
+    with _output(ns) as out:
         for user, per_set, many in zip(users, logits, nested):
-            probs = [[[round(p, 6) for p in row] for row in t.sigmoid().tolist()] for t in per_set]
-            line = {"user_id": user.user_id, "probabilities": probs if many else probs[0]}
-            out.write(json.dumps(line) + "\n")
-    finally:
-        if out is not sys.stdout:
-            out.close()
+            out.write(_probabilities(user.user_id, per_set, many))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

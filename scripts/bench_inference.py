@@ -85,31 +85,20 @@ def _time(fn, iters: int, warmup: int) -> tuple[dict, object]:
 def _fixed_histories(history, length: int, num_items: int, action_bits: int, gen):
     """``history`` with every user's items replaced by ``length`` random items (and actions,
     increasing times): requests of one size."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
+    from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE
+    from hstu.inference.kv_cache import batch_from_parts, feature_parts
 
     b = history.batch_size
-    feats = history.features
-    parts = {k: (feats[k].values(), feats[k].lengths()) for k in feats.keys()}
+    parts = feature_parts(history)
     n = b * length
     lengths = torch.full((b,), length, dtype=parts[ITEM_FEATURE][1].dtype)
     parts[ITEM_FEATURE] = (torch.randint(1, num_items + 1, (n,), generator=gen), lengths)
     parts[ACTION_FEATURE] = (torch.randint(0, 1 << action_bits, (n,), generator=gen), lengths)
-    keys = list(parts)
-    kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=keys,
-        values=torch.cat([parts[k][0] for k in keys]),
-        lengths=torch.cat([parts[k][1] for k in keys]),
-    )
     gaps = torch.randint(1, 10_000, (b, length), generator=gen)
     times = (1_700_000_000 + torch.cumsum(gaps, 1)).reshape(-1)
-    return Batch(
-        features=kjt,
-        contextual_feature_names=list(history.contextual_feature_names),
-        num_candidates=torch.zeros(b, dtype=torch.int64),
-        user_ids=history.user_ids,
-        timestamps=times if history.timestamps is not None else None,
+    timed = history.timestamps is not None
+    return batch_from_parts(
+        parts, history, torch.zeros(b, dtype=torch.int64), times if timed else None
     )
 
 

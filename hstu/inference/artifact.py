@@ -271,8 +271,7 @@ class RetrievalArtifact(_Artifact):
 
     def __init__(self, path: str | os.PathLike, device: str | torch.device = "cpu") -> None:
         super().__init__(path, device)
-        self.query_module = self.module
-        self.corpus_emb = self.tables["corpus_embeddings"].float().to(self.device)
+        self.corpus_emb = self.tables.pop("corpus_embeddings").float().to(self.device)
 
     # ---- scoring -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -280,7 +279,7 @@ class RetrievalArtifact(_Artifact):
         """[U, D] L2-normalised query of each user (float32, CPU)."""
         if not len(users):
             return torch.empty(0, self.corpus_emb.shape[1])
-        return self.query_module(*self.inputs(users))
+        return self.module(*self.inputs(users))
 
     @torch.no_grad()
     def retrieve(

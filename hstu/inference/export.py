@@ -394,13 +394,13 @@ def export_checkpoint(
         "user_ids": torch.from_numpy(user_ids[order].copy()),
         "user_features": torch.from_numpy(feats[order][:, name_index].copy()),
     }
+    # the history inputs both programs take, batch-sized along dim 0
+    dynamic = {k: {0: batch} for k in ("item_rows", "lengths", "actions", "ctx_rows", "timestamps")}
     if found == "ranking":
         model: _DenseHSTU = DenseRanker(loaded, item_rows, ctx_rows)
         example = _example_inputs(model, batch=2)[:5] + _example_candidates(batch=2, count=3)
         cands = torch.export.Dim("candidates", min=1, max=1 << 16)
-        dynamic = {k: {0: batch} for k in ("item_rows", "lengths", "actions", "ctx_rows")}
         dynamic.update(
-            timestamps={0: batch},
             cand_rows={0: batch, 1: cands},
             cand_counts={0: batch},
             cand_times={0: batch, 1: cands},
@@ -409,8 +409,7 @@ def export_checkpoint(
     else:
         model = DenseQueryEncoder(loaded, item_rows, ctx_rows)
         example = _example_inputs(model, batch=2)
-        dynamic = {k: {0: batch} for k in ("item_rows", "lengths", "actions", "ctx_rows")}
-        dynamic.update(timestamps={0: batch}, query_time={0: batch})
+        dynamic.update(query_time={0: batch})
         tables["corpus_embeddings"] = loaded.corpus_embeddings().float().cpu().clone()
         extra = {}
     with torch.no_grad():

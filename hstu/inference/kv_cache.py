@@ -29,6 +29,7 @@ What has to hold for the cached and full scores to be equal:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +37,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
 from hstu.models.ranking import RankingGR
-from hstu.modules.preprocessor import host_lengths
+from hstu.modules.preprocessor import host_lengths, segment_ranges
 from hstu.ops.attention import hstu_attention_cached
+from hstu.ops.reference import cached_layout
 
 __all__ = [
     "CachedLayout",
+    "batch_from_parts",
+    "feature_parts",
     "GraphedScorer",
     "HistoryCache",
     "encode_history",
@@ -68,8 +72,7 @@ class HistoryCache:
     values: list[torch.Tensor]
     slot_offsets: torch.Tensor  # [B + 1] CPU int64: user b's slot starts at slot_offsets[b]
     history_tokens: torch.Tensor  # [B] CPU int64: contextual + history tokens of each user
-    history_items: torch.Tensor  # [B] CPU int64: history items (the candidates' position id)
-    num_contexts: torch.Tensor  # [B] CPU int64
+    num_contextual: int  # contextual tokens leading every sequence
     capacity: int  # candidate rows per slot
     timestamps: torch.Tensor | None  # [rows] int64 on the device (time bias only)
     history: Batch  # the encoded histories (CPU)
@@ -81,18 +84,26 @@ class HistoryCache:
     def batch_size(self) -> int:
         return int(self.history_tokens.numel())
 
+    @property
+    def history_items(self) -> torch.Tensor:
+        """[B] history items of each user (the candidates' position id)."""
+        return self.history_tokens - self.num_contextual
+
     def nbytes(self) -> int:
         """Bytes of the cached keys, values and times."""
         n = sum(t.numel() * t.element_size() for t in self.keys + self.values)
         return n + (0 if self.timestamps is None else self.timestamps.numel() * 8)
 
 
-def _split_features(batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def feature_parts(batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """feature -> (values, lengths) of ``batch``'s features."""
     feats = batch.features
     return {k: (feats[k].values(), feats[k].lengths()) for k in feats.keys()}
 
 
-def _batch_from_parts(parts, like: Batch, counts: torch.Tensor, timestamps) -> Batch:
+def batch_from_parts(parts, like: Batch, counts: torch.Tensor, timestamps) -> Batch:
+    """A `Batch` of the features ``parts`` (`feature_parts` form), with ``like``'s users and
+    contextual feature names, ``counts`` candidates per user and item ``timestamps``."""
     keys = list(parts)
     features = KeyedJaggedTensor.from_lengths_sync(
         keys=keys,
@@ -125,7 +136,7 @@ def with_candidates(
         raise ValueError("the history batch already holds candidates")
     if timestamps is not None and len(timestamps) != len(candidates):
         raise ValueError(f"{len(timestamps)} timestamp lists for {len(candidates)} candidate sets")
-    parts = _split_features(history)
+    parts = feature_parts(history)
     item_v, item_l = parts[ITEM_FEATURE]
     cands = [torch.as_tensor(c, dtype=torch.int64).reshape(-1) for c in candidates]
     counts = torch.tensor([c.numel() for c in cands], dtype=torch.int64)
@@ -138,7 +149,7 @@ def with_candidates(
             hist_t = history.timestamps[lo : lo + n]
             times += [hist_t, _candidate_times(b, c, hist_t, timestamps, query_time)]
     parts[ITEM_FEATURE] = (torch.cat(values), item_l + counts)
-    return _batch_from_parts(parts, history, counts, torch.cat(times) if times else None)
+    return batch_from_parts(parts, history, counts, torch.cat(times) if times else None)
 
 
 def _candidate_times(b, cands, hist_t, timestamps, query_time) -> torch.Tensor:
@@ -157,7 +168,7 @@ def _candidate_times(b, cands, hist_t, timestamps, query_time) -> torch.Tensor:
 def split_candidates(batch: Batch) -> tuple[Batch, list[torch.Tensor], list[torch.Tensor] | None]:
     """(the histories alone, each user's candidate items, their times or None) of a ranking
     ``batch`` (CPU): the inverse of `with_candidates`."""
-    parts = _split_features(batch)
+    parts = feature_parts(batch)
     item_v, item_l = parts[ITEM_FEATURE]
     hist = batch.history_lengths()
     starts = torch.cumsum(item_l, 0) - item_l
@@ -170,7 +181,7 @@ def split_candidates(batch: Batch) -> tuple[Batch, list[torch.Tensor], list[torc
             hist_times.append(batch.timestamps[lo : lo + h])
             times.append(batch.timestamps[lo + h : lo + n])
     parts[ITEM_FEATURE] = (torch.cat(keep), hist.clone())
-    history = _batch_from_parts(
+    history = batch_from_parts(
         parts,
         batch,
         torch.zeros_like(batch.num_candidates),
@@ -200,14 +211,16 @@ def _bias_kwargs(layer, layout: CachedLayout) -> dict:
     return layer.relative_bias.attention_kwargs(layout)
 
 
-def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _rows(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """CPU int64 concatenation of arange(starts[i], starts[i] + counts[i])."""
-    total = int(counts.sum())
-    if total == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    seg = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    first = torch.cumsum(counts, 0) - counts
-    return starts[seg] + torch.arange(total) - first[seg]
+    return segment_ranges(starts, counts, int(counts.sum()))
+
+
+def _slot_offsets(tokens: torch.Tensor, capacity: int) -> torch.Tensor:
+    """[B + 1] starts of slots of ``tokens + capacity`` rows."""
+    offsets = torch.zeros(tokens.numel() + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(tokens + capacity, 0)
+    return offsets
 
 
 @torch.no_grad()
@@ -253,10 +266,9 @@ def encode_history(
         attn.last_query_time = last
     # slot rows of the history tokens (the encoder's rows are the jagged layout of tokens)
     cap = int(num_candidates)
-    slot_offsets = torch.zeros(b + 1, dtype=torch.int64)
-    slot_offsets[1:] = torch.cumsum(tokens + cap, 0)
-    src = _ranges(attn.host_seq_offsets[:b], tokens).to(x.device)
-    dst = _ranges(slot_offsets[:-1], tokens).to(x.device)
+    slot_offsets = _slot_offsets(tokens, cap)
+    src = _rows(attn.host_seq_offsets[:b], tokens).to(x.device)
+    dst = _rows(slot_offsets[:-1], tokens).to(x.device)
     rows = int(slot_offsets[-1])
     h, d = model.encoder.layers[0].num_heads, model.encoder.layers[0].head_dim
     keys, values = [], []
@@ -275,8 +287,7 @@ def encode_history(
         values=values,
         slot_offsets=slot_offsets,
         history_tokens=tokens.clone(),
-        history_items=lengths.history.clone(),
-        num_contexts=torch.full((b,), f, dtype=torch.int64),
+        num_contextual=f,
         capacity=cap,
         timestamps=ts,
         history=host,
@@ -288,12 +299,10 @@ def encode_history(
 
 def _grow(cache: HistoryCache, capacity: int) -> None:
     """Re-lays the cache out with ``capacity`` candidate rows per slot (in place)."""
-    b = cache.batch_size
-    new_offsets = torch.zeros(b + 1, dtype=torch.int64)
-    new_offsets[1:] = torch.cumsum(cache.history_tokens + capacity, 0)
+    new_offsets = _slot_offsets(cache.history_tokens, capacity)
     dev = cache.keys[0].device if cache.keys else torch.device("cpu")
-    src = _ranges(cache.slot_offsets[:-1], cache.history_tokens).to(dev)
-    dst = _ranges(new_offsets[:-1], cache.history_tokens).to(dev)
+    src = _rows(cache.slot_offsets[:-1], cache.history_tokens).to(dev)
+    dst = _rows(new_offsets[:-1], cache.history_tokens).to(dev)
     rows = int(new_offsets[-1])
 
     def move(t: torch.Tensor) -> torch.Tensor:
@@ -308,39 +317,11 @@ def _grow(cache: HistoryCache, capacity: int) -> None:
     cache.capacity = capacity
 
 
-def _candidate_inputs(model: RankingGR, cache: HistoryCache, cands: list[torch.Tensor], device):
-    """[sum n, D] input tokens of the candidates: item embedding (scaled as the preprocessor
-    scales it) + the position embedding of position = history items (dropout is off in eval)."""
-    hist = cache.history
-    parts = _split_features(hist)
-    counts = torch.tensor([c.numel() for c in cands], dtype=torch.int64)
-    parts[ITEM_FEATURE] = (torch.cat(cands), counts)
-    actions = parts[ACTION_FEATURE][0]
-    parts[ACTION_FEATURE] = (actions[:0], torch.zeros_like(counts))
-    batch = _batch_from_parts(parts, hist, counts, None).to(device)
-    items = model.embeddings(batch)[ITEM_FEATURE].values()
-    pre = model.preprocessor
-    scaled = items * pre.item_scale if pre.item_scale != 1.0 else items
-    pos = torch.repeat_interleave(cache.history_items.clamp(max=pre.max_positions - 1), counts)
-    return scaled + pre.position_embedding(pos.to(device))
-
-
-@torch.no_grad()
-def score_candidates(
-    model: RankingGR,
-    cache: HistoryCache,
-    candidates: list[list[int]] | list[torch.Tensor],
-    timestamps: list[list[int]] | None = None,
-) -> torch.Tensor:
-    """Logits [sum of candidates, num_tasks] of each user's candidates (users in the cache's
-    order, candidates in the given order) from ``cache``. The candidates' keys and values are
-    written into the cache's slots (the history's rows are left as they are)."""
-    _check_model(model)
-    b = cache.batch_size
-    if len(candidates) != b:
-        raise ValueError(f"{len(candidates)} candidate sets for {b} users; give one per user")
-    cands = [torch.as_tensor(c, dtype=torch.int64).reshape(-1) for c in candidates]
-    counts = torch.tensor([c.numel() for c in cands], dtype=torch.int64)
+def _check_counts(model: RankingGR, cache: HistoryCache, counts: torch.Tensor) -> None:
+    if counts.numel() != cache.batch_size:
+        raise ValueError(
+            f"{counts.numel()} candidate sets for {cache.batch_size} users; give one per user"
+        )
     if bool((counts < 1).any()):
         raise ValueError("every user needs at least one candidate")
     fixed = all(layer.scaling_seqlen is not None for layer in model.encoder.layers)
@@ -350,38 +331,71 @@ def score_candidates(
             f"scaling counts them); got {counts.tolist()}: encode the history for this count, or "
             "train with a fixed NetworkArgs.scaling_seqlen"
         )
-    times = None
-    if cache.timestamps is not None:
-        if timestamps is not None and len(timestamps) != b:
-            raise ValueError(f"{len(timestamps)} timestamp lists for {b} candidate sets")
-        times = [
-            _candidate_times(i, c, torch.zeros(0, dtype=torch.int64), timestamps, cache.query_time)
-            for i, c in enumerate(cands)
-        ]
-        firsts = torch.stack([t[0] for t in times])
-        if not torch.equal(firsts, cache.query_time):
-            raise ValueError(
-                "the first candidate's time differs from the time the history was encoded at "
-                "(the last history token queries the time bias at it): encode the history with "
-                "query_time = the candidates' time"
-            )
-    if int(counts.max()) > cache.capacity:
-        _grow(cache, int(counts.max()))
-    device = cache.keys[0].device
-    x = _candidate_inputs(model, cache, cands, device)
-    # the candidates' rows: the tail of each user's slot
-    dst = _ranges(cache.slot_offsets[:-1] + cache.history_tokens, counts).to(device)
-    q_offsets = torch.zeros(b + 1, dtype=torch.int64)
+
+
+def _candidates(model, cache: HistoryCache, candidates, timestamps):
+    """(candidate id tensors, counts [B], their times [sum] or None) of a scoring call, checked
+    against the cache."""
+    _check_model(model)
+    cands = [torch.as_tensor(c, dtype=torch.int64).reshape(-1) for c in candidates]
+    counts = torch.tensor([c.numel() for c in cands], dtype=torch.int64)
+    _check_counts(model, cache, counts)
+    if cache.timestamps is None:
+        return cands, counts, None
+    if timestamps is not None and len(timestamps) != len(cands):
+        raise ValueError(f"{len(timestamps)} timestamp lists for {len(cands)} candidate sets")
+    none = torch.zeros(0, dtype=torch.int64)
+    times = [
+        _candidate_times(i, c, none, timestamps, cache.query_time) for i, c in enumerate(cands)
+    ]
+    if not torch.equal(torch.stack([t[0] for t in times]), cache.query_time):
+        raise ValueError(
+            "the first candidate's time differs from the time the history was encoded at "
+            "(the last history token queries the time bias at it): encode the history with "
+            "query_time = the candidates' time"
+        )
+    return cands, counts, torch.cat(times)
+
+
+def _candidate_inputs(model: RankingGR, cache: HistoryCache, cands: list[torch.Tensor], device):
+    """[sum n, D] input tokens of the candidates: item embedding (scaled as the preprocessor
+    scales it) + the position embedding of position = history items (dropout is off in eval)."""
+    hist = cache.history
+    parts = feature_parts(hist)
+    counts = torch.tensor([c.numel() for c in cands], dtype=torch.int64)
+    parts[ITEM_FEATURE] = (torch.cat(cands), counts)
+    actions = parts[ACTION_FEATURE][0]
+    parts[ACTION_FEATURE] = (actions[:0], torch.zeros_like(counts))
+    batch = batch_from_parts(parts, hist, counts, None).to(device)
+    items = model.embeddings(batch)[ITEM_FEATURE].values()
+    pre = model.preprocessor
+    scaled = items * pre.item_scale if pre.item_scale != 1.0 else items
+    pos = torch.repeat_interleave(cache.history_items.clamp(max=pre.max_positions - 1), counts)
+    return scaled + pre.position_embedding(pos.to(device))
+
+
+def _layout(cache: HistoryCache, counts: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """(the cached attention's metadata (CPU), the candidates' rows: each slot's tail) for
+    ``counts`` candidates per user."""
+    q_offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
     q_offsets[1:] = torch.cumsum(counts, 0)
-    kv_lengths = cache.history_tokens + counts
-    layout = CachedLayout(timestamps=cache.timestamps)
-    if cache.timestamps is not None:
-        cache.timestamps.index_copy_(0, dst, torch.cat(times).to(device))
+    f = cache.num_contextual
     meta = dict(
-        kv_lengths=kv_lengths,
-        num_contexts=cache.num_contexts if int(cache.num_contexts.sum()) else None,
+        q_offsets=q_offsets,
+        kv_offsets=cache.slot_offsets,
+        kv_lengths=cache.history_tokens + counts,
+        num_contexts=torch.full_like(counts, f) if f else None,
         num_targets=counts,
     )
+    return meta, _rows(cache.slot_offsets[:-1] + cache.history_tokens, counts)
+
+
+def _score_layers(model, cache: HistoryCache, x, dst, meta, times) -> torch.Tensor:
+    """The candidates' tokens ``x`` through the layers, the final norm and the head; writes
+    their keys, values and ``times`` into the slot rows ``dst``."""
+    layout = CachedLayout(timestamps=cache.timestamps)
+    if times is not None:
+        cache.timestamps.index_copy_(0, dst, times)
     for layer, k_buf, v_buf in zip(model.encoder.layers, cache.keys, cache.values):
         h, d = layer.num_heads, layer.head_dim
         u, v, q, k = layer.project(x)
@@ -391,8 +405,6 @@ def score_candidates(
             q.reshape(-1, h, d).to(k_buf.dtype).contiguous(),
             k_buf,
             v_buf,
-            q_offsets,
-            cache.slot_offsets,
             target_group_size=layer.target_group_size,
             window_size=layer.window_size,
             alpha=layer.alpha,
@@ -405,6 +417,26 @@ def score_candidates(
     if model.encoder.final_norm is not None:
         x = model.encoder.final_norm(x)
     return model.head(x).float()
+
+
+@torch.no_grad()
+def score_candidates(
+    model: RankingGR,
+    cache: HistoryCache,
+    candidates: list[list[int]] | list[torch.Tensor],
+    timestamps: list[list[int]] | None = None,
+) -> torch.Tensor:
+    """Logits [sum of candidates, num_tasks] of each user's candidates (users in the cache's
+    order, candidates in the given order) from ``cache``. The candidates' keys and values are
+    written into the cache's slots (the history's rows are left as they are)."""
+    cands, counts, times = _candidates(model, cache, candidates, timestamps)
+    if int(counts.max()) > cache.capacity:
+        _grow(cache, int(counts.max()))
+    device = cache.keys[0].device
+    x = _candidate_inputs(model, cache, cands, device)
+    meta, dst = _layout(cache, counts)
+    times = None if times is None else times.to(device)
+    return _score_layers(model, cache, x, dst.to(device), meta, times)
 
 
 class GraphedScorer:
@@ -431,90 +463,47 @@ class GraphedScorer:
         device = cache.keys[0].device if cache.keys else torch.device("cpu")
         if device.type != "cuda":
             raise ValueError("GraphedScorer needs a cache on a CUDA device")
-        b = cache.batch_size
         counts_t = torch.as_tensor(counts, dtype=torch.int64).reshape(-1)
-        if counts_t.numel() != b or bool((counts_t < 1).any()):
-            raise ValueError(f"counts must give >= 1 candidates for each of the {b} users")
-        fixed = all(layer.scaling_seqlen is not None for layer in model.encoder.layers)
-        if not fixed and bool((counts_t != cache.num_candidates).any()):
-            raise ValueError(
-                f"the cache was encoded for {cache.num_candidates} candidates per user; got "
-                f"{counts_t.tolist()}"
-            )
+        _check_counts(model, cache, counts_t)
         if int(counts_t.max()) > cache.capacity:
             _grow(cache, int(counts_t.max()))
         self.model, self.cache, self.counts = model, cache, counts_t
         self.autocast_dtype = autocast_dtype
-        q_offsets = torch.zeros(b + 1, dtype=torch.int64)
-        q_offsets[1:] = torch.cumsum(counts_t, 0)
-        kv_lengths = cache.history_tokens + counts_t
+        meta, dst = _layout(cache, counts_t)
         # validated here on the host: the captured kernel takes the device copies as given
-        from hstu.ops.reference import cached_layout
-
-        cached_layout(q_offsets, cache.slot_offsets, kv_lengths, int(q_offsets[-1]))
-        dev = dict(device=device)
-        self._dst = _ranges(cache.slot_offsets[:-1] + cache.history_tokens, counts_t).to(**dev)
-        self._meta = dict(
-            q_offsets=q_offsets.to(**dev),
-            kv_offsets=cache.slot_offsets.to(**dev),
-            kv_lengths=kv_lengths.to(**dev),
-            num_contexts=cache.num_contexts.to(**dev) if int(cache.num_contexts.sum()) else None,
-            num_targets=counts_t.to(**dev),
-            max_q_seqlen=int(counts_t.max()),
-            max_seqlen=int(kv_lengths.max()),
+        cached_layout(
+            meta["q_offsets"], meta["kv_offsets"], meta["kv_lengths"], int(counts_t.sum())
         )
-        n = int(q_offsets[-1])
+        meta = {k: None if t is None else t.to(device) for k, t in meta.items()}
+        meta.update(max_q_seqlen=int(counts_t.max()), max_seqlen=int(meta["kv_lengths"].max()))
         hidden = model.encoder.layers[0].hidden_size
         param_dtype = next(model.parameters()).dtype
-        self._x = torch.zeros(n, hidden, dtype=param_dtype, device=device)
-        self._times = torch.zeros(n, dtype=torch.int64, device=device)
-        self._out: torch.Tensor | None = None
+        self._x = torch.zeros(int(counts_t.sum()), hidden, dtype=param_dtype, device=device)
+        timed = cache.timestamps is not None
+        self._times = torch.zeros(self._x.shape[0], dtype=torch.int64, device=device)
+        dst = dst.to(device)
+
+        def run() -> torch.Tensor:
+            with self._autocast():
+                return _score_layers(
+                    model, cache, self._x, dst, meta, self._times if timed else None
+                )
+
         # warm up on a side stream (kernel selection, lazy tables), then capture
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            self._run()
+        with torch.no_grad(), torch.cuda.stream(stream):
+            run()
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._out = self._run()
+        with torch.no_grad(), torch.cuda.graph(self.graph):
+            self._out = run()
 
     def _autocast(self):
-        import contextlib
-
         if self.autocast_dtype is None or self.autocast_dtype == torch.float32:
             return contextlib.nullcontext()
         # no cast cache: a cast made outside the capture must not be read by the graph
         return torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
-
-    @torch.no_grad()
-    def _run(self) -> torch.Tensor:
-        model, cache, meta = self.model, self.cache, self._meta
-        layout = CachedLayout(timestamps=cache.timestamps)
-        with self._autocast():
-            if cache.timestamps is not None:
-                cache.timestamps.index_copy_(0, self._dst, self._times)
-            x = self._x
-            for layer, k_buf, v_buf in zip(model.encoder.layers, cache.keys, cache.values):
-                h, d = layer.num_heads, layer.head_dim
-                u, v, q, k = layer.project(x)
-                k_buf.index_copy_(0, self._dst, k.reshape(-1, h, d).to(k_buf.dtype))
-                v_buf.index_copy_(0, self._dst, v.reshape(-1, h, d).to(v_buf.dtype))
-                a = hstu_attention_cached(
-                    q.reshape(-1, h, d).to(k_buf.dtype).contiguous(),
-                    k_buf,
-                    v_buf,
-                    target_group_size=layer.target_group_size,
-                    window_size=layer.window_size,
-                    alpha=layer.alpha,
-                    scaling_seqlen=_scaling(layer, cache.scaling_seqlen),
-                    **meta,
-                    **_bias_kwargs(layer, layout),
-                )
-                x = layer.finish(x, a.reshape(-1, h * d).to(u.dtype), u)
-            if model.encoder.final_norm is not None:
-                x = model.encoder.final_norm(x)
-            return model.head(x).float()
 
     @torch.no_grad()
     def __call__(
@@ -524,28 +513,16 @@ class GraphedScorer:
     ) -> torch.Tensor:
         """Logits [sum of candidates, num_tasks] (on the device; the graph's output buffer is
         copied) of each user's candidates, as `score_candidates` computes them."""
-        cache = self.cache
-        cands = [torch.as_tensor(c, dtype=torch.int64).reshape(-1) for c in candidates]
-        counts = torch.tensor([c.numel() for c in cands], dtype=torch.int64)
+        cands, counts, times = _candidates(self.model, self.cache, candidates, timestamps)
         if not torch.equal(counts, self.counts):
             raise ValueError(
                 f"this scorer was captured for {self.counts.tolist()} candidates per user; got "
                 f"{counts.tolist()}"
             )
-        if cache.timestamps is not None:
-            times = [
-                _candidate_times(
-                    i, c, torch.zeros(0, dtype=torch.int64), timestamps, cache.query_time
-                )
-                for i, c in enumerate(cands)
-            ]
-            if not torch.equal(torch.stack([t[0] for t in times]), cache.query_time):
-                raise ValueError(
-                    "the first candidate's time differs from the time the history was encoded at"
-                )
-            self._times.copy_(torch.cat(times), non_blocking=True)
+        if times is not None:
+            self._times.copy_(times, non_blocking=True)
         with self._autocast():
-            x = _candidate_inputs(self.model, cache, cands, self._x.device)
+            x = _candidate_inputs(self.model, self.cache, cands, self._x.device)
         self._x.copy_(x)
         self.graph.replay()
         return self._out.clone()

@@ -35,9 +35,12 @@ class Ranker(CheckpointModel):
     model_type = RankingGR
 
     def _history_batch(self, users: Sequence[UserHistory | Mapping[str, Any]]):
+        """(the histories as a batch without candidates, the requests' query times or None)."""
         reqs = [as_user_history(u, f"request {i + 1}") for i, u in enumerate(users)]
         self.check_users(reqs)
-        return self.make_batch(reqs)
+        batch = self.make_batch(reqs)
+        query_time, batch.target_timestamps = batch.target_timestamps, None
+        return batch, query_time
 
     def check_candidates(self, candidates: Sequence[Sequence[int]]) -> None:
         """ValueError for candidate ids outside the item corpus or an empty set."""
@@ -56,9 +59,7 @@ class Ranker(CheckpointModel):
         """The history cache of ``users`` (the last max_history_seqlen items of each) for
         candidate sets of ``num_candidates`` items; a request's ``query_time`` (default: its last
         item's time) is the time its candidates are scored at."""
-        batch = self._history_batch(users)
-        query_time = batch.target_timestamps
-        batch.target_timestamps = None
+        batch, query_time = self._history_batch(users)
         with self._autocast():
             return encode_history(
                 self.model, batch.to(self.device), num_candidates, query_time=query_time
@@ -130,9 +131,7 @@ class Ranker(CheckpointModel):
     ) -> torch.Tensor:
         """The same logits by the model's forward on history + candidates (no cache)."""
         self.check_candidates(candidates)
-        batch = self._history_batch(users)
-        query_time = batch.target_timestamps
-        batch.target_timestamps = None
+        batch, query_time = self._history_batch(users)
         full = with_candidates(
             batch, [list(map(int, c)) for c in candidates], timestamps, query_time
         )

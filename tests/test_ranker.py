@@ -125,6 +125,15 @@ def test_cli_rank_end_to_end(ranker, tmp_path, capsys):
     assert infer_main(["rank", "--checkpoint", str(run_dir), "--input", str(inp)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "req.jsonl:1" in err[0] and "unknown candidate item ids" in err[0]
+    for row, message in (
+        (users[0], "missing 'candidates'"),
+        ({**users[0], "candidates": []}, "'candidates' must be a non-empty list"),
+        ({**users[0], "candidates": [[1], []]}, "at least one candidate"),
+    ):
+        inp.write_text(json.dumps(row) + "\n")
+        assert infer_main(["rank", "--checkpoint", str(run_dir), "--input", str(inp)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "req.jsonl:1" in err[0] and message in err[0], err
 
 
 # ---- export of a ranking checkpoint -------------------------------------------------------------
@@ -206,6 +215,9 @@ print(json.dumps({{"probs": probs.tolist(), "heavy": heavy}}))
     line = json.loads(res.read_text())
     want0 = ranker.score_full(users[:1], [[1, 2, 3]]).sigmoid()
     torch.testing.assert_close(torch.tensor(line["probabilities"][0]), want0, atol=2e-6, rtol=0)
+    # an artifact holds no histories: a request must give its items
+    inp.write_text(json.dumps({"user_id": users[0]["user_id"], "candidates": [1]}) + "\n")
+    assert infer_main(["rank", "--artifact", str(ranking_artifact), "--input", str(inp)]) == 2
 
 
 def test_export_applies_the_window_and_target_groups(tmp_path):

@@ -50,6 +50,12 @@ def _parse(argv):
     p.add_argument("--top-k", type=int, default=100, help="retrieval: K")
     p.add_argument("--batch-size", type=int, default=2048, help="retrieval: users per batch")
     p.add_argument("--checkpoint", default=None, help="retrieval: a run or checkpoint directory")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="retrieval: one more pass under torch.profiler; a \"retrieval_profile\" row with "
+        "GPU kernel time vs wall time and the top kernels and operators",
+    )
     return p.parse_args(argv)
 
 
@@ -80,6 +86,39 @@ def _time(fn, iters: int, warmup: int) -> tuple[dict, object]:
         _sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return _stats(times), out
+
+
+def _profile(fn, dev: torch.device, top: int = 12) -> dict:
+    """One call of ``fn`` under torch.profiler: wall ms, GPU kernel ms, the operators with the
+    most host time (inclusive) and the kernels with the most GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    _sync()
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_us = sum(e.self_device_time_total for e in kernels)
+    host = sorted(
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+        key=lambda e: -e.cpu_time_total,
+    )
+    return {
+        "wall_ms": round(wall * 1e3, 3),
+        "kernel_ms": round(kernel_us / 1e3, 3),
+        "kernels": sum(e.count for e in kernels),
+        "top_kernels_ms": [
+            [e.key[:100], round(e.self_device_time_total / 1e3, 3), e.count]
+            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+        ],
+        "top_host_ops_ms": [
+            [e.key[:100], round(e.cpu_time_total / 1e3, 3), e.count] for e in host[:top]
+        ],
+    }
 
 
 def _fixed_histories(history, length: int, num_items: int, action_bits: int, gen):
@@ -234,6 +273,8 @@ def bench_retrieval(args) -> None:
         return out
 
     stats, _ = _time(run, max(3, args.iters // 10), 1)
+    if args.profile:
+        emit_json({"bench": "retrieval_profile", **_profile(run, dev)}, args.out)
     per_pass = stats["p50_ms"] / 1e3
     emit_json(
         {

@@ -51,7 +51,16 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=50,
         help="steps counted as the first window (one-time costs land there)",
     )
+    p.add_argument(
+        "--profile",
+        default="",
+        help="after the run, --profile-steps more steps under torch.profiler; the trace goes to "
+        "this directory and a summary (GPU kernel time vs step time, top kernels and host "
+        "operators) into the row's \"profile\"",
+    )
+    p.add_argument("--profile-steps", type=int, default=20)
     args = p.parse_args(argv)
+    args.profile_stack = False
     if args.steps < 1 or args.evals < 1 or args.steps % args.evals:
         p.error(f"--steps ({args.steps}) must be a positive multiple of --evals ({args.evals})")
     if not 0 < args.first_steps < args.steps:
@@ -105,6 +114,7 @@ def run(args: argparse.Namespace) -> dict:
             eval_before = eval_s
             result = trainer.fit()
             fit_s = time.perf_counter() - t1
+            profiled = _profile(trainer, args) if args.profile else None
         finally:
             trainer.close()
         train_s = fit_s - (eval_s - eval_before)
@@ -131,8 +141,18 @@ def run(args: argparse.Namespace) -> dict:
             "metrics": result.final_metrics,
             # CUDA graphs of the encoder: captures (one-time, inside train_s) and their seconds
             **_graph_fields(trainer),
+            **({"profile": profiled} if profiled else {}),
             "device": torch.cuda.get_device_name() if device_type == "cuda" else "cpu",
         }
+
+
+def _profile(trainer, args: argparse.Namespace) -> dict:
+    """--profile-steps steps of the trained model under torch.profiler (bench_e2e's summary)."""
+    from bench_e2e import _profile as profile_steps
+
+    stem = os.path.splitext(os.path.basename(args.config))[0]
+    with trainer.gc:
+        return profile_steps(trainer, args, stem)
 
 
 def _graph_fields(trainer) -> dict:

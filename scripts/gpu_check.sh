@@ -9,7 +9,8 @@
 # attn (scripts/bench_attention.py --graph, JSON lines), layer (scripts/bench_layer.py), e2e
 # (scripts/bench_e2e.py, 1 GPU, the docs/benchmarks.md command), data (prepare ML-1M, Amazon
 # Beauty, ML-100K from data/raw), inference (scripts/bench_inference.py), small
-# (scripts/bench_small.py, eager vs CUDA graphs), attn-bias (the relative bias's cost), hybrid
+# (scripts/bench_small.py, eager vs CUDA graphs), small-profile (the same with a profile),
+# hybrid-e2e (the e2e model with a 20M-row hybrid item table against 2M rows in HBM), attn-bias (the relative bias's cost), hybrid
 # (scripts/bench_embedding.py --hybrid); A/B runs of one build (no
 # reference): attn-ab (dispatch order), attn-fwd256 (d256 forward tiles), dq-convert-ab (where dQ
 # is converted); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute).
@@ -70,7 +71,7 @@ step() {
     inference)  # ranking from a KV cache (batches of 1 and 64), retrieval users/s on ML-1M
       python3 scripts/bench_inference.py ranking --batches 1,64 --out "$out/inference.jsonl"
       python3 scripts/bench_inference.py retrieval --config configs/ml_1m_retrieval.gin \
-        --out "$out/inference.jsonl" ;;
+        --profile --out "$out/inference.jsonl" ;;
     small)  # the small configs, eager vs CUDA graphs of the encoder, 2000 steps each
       for g in False True; do
         python3 scripts/bench_small.py --config configs/ml_1m_retrieval.gin --steps 2000 \
@@ -78,6 +79,20 @@ step() {
         python3 scripts/bench_small.py --config configs/amazon_beauty_retrieval.gin --steps 2000 \
           --evals 1 --bindings "NetworkArgs.cuda_graphs=$g" --out "$out/small.jsonl"
       done ;;
+    small-profile)  # the small configs with CUDA graphs, then 20 steps under torch.profiler
+      for c in ml_1m_retrieval amazon_beauty_retrieval; do
+        python3 scripts/bench_small.py --config "configs/$c.gin" --steps 1000 --evals 1 \
+          --first-steps 100 --bindings "NetworkArgs.cuda_graphs=True" --profile "$out/profile" \
+          --out "$out/small_profile.jsonl"
+      done ;;
+    hybrid-e2e)  # the e2e model with its 2M-row item table in HBM, then 20M rows hybrid
+      python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --steps 30 \
+        --paths compiled --bindings "EmbeddingArgs.item_capacity=2000000" \
+        "EmbeddingArgs.user_capacity=1000000" "TrainerArgs.peak_tflops=989"
+      python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --steps 30 \
+        --paths compiled --bindings "EmbeddingArgs.item_capacity=20000000" \
+        "EmbeddingArgs.user_capacity=1000000" "EmbeddingArgs.storage='hybrid'" \
+        "TrainerArgs.peak_tflops=989" ;;
     attn-bias)  # the relative bias's cost (docs/benchmarks.md, "With the relative attention bias")
       for b in none position position_time; do
         python3 scripts/bench_attention.py --graph --iters 20 --ref-iters 3 \

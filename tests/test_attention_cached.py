@@ -198,8 +198,8 @@ def test_kernel_long_history_few_candidates():
     seqs = [(2100, 100, 0), (1500, 100, 0), (2100, 100, 0)]
     whole, cached, q_rows, lengths, _ = _case(seqs, 4, 128, torch.bfloat16, "cuda")
     mask_kw = {
-        "num_targets": torch.tensor([100, 100, 100]),
-        "num_contexts": torch.tensor([6, 6, 6]),
+        "num_targets": torch.tensor([100, 100, 100], device="cuda"),
+        "num_contexts": torch.tensor([6, 6, 6], device="cuda"),
     }
     want = _whole_rows(whole, q_rows, lengths, mask_kw, {}, 2100)
     got = _cached(hstu_attention_cached, cached, mask_kw, {}, 2100)

@@ -481,12 +481,14 @@ class GraphedScorer:
         self._x = torch.zeros(int(counts_t.sum()), hidden, dtype=param_dtype, device=device)
         timed = cache.timestamps is not None
         self._times = torch.zeros(self._x.shape[0], dtype=torch.int64, device=device)
-        dst = dst.to(device)
+        # the graph reads these tensors' memory at every replay: they live as long as the scorer
+        self._dst = dst.to(device)
+        self._meta = meta
 
         def run() -> torch.Tensor:
             with self._autocast():
                 return _score_layers(
-                    model, cache, self._x, dst, meta, self._times if timed else None
+                    model, cache, self._x, self._dst, self._meta, self._times if timed else None
                 )
 
         # warm up on a side stream (kernel selection, lazy tables), then capture

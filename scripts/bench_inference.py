@@ -53,8 +53,8 @@ def _parse(argv):
     p.add_argument(
         "--profile",
         action="store_true",
-        help="retrieval: one more pass under torch.profiler; a \"retrieval_profile\" row with "
-        "GPU kernel time vs wall time and the top kernels and operators",
+        help="one more pass (retrieval) or request of each kind (ranking) under torch.profiler: "
+        "GPU kernel time vs wall time and the top kernels and operators (\"profile\" fields)",
     )
     return p.parse_args(argv)
 
@@ -101,7 +101,11 @@ def _profile(fn, dev: torch.device, top: int = 12) -> dict:
         _sync()
         wall = time.perf_counter() - t0
     events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    cpu = {e.key for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+    # GPU events that are not the device side of a record_function range (named like a CPU op)
+    kernels = [
+        e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in cpu
+    ]
     kernel_us = sum(e.self_device_time_total for e in kernels)
     host = sorted(
         (e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
@@ -228,6 +232,13 @@ def _ranking_request(model, history, cands, dtype, dev, args) -> dict:
             row["cached_graph"], got["graph"] = _time(
                 lambda: scorer(cands).cpu(), args.iters, args.warmup
             )
+        if args.profile:
+            kinds = {"full": full, "cached_eager": cached}
+            if cuda:
+                kinds["cached_graph"] = lambda: scorer(cands).cpu()
+            for name, fn in kinds.items():
+                if name != "full" or not args.no_full:
+                    row[f"profile_{name}"] = _profile(fn, dev, top=8)
     if not args.no_full:
         for name, logits in got.items():
             row[f"speedup_cached_{name}"] = round(

@@ -69,7 +69,7 @@ step() {
       python3 -m hstu.data.prepare --dataset amazon-beauty --source data/raw/Beauty.txt --output data/amazon-beauty
       python3 -m hstu.data.prepare --dataset ml-100k --source data/raw/ml-100k --output data/ml-100k ;;
     inference)  # ranking from a KV cache (batches of 1 and 64), retrieval users/s on ML-1M
-      python3 scripts/bench_inference.py ranking --batches 1,64 --out "$out/inference.jsonl"
+      python3 scripts/bench_inference.py ranking --batches 1,64 --profile --out "$out/inference.jsonl"
       python3 scripts/bench_inference.py retrieval --config configs/ml_1m_retrieval.gin \
         --profile --out "$out/inference.jsonl" ;;
     small)  # the small configs, eager vs CUDA graphs of the encoder, 2000 steps each

@@ -147,5 +147,6 @@ def test_cuda_cached_and_graphed_scores_equal_the_full_recomputation(case):
     assert float((eager - ref).abs().max()) <= 3e-2 * scale
     torch.testing.assert_close(graphed, eager, rtol=0, atol=1e-5 * scale)
     torch.testing.assert_close(graphed_other, eager_other, rtol=0, atol=1e-5 * scale)
-    with pytest.raises(ValueError, match="captured for"):
+    # other counts: refused (the cache's own count check comes first unless the scaling is fixed)
+    with pytest.raises(ValueError, match="captured for|encoded for"):
         scorer([c[:1] for c in cands])

@@ -131,6 +131,7 @@ class CheckpointModel:
         order = np.argsort(ids, kind="stable")
         self._user_index = (ids[order], order)
         self._corpus_emb: torch.Tensor | None = None
+        self._corpus_dev: torch.Tensor | None = None
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -362,25 +363,18 @@ class Retriever(CheckpointModel):
             raise ValueError(f"batch_size={batch_size} must be positive")
         k = min(top_k, self.corpus.numel())
         if isinstance(batch_or_users, Batch):
-            chunks = [(batch_or_users, _history_of(batch_or_users))]
+            batch = batch_or_users.to(self.device)
+            chunks = [(batch, _history_of(batch))]
         else:
             users = [as_user_history(u, f"request {i + 1}") for i, u in enumerate(batch_or_users)]
             self.check_users(users)
             chunks = (
-                (
-                    self.make_batch(users[s : s + batch_size]),
-                    [
-                        torch.as_tensor(u.items, dtype=torch.int64)
-                        for u in users[s : s + batch_size]
-                    ],
-                )
-                for s in range(0, len(users), batch_size)
+                (self.make_batch(part), _jagged_items([u.items for u in part]))
+                for part in (users[s : s + batch_size] for s in range(0, len(users), batch_size))
             )
         ids_out, scores_out = [], []
-        for batch, histories in chunks:
-            ids, scores = self._top_k(
-                self.queries(batch), histories if exclude_history else None, k
-            )
+        for batch, history in chunks:
+            ids, scores = self._top_k(self.queries(batch), history if exclude_history else None, k)
             ids_out.append(ids)
             scores_out.append(scores)
         if not ids_out:
@@ -388,21 +382,35 @@ class Retriever(CheckpointModel):
         return torch.cat(ids_out), torch.cat(scores_out)
 
     def _top_k(
-        self, query: torch.Tensor, histories: list[torch.Tensor] | None, k: int
+        self, query: torch.Tensor, history: tuple[torch.Tensor, torch.Tensor] | None, k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top ``k`` corpus items of each query row, the items of ``history`` (jagged: ids [n] and
+        counts per row [B]) excluded. On the device without a host sync until the result is
+        copied back: every (row, history item) pair at once, ids found by a sorted search over the
+        corpus; an id outside the corpus writes into an extra score column that is never ranked."""
         emb = self.corpus_embeddings()
-        scores = query @ emb.t()  # [B, C] cosine, as RetrievalEvaluator scores
-        if histories:
-            # every (user, history item) pair at once: one sorted search over the corpus
-            counts = torch.tensor([h.numel() for h in histories], dtype=torch.int64)
-            rows_t = torch.repeat_interleave(torch.arange(len(histories)), counts)
-            col, found = self._columns(torch.cat([h.reshape(-1) for h in histories]))
-            rows_t, cols_t = rows_t[found], col[found]
-            scores[rows_t.to(scores.device), cols_t.to(scores.device)] = float("-inf")
-        top, pos = torch.topk(scores, k, dim=1)
-        ids = self.corpus.to(pos.device)[pos]
-        ids = torch.where(torch.isneginf(top), torch.full_like(ids, -1), ids)
+        c = emb.shape[0]
+        dev = query.device
+        scores = query.new_zeros(query.shape[0], c + 1)
+        torch.matmul(query, emb.t(), out=scores[:, :c])  # [B, C] cosine, as the evaluator scores
+        corpus = self._device_corpus()
+        if history is not None and history[0].numel():
+            items, counts = history[0].to(dev, torch.int64), history[1].to(dev, torch.int64)
+            rows = torch.repeat_interleave(
+                torch.arange(counts.numel(), device=dev), counts, output_size=items.numel()
+            )
+            col = torch.searchsorted(corpus, items).clamp_(max=c - 1)
+            col = torch.where(corpus[col] == items, col, c)
+            scores.index_put_((rows, col), scores.new_full((), float("-inf")))
+        top, pos = torch.topk(scores[:, :c], k, dim=1)
+        ids = torch.where(torch.isneginf(top), -1, corpus[pos])
         return ids.cpu(), top.cpu()
+
+    def _device_corpus(self) -> torch.Tensor:
+        """The sorted corpus ids on the model's device (cached)."""
+        if self._corpus_dev is None:
+            self._corpus_dev = self.corpus.to(self.device)
+        return self._corpus_dev
 
     # ---- evaluation ----------------------------------------------------------------------------
 
@@ -513,12 +521,28 @@ def _with_placeholder_targets(batch: Batch) -> Batch:
     targets = values[ends.clamp(min=0)] if values.numel() else torch.zeros_like(lengths)
     fields = {k: getattr(batch, k) for k in batch.__dataclass_fields__ if k != "host"}
     fields["target_item_ids"] = targets
-    return Batch(**fields)
+    # the CPU twin stays reachable (the model reads the lengths from it without a device sync)
+    return Batch(**fields, host=batch.host)
 
 
-def _history_of(batch: Batch) -> list[torch.Tensor]:
-    """Each sample's history items (the window the batch holds)."""
-    values = batch.features[ITEM_FEATURE].values().cpu()
-    hist = batch.history_lengths().cpu()
-    starts = torch.cumsum(batch.item_lengths().cpu(), 0) - batch.item_lengths().cpu()
-    return [values[int(s) : int(s) + int(h)] for s, h in zip(starts, hist)]
+def _history_of(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's history items (the window the batch holds), jagged: (the item ids of the
+    batch with a sample's non-history items (candidates) replaced by -1 (never a corpus id),
+    item counts per sample), on the batch's device without a host sync."""
+    values = batch.features[ITEM_FEATURE].values()
+    lengths = batch.item_lengths().to(values.device)
+    hist = batch.history_lengths().to(values.device)
+    starts = torch.cumsum(lengths, 0) - lengths
+    n = values.numel()
+    pos = torch.arange(n, device=values.device) - torch.repeat_interleave(
+        starts, lengths, output_size=n
+    )
+    keep = pos < torch.repeat_interleave(hist, lengths, output_size=n)
+    return torch.where(keep, values.long(), -1), lengths
+
+
+def _jagged_items(histories: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(every item id of ``histories`` concatenated, count per history) on the host."""
+    counts = torch.tensor([len(h) for h in histories], dtype=torch.int64)
+    items = torch.as_tensor(np.concatenate([np.asarray(h, dtype=np.int64) for h in histories]))
+    return items, counts

@@ -286,3 +286,24 @@ def test_cli_as_a_module_exits_2_with_one_error_line(tmp_path):
         "error: the following arguments are required: --input (see python -m hstu.infer "
         "retrieve --help)"
     ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_retrieve_matches_the_cpu(trained, retriever):
+    """On the GPU (the model's dtype under autocast): the same top-K scores as the float32 CPU
+    retriever within bf16 noise, history excluded, for requests and for a dataset Batch."""
+    gpu = Retriever.from_checkpoint(trained.run_dir, device=torch.device("cuda"))
+    reqs = [_dataset_request(retriever, row, n) for row, n in ((0, 5), (3, 30), (10, 1), (4, 24))]
+    samples = build_samples(retriever.data, retriever.cfg.dataset, "retrieval").eval
+    batch = samples.collate(list(range(16)))
+    for inputs in (reqs, batch):
+        ids_c, s_c = retriever.retrieve(inputs, top_k=20)
+        ids_g, s_g = gpu.retrieve(inputs, top_k=20)
+        assert ids_g.device.type == "cpu" and ids_g.shape == ids_c.shape
+        torch.testing.assert_close(s_g, s_c, rtol=0, atol=3e-2)
+        # most of the top 20 agree (near-ties may swap in bf16)
+        same = [len(set(a.tolist()) & set(b.tolist())) for a, b in zip(ids_g, ids_c)]
+        assert min(same) >= 15, same
+    for b, req in enumerate(reqs):
+        assert not set(gpu.retrieve(reqs, top_k=50)[0][b].tolist()) & set(req["items"])

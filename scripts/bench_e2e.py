@@ -257,7 +257,16 @@ def _run_path(path: str, args: argparse.Namespace, device_type: str, world: int)
         try:
             trainer = Trainer(cfg, device_type)
             row = _time_trainer(trainer, args)
-            row.update(path=path, batch_per_gpu=per_gpu, fused_layer=cfg.network.fused_layer)
+            emb = cfg.embedding
+            row.update(
+                path=path,
+                batch_per_gpu=per_gpu,
+                fused_layer=cfg.network.fused_layer,
+                cuda_graphs=cfg.network.cuda_graphs,
+                embedding_backend=emb.embedding_backend,
+                storage=emb.storage,
+                item_capacity=emb.item_capacity,
+            )
             if args.profile:  # every rank runs (and traces) the steps: they hold collectives
                 summary = _profile(trainer, args, path)
                 if trainer.info.is_main:

@@ -651,6 +651,33 @@ def test_impossible_table_is_refused_fast_before_allocating(monkeypatch, storage
     assert time.perf_counter() - t0 < 10
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("storage", ["hbm", "hybrid"])
+def test_impossible_table_is_refused_fast_on_the_gpu(storage):
+    """On a GPU, with the device's real free memory and the host's: a table that fits neither is
+    refused by build_model within seconds, before anything is allocated on the device."""
+    import time
+
+    cfg = _cfg(
+        "ranking",
+        "EmbeddingArgs.embedding_backend='dynamic'",
+        "EmbeddingArgs.item_capacity=1000000000000",
+        f"EmbeddingArgs.storage='{storage}'",
+    )
+    data = generate_synthetic(60, 40, 0, 8)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    with pytest.raises(MemoryBudgetError) as info:
+        build_model(cfg, data, device_type="cuda")
+    assert time.perf_counter() - t0 < 10
+    assert torch.cuda.memory_allocated() == before
+    msg = str(info.value)
+    assert msg.startswith("EmbeddingArgs.item_capacity=1000000000000: this ranking run needs")
+    assert "item_table" in msg and "fewer rows" in msg
+
+
 def test_table_allocation_check_names_the_fixes():
     from hstu.config.limits import check_table_allocation
 

@@ -618,18 +618,23 @@ def test_table_larger_than_the_host_needs_several_hosts():
     assert "needs several hosts' memory" in msg and "its host is 120 GiB" in msg
 
 
+def _impossible_table_cfg(storage: str):
+    """A ranking config with a 10^12-row dynamic item table (no machine holds it)."""
+    return _cfg(
+        "ranking",
+        "EmbeddingArgs.embedding_backend='dynamic'",
+        "EmbeddingArgs.item_capacity=1000000000000",
+        f"EmbeddingArgs.storage='{storage}'",
+    )
+
+
 @pytest.mark.parametrize("storage", ["hbm", "hybrid"])
 def test_impossible_table_is_refused_fast_before_allocating(monkeypatch, storage):
     """A table no machine here can hold: build_model refuses it (CPU: the same code path the
     GPU takes with its own limits) within seconds, before any table exists."""
     import time
 
-    cfg = _cfg(
-        "ranking",
-        "EmbeddingArgs.embedding_backend='dynamic'",
-        "EmbeddingArgs.item_capacity=1000000000000",
-        f"EmbeddingArgs.storage='{storage}'",
-    )
+    cfg = _impossible_table_cfg(storage)
     data = generate_synthetic(60, 40, 0, 8)
     monkeypatch.setattr(
         "hstu.models.builder.EmbeddingStack", lambda *a, **k: pytest.fail("a table was built")
@@ -659,12 +664,7 @@ def test_impossible_table_is_refused_fast_on_the_gpu(storage):
     refused by build_model within seconds, before anything is allocated on the device."""
     import time
 
-    cfg = _cfg(
-        "ranking",
-        "EmbeddingArgs.embedding_backend='dynamic'",
-        "EmbeddingArgs.item_capacity=1000000000000",
-        f"EmbeddingArgs.storage='{storage}'",
-    )
+    cfg = _impossible_table_cfg(storage)
     data = generate_synthetic(60, 40, 0, 8)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

@@ -47,6 +47,12 @@ def _parse(argv):
     p.add_argument("--history", type=int, default=2000, help="ranking: history items per user")
     p.add_argument("--candidates", type=int, default=100, help="ranking: candidates per user")
     p.add_argument("--no-full", action="store_true", help="ranking: skip the full recomputation")
+    p.add_argument(
+        "--num-splits",
+        type=int,
+        default=1,
+        help="ranking: key splits of the compiled cached attention (1: none, 0: chosen per call)",
+    )
     p.add_argument("--top-k", type=int, default=100, help="retrieval: K")
     p.add_argument("--batch-size", type=int, default=2048, help="retrieval: users per batch")
     p.add_argument("--checkpoint", default=None, help="retrieval: a run or checkpoint directory")
@@ -185,6 +191,7 @@ def bench_ranking(args) -> None:
             "layers": cfg.network.num_layers,
             "hidden": cfg.network.hidden_size,
             "dtype": str(dtype).replace("torch.", ""),
+            "num_splits": args.num_splits,
             "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         }
         row.update(_ranking_request(model, history, cands, dtype, dev, args))
@@ -221,14 +228,20 @@ def _ranking_request(model, history, cands, dtype, dev, args) -> dict:
             return model(batch)["logits"].float().cpu()
 
         def cached():
-            return score_candidates(model, cache, cands).cpu()
+            return score_candidates(model, cache, cands, num_splits=args.num_splits).cpu()
 
         if not args.no_full:
             row["full"], ref = _time(full, args.iters, args.warmup)
         got = {}
         row["cached_eager"], got["eager"] = _time(cached, args.iters, args.warmup)
         if cuda:
-            scorer = GraphedScorer(model, cache, [len(c) for c in cands], autocast_dtype=dtype)
+            scorer = GraphedScorer(
+                model,
+                cache,
+                [len(c) for c in cands],
+                autocast_dtype=dtype,
+                num_splits=args.num_splits,
+            )
             row["cached_graph"], got["graph"] = _time(
                 lambda: scorer(cands).cpu(), args.iters, args.warmup
             )

@@ -104,11 +104,12 @@ def _whole_rows(whole, q_rows, lengths, mask_kw, extra, scaling):
     return out[q_rows]
 
 
-def _cached(fn, cached, mask_kw, extra, scaling):
+def _cached(fn, cached, mask_kw, extra, scaling, **kernel_kw):
     return fn(
         cached["q"], cached["k"], cached["v"], cached["q_offsets"], cached["kv_offsets"],
         kv_lengths=cached["kv_lengths"], scaling_seqlen=scaling,
         timestamps=cached["ts"] if "time_weight" in extra else None, **mask_kw, **extra,
+        **kernel_kw,
     )  # fmt: skip
 
 
@@ -168,14 +169,14 @@ def _rel(x, ref):
     return float((x - ref).abs().max()) / max(float(ref.abs().max()), 1e-6)
 
 
-def _kernel_vs_reference(seqs, d, dtype, mask, bias, heads=2, seed=0):
+def _kernel_vs_reference(seqs, d, dtype, mask, bias, heads=2, seed=0, num_splits=1):
     whole, cached, q_rows, lengths, extra = _case(
         seqs, heads, d, dtype, "cuda", bias=bias, seed=seed
     )
     mask_kw = _mask(MASKS[mask], lengths, "cuda")
     scaling = max(lengths) + 3
     want = _whole_rows(whole, q_rows, lengths, mask_kw, extra, scaling)
-    got = _cached(hstu_attention_cached, cached, mask_kw, extra, scaling)
+    got = _cached(hstu_attention_cached, cached, mask_kw, extra, scaling, num_splits=num_splits)
     assert got.dtype == dtype and got.shape == want.shape
     assert torch.isfinite(got).all()
     assert _rel(got, want) <= FWD_TOL[dtype], f"{_rel(got, want):.3e}"
@@ -203,6 +204,36 @@ def test_kernel_long_history_few_candidates():
     }
     want = _whole_rows(whole, q_rows, lengths, mask_kw, {}, 2100)
     got = _cached(hstu_attention_cached, cached, mask_kw, {}, 2100)
+    assert _rel(got, want) <= FWD_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("splits", [2, 7, 0])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "position_time"])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.gpu
+@needs_kernel
+def test_kernel_key_splits_match_reference(d, mask, bias, splits):
+    """Each query block's keys split over several CTAs (partial outputs added in fp32): the
+    same rows as the reference, for every mask, with and without the bias; more splits than
+    key blocks leave some CTAs without keys."""
+    _kernel_vs_reference(SEQS, d, torch.bfloat16, mask, bias, num_splits=splits)
+
+
+@pytest.mark.parametrize("splits", [1, 4, 0])
+@pytest.mark.gpu
+@needs_kernel
+def test_kernel_key_splits_long_history_one_user(splits):
+    """One user, 2,000 history tokens + 100 candidates, 4 heads (8 CTAs without splits)."""
+    whole, cached, q_rows, lengths, extra = _case(
+        [(2106, 100, 0)], 4, 256, torch.bfloat16, "cuda", bias=True
+    )
+    mask_kw = {
+        "num_targets": torch.tensor([100], device="cuda"),
+        "num_contexts": torch.tensor([6], device="cuda"),
+    }
+    want = _whole_rows(whole, q_rows, lengths, mask_kw, extra, 2106)
+    got = _cached(hstu_attention_cached, cached, mask_kw, extra, 2106, num_splits=splits)
     assert _rel(got, want) <= FWD_TOL[torch.bfloat16]
 
 
@@ -234,4 +265,7 @@ def test_kernel_bad_inputs_raise_before_launch():
         call(kv_offsets=ko + 1)
     with pytest.raises(TypeError, match="dtype"):
         call(k=k.half())
+    for bad in (-1, 65):
+        with pytest.raises(ValueError, match="num_splits"):
+            op(q, k, v, qo, ko, lens, None, None, 1, 0, 0.125, 0.01, num_splits=bad)
     torch.cuda.synchronize()

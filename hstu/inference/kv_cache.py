@@ -390,9 +390,10 @@ def _layout(cache: HistoryCache, counts: torch.Tensor) -> tuple[dict, torch.Tens
     return meta, _rows(cache.slot_offsets[:-1] + cache.history_tokens, counts)
 
 
-def _score_layers(model, cache: HistoryCache, x, dst, meta, times) -> torch.Tensor:
+def _score_layers(model, cache: HistoryCache, x, dst, meta, times, num_splits) -> torch.Tensor:
     """The candidates' tokens ``x`` through the layers, the final norm and the head; writes
-    their keys, values and ``times`` into the slot rows ``dst``."""
+    their keys, values and ``times`` into the slot rows ``dst``. ``num_splits``: the compiled
+    cached attention's key splits (`hstu.ops.attention.hstu_attention_cached`)."""
     layout = CachedLayout(timestamps=cache.timestamps)
     if times is not None:
         cache.timestamps.index_copy_(0, dst, times)
@@ -410,6 +411,7 @@ def _score_layers(model, cache: HistoryCache, x, dst, meta, times) -> torch.Tens
             alpha=layer.alpha,
             scaling_seqlen=_scaling(layer, cache.scaling_seqlen),
             force_reference=layer.reference_attention,
+            num_splits=num_splits,
             **meta,
             **_bias_kwargs(layer, layout),
         )
@@ -425,10 +427,13 @@ def score_candidates(
     cache: HistoryCache,
     candidates: list[list[int]] | list[torch.Tensor],
     timestamps: list[list[int]] | None = None,
+    num_splits: int = 1,
 ) -> torch.Tensor:
     """Logits [sum of candidates, num_tasks] of each user's candidates (users in the cache's
     order, candidates in the given order) from ``cache``. The candidates' keys and values are
-    written into the cache's slots (the history's rows are left as they are)."""
+    written into the cache's slots (the history's rows are left as they are). ``num_splits``:
+    the compiled attention's key splits (1: none; 0: chosen from the shape, for few users
+    against long histories)."""
     cands, counts, times = _candidates(model, cache, candidates, timestamps)
     if int(counts.max()) > cache.capacity:
         _grow(cache, int(counts.max()))
@@ -436,7 +441,7 @@ def score_candidates(
     x = _candidate_inputs(model, cache, cands, device)
     meta, dst = _layout(cache, counts)
     times = None if times is None else times.to(device)
-    return _score_layers(model, cache, x, dst.to(device), meta, times)
+    return _score_layers(model, cache, x, dst.to(device), meta, times, num_splits)
 
 
 class GraphedScorer:
@@ -458,6 +463,7 @@ class GraphedScorer:
         cache: HistoryCache,
         counts: list[int],
         autocast_dtype: torch.dtype | None = None,
+        num_splits: int = 1,
     ) -> None:
         _check_model(model)
         device = cache.keys[0].device if cache.keys else torch.device("cpu")
@@ -488,7 +494,13 @@ class GraphedScorer:
         def run() -> torch.Tensor:
             with self._autocast():
                 return _score_layers(
-                    model, cache, self._x, self._dst, self._meta, self._times if timed else None
+                    model,
+                    cache,
+                    self._x,
+                    self._dst,
+                    self._meta,
+                    self._times if timed else None,
+                    num_splits,
                 )
 
         # warm up on a side stream (kernel selection, lazy tables), then capture

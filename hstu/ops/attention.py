@@ -249,13 +249,15 @@ def hstu_attention_cached(
     last_query_time: torch.Tensor | None = None,
     max_q_seqlen: int = 0,
     max_seqlen: int = 0,
+    num_splits: int = 1,
     force_reference: bool = False,
 ) -> torch.Tensor:
     """Each sequence's last queries against its whole (cached) keys and values, forward only:
     `hstu.ops.reference.hstu_attention_cached` (semantics and arguments), on the compiled kernel
     where `attention_path` picks it (other head dims zero-padded, as in `hstu_attention`).
     ``max_q_seqlen`` / ``max_seqlen``: the compiled kernel's grid under CUDA graph capture
-    (`hstu.ops.cuda_attention.hstu_attention_cached_cuda`); ignored otherwise."""
+    (`hstu.ops.cuda_attention.hstu_attention_cached_cuda`); ignored otherwise. ``num_splits``:
+    the kernel's key splits (1: none, 0: chosen per call); the reference ignores it."""
     kwargs = dict(
         kv_lengths=kv_lengths,
         num_contexts=num_contexts,
@@ -273,7 +275,7 @@ def hstu_attention_cached(
     if attention_path(q.device, force_reference=force_reference) == "reference":
         return reference.hstu_attention_cached(q, k, v, q_offsets, kv_offsets, **kwargs)
     _require_kernel()
-    kwargs.update(max_q_seqlen=max_q_seqlen, max_seqlen=max_seqlen)
+    kwargs.update(max_q_seqlen=max_q_seqlen, max_seqlen=max_seqlen, num_splits=num_splits)
     from hstu.ops.cuda_attention import hstu_attention_cached_cuda
 
     return _at_kernel_head_dim(hstu_attention_cached_cuda, q, k, v, q_offsets, kv_offsets, **kwargs)

@@ -299,13 +299,17 @@ def hstu_attention_cached_cuda(
     last_query_time: torch.Tensor | None = None,
     max_q_seqlen: int = 0,
     max_seqlen: int = 0,
+    num_splits: int = 1,
 ) -> torch.Tensor:
     """`hstu.ops.reference.hstu_attention_cached` on the compiled forward kernel
     (`torch.ops.hstu_attention.fwd_cached`: only the query rows are computed; no autograd).
     The metadata may live on the CPU (no sync) or on q's GPU (read back to be checked). Under
     CUDA graph capture it must be on the GPU, already validated by the caller (e.g. with
     `reference.cached_layout`), with ``scaling_seqlen``, ``max_q_seqlen`` (the most queries of a
-    sequence) and ``max_seqlen`` (the longest sequence) given."""
+    sequence) and ``max_seqlen`` (the longest sequence) given. ``num_splits``: how many CTAs
+    share each query block's keys (their fp32 partial outputs add; 1: none, 0: the op chooses
+    from the shape, to fill the GPU when few sequences x heads x query blocks would leave SMs
+    idle)."""
     _check_call(q, k, v)
     reference.check_relative_bias(
         k.shape[0], q.shape[1], timestamps, pos_weight, time_weight, max_pos, alpha,
@@ -341,4 +345,5 @@ def hstu_attention_cached_cuda(
         None if last_query_time is None else last_query_time.contiguous(),
         int(max_q_seqlen),
         int(max_seqlen),
+        int(num_splits),
     )

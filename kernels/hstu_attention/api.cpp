@@ -16,10 +16,13 @@
 //                                num_contexts, num_targets, target_group_size, window_size,
 //                                alpha, inv_scale, timestamps=None, pos_weight=None,
 //                                time_weight=None, time_edges=None, max_pos=0,
-//                                last_query_time=None, max_q_seqlen=0, max_seqlen=0) -> out
+//                                last_query_time=None, max_q_seqlen=0, max_seqlen=0,
+//                                num_splits=1) -> out
 //     forward only: each sequence's last queries against its whole k/v (inference with a KV
 //     cache; see fwd_cached_cuda). Under CUDA graph capture the metadata must be on the GPU and
-//     the two maxima (longest query run, longest sequence) size the grid.
+//     the two maxima (longest query run, longest sequence) size the grid. num_splits > 1 splits
+//     each query block's keys over that many CTAs (fp32 partial outputs added, then converted;
+//     the sum order, so the last bits, vary between runs); 0 chooses per call (key_splits).
 // The optional arguments are the relative attention bias (bias.h, docs/design.md); the weight
 // gradients are empty tensors for an absent weight. inv_scale_tensor: float32 [1] on q's device,
 // read by the kernels in place of inv_scale.
@@ -33,6 +36,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -695,6 +699,21 @@ CachedChecked check_cached_inputs(const Tensor& q, const Tensor& k, const Tensor
   return r;
 }
 
+// Key splits of a cached forward (num_splits=0): one query block per (sequence, head) and few
+// sequences leave most SMs idle (e.g. one user's 100 candidates x 4 heads: 8 CTAs), while each CTA
+// walks every key block of a long history. Splits fill about one wave of SMs, each CTA keeping
+// at least 4 key blocks of 64 (the tile sizes vary by head dim; 64 is the smallest of them).
+constexpr int64_t kMaxKeySplits = 64;
+
+int key_splits(int64_t max_q_len, int64_t max_len, int64_t batch, int64_t heads) {
+  const int64_t ctas = (max_q_len + 63) / 64 * batch * heads;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  if (ctas <= 0 || ctas >= sms) return 1;
+  const int64_t by_sms = (sms + ctas - 1) / ctas;
+  const int64_t by_keys = (max_len + 63) / 64 / 4;
+  return int(std::max<int64_t>(1, std::min({by_sms, by_keys, kMaxKeySplits})));
+}
+
 Tensor fwd_cached_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_offsets,
                        const Tensor& kv_offsets, const std::optional<Tensor>& kv_lengths,
                        const std::optional<Tensor>& num_contexts,
@@ -705,7 +724,9 @@ Tensor fwd_cached_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const 
                        const std::optional<Tensor>& time_weight,
                        const std::optional<Tensor>& time_edges, int64_t max_pos,
                        const std::optional<Tensor>& last_query_time, int64_t max_q_seqlen,
-                       int64_t max_seqlen) {
+                       int64_t max_seqlen, int64_t num_splits) {
+  HSTU_CHECK_VALUE(num_splits >= 0 && num_splits <= kMaxKeySplits, "hstu_attention: num_splits=",
+                   num_splits, " must be in [0, ", kMaxKeySplits, "] (0: chosen per call, 1: none)");
   CachedChecked cc = check_cached_inputs(q, k, v, q_offsets, kv_offsets, kv_lengths, num_contexts,
                                          num_targets, target_group_size, window_size, alpha,
                                          inv_scale, max_q_seqlen, max_seqlen);
@@ -725,7 +746,17 @@ Tensor fwd_cached_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const 
   p.seq_lens = cc.len32.defined() ? cc.len32.data_ptr<int>() : nullptr;
   p.max_q_seqlen = int(cc.max_q_len);
   set_bias_params(p, bias, alpha);
+  p.num_splits = num_splits == 0 ? key_splits(cc.max_q_len, cc.c.max_len, cc.c.batch, q.size(1))
+                                 : int(num_splits);
+  if (p.num_splits == 1) {
+    launch(hstu::Direction::kFwd, p);
+    return out;
+  }
+  // partial outputs of the key splits add into a zeroed fp32 buffer, converted once
+  Tensor acc = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+  p.o_accum = acc.data_ptr<float>();
   launch(hstu::Direction::kFwd, p);
+  out.copy_(acc);
   return out;
 }
 
@@ -739,7 +770,7 @@ Tensor fwd_cached_meta(const Tensor& q, const Tensor& k, const Tensor& v, const 
                        const std::optional<Tensor>& time_weight,
                        const std::optional<Tensor>& time_edges, int64_t max_pos,
                        const std::optional<Tensor>& last_query_time, int64_t max_q_seqlen,
-                       int64_t max_seqlen) {
+                       int64_t max_seqlen, int64_t num_splits) {
   return at::empty_like(q);
 }
 
@@ -860,8 +891,8 @@ TORCH_LIBRARY(hstu_attention, m) {
       "Tensor? kv_lengths, Tensor? num_contexts, Tensor? num_targets, int target_group_size, "
       "int window_size, float alpha, float inv_scale, Tensor? timestamps=None, "
       "Tensor? pos_weight=None, Tensor? time_weight=None, Tensor? time_edges=None, "
-      "int max_pos=0, Tensor? last_query_time=None, int max_q_seqlen=0, int max_seqlen=0) "
-      "-> Tensor");
+      "int max_pos=0, Tensor? last_query_time=None, int max_q_seqlen=0, int max_seqlen=0, "
+      "int num_splits=1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hstu_attention, CUDA, m) {

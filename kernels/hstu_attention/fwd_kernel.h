@@ -62,11 +62,26 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   if (m0 >= L) return;
   const SeqMask mk = make_seq_mask(p, bidb, L);
   const int m1 = min(m0 + kBlockM, L);
-  const int n_lo = mk.row_block_key_lo(m0) / kBlockN;
+  int n_lo = mk.row_block_key_lo(m0) / kBlockN;
   const int n_hi = (mk.row_block_key_hi(m0, m1) + kBlockN - 1) / kBlockN;
   auto empty = [&](int n) { return mk.tile_empty(m0, m1, n * kBlockN, (n + 1) * kBlockN); };
   int n_block = n_hi - 1;
   while (n_block >= n_lo && empty(n_block)) --n_block;
+  if (p.num_splits > 1) {
+    // this CTA's share of the key blocks: split blockIdx.y takes the chunk that starts
+    // blockIdx.y chunks below the highest non-empty block (o_accum is zeroed: an empty share
+    // adds nothing)
+    const int blocks = n_block - n_lo + 1;
+    if (blocks <= 0) return;
+    const int chunk = (blocks + p.num_splits - 1) / p.num_splits;
+    const int top = n_block - int(blockIdx.y) * chunk;
+    const int bottom = max(n_lo, top - chunk + 1);
+    if (top < bottom) return;
+    n_block = top;
+    n_lo = bottom;
+    while (n_block >= n_lo && empty(n_block)) --n_block;
+    if (n_block < n_lo) return;
+  }
 
   const int64_t base = int64_t(seq_start) * p.row_stride + int64_t(bidh) * p.head_stride;
   const int64_t q_base = int64_t(q_start) * p.row_stride + int64_t(bidh) * p.head_stride;
@@ -197,6 +212,18 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
     }
     n_block = next;
+  }
+
+  if (p.num_splits > 1) {  // a partial output: fp32 adds into o_accum, rows of the sequence only
+    Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    float* acc_ptr = p.o_accum + q_base + int64_t(q_row0) * p.row_stride;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_o); ++i) {
+      const int r = get<0>(tOcO(i));
+      if (m0 + r < L) atomicAdd(acc_ptr + int64_t(r) * p.row_stride + get<1>(tOcO(i)), acc_o(i));
+    }
+    cute::cp_async_wait<0>();
+    return;
   }
 
   // Epilogue: registers -> shared (reusing sQ) -> 16-byte global stores.

@@ -222,8 +222,9 @@ cudaError_t launch_hstu_fwd_kernel(HstuParams& p, cudaStream_t stream) {
       int64_t(p.max_seqlen) * Kt::kHeadDim * 2 * sizeof(typename Kt::Element),
       current_slots(slots));
   if (ctas == 0) return cudaSuccess;
-  if (ctas < 0) return cudaErrorInvalidConfiguration;
-  kernel<<<dim3(unsigned(ctas)), Kt::kNThreads, smem, stream>>>(p);
+  if (ctas < 0 || p.num_splits < 1 || p.num_splits > 65535) return cudaErrorInvalidConfiguration;
+  // gridDim.y: the key splits of a cached forward (1 otherwise)
+  kernel<<<dim3(unsigned(ctas), unsigned(p.num_splits)), Kt::kNThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 

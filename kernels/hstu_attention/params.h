@@ -54,6 +54,12 @@ struct HstuParams {
   const int* q_cu_seqlens = nullptr;
   const int* seq_lens = nullptr;
   int max_q_seqlen = 0;
+  // Forward against a cache only: num_splits > 1 splits each query block's key blocks over
+  // gridDim.y CTAs; each adds its partial output into o_accum ([rows of q, H, D] fp32, zeroed;
+  // HSTU attention is a plain sum over keys, so partial outputs add) and o is left to the caller
+  // (api.cpp converts o_accum). num_splits == 1: o written directly, o_accum unused.
+  float* o_accum = nullptr;
+  int num_splits = 1;
   const int* num_contexts = nullptr;  // [B] int32 or nullptr
   const int* num_targets = nullptr;   // [B] int32 or nullptr
 

@@ -298,6 +298,38 @@ def test_graphed_encoder_equals_eager(fused, bias):
 
 
 @gpu
+@pytest.mark.parametrize("failures", [1, 2])
+def test_capture_out_of_memory_is_retried_once_then_runs_eagerly(monkeypatch, failures):
+    """A capture that runs out of memory is tried once more after the cached blocks are released;
+    a second failure turns graphs off with the reason, and every step still returns the eager
+    result."""
+    _needs_kernels()
+    graphed, eager = _encoders(True, "none")
+    runner = graphed.graphs
+    real = runner._capture_once
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= failures:
+            raise torch.OutOfMemoryError("CUDA out of memory (planted)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_capture_once", flaky)
+    attn, x = _batch([120, 60, 30], 256, [3, 0, 5], 0)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        yg = graphed(x.detach(), attn).float()
+        ye = eager(x.detach(), attn).float()
+    torch.testing.assert_close(yg, ye, rtol=2e-2, atol=2e-2)
+    assert len(calls) == 2
+    if failures == 1:
+        assert runner.stats.captures == 1 and runner.stats.disabled == ""
+    else:
+        assert runner.stats.captures == 0
+        assert "OutOfMemoryError" in runner.stats.disabled and "planted" in runner.stats.disabled
+
+
+@gpu
 def test_graphed_dropout_draws_a_fresh_mask_per_replay():
     _needs_kernels()
     graphed, _ = _encoders(True, "none", dropout=0.3)

@@ -379,6 +379,39 @@ class EncoderGraphs:
     def _capture(
         self, encoder: nn.Module, key: GraphKey, x: torch.Tensor, attn: AttentionInputs
     ) -> _Entry | None:
+        """Captures ``key``'s pair of graphs; None (graphs then off, the reason logged) when that
+        fails. Out of memory is tried once more after the allocator hands its cached free blocks
+        back to the device: the eager steps before a capture leave them reserved in the ordinary
+        pool, where the graphs' pool cannot use them (a large model's step needs ~20 GB of
+        activations, docs/architecture.md)."""
+        try:
+            return self._capture_once(encoder, key, x, attn)
+        except torch.OutOfMemoryError as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+        except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly, say why
+            torch.cuda.synchronize(x.device)
+            self._disable(f"capturing failed ({type(exc).__name__}: {exc})")
+            return None
+        # out of memory (the failed attempt's tensors went with its traceback): once more
+        torch.cuda.synchronize(x.device)
+        freed = torch.cuda.memory_reserved(x.device) - torch.cuda.memory_allocated(x.device)
+        torch.cuda.empty_cache()
+        logger.info(
+            "CUDA graphs: capture ran out of memory (%s); retrying once after releasing %.1f GB "
+            "of cached blocks",
+            first,
+            freed / 2**30,
+        )
+        try:
+            return self._capture_once(encoder, key, x, attn)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly, say why
+            torch.cuda.synchronize(x.device)
+            self._disable(f"capturing failed ({type(exc).__name__}: {exc})")
+            return None
+
+    def _capture_once(
+        self, encoder: nn.Module, key: GraphKey, x: torch.Tensor, attn: AttentionInputs
+    ) -> _Entry:
         start = time.perf_counter()
         self._ensure_capacity(encoder, key, x)
         entry = self._new_entry(key, x)
@@ -414,11 +447,8 @@ class EncoderGraphs:
                 finally:
                     bwd.capture_end()
                 del y, grads
-        except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly, say why
-            torch.cuda.synchronize(x.device)
-            self._disable(f"capturing failed ({type(exc).__name__}: {exc})")
-            return None
-        current.wait_stream(side)
+        finally:
+            current.wait_stream(side)
         entry.fwd, entry.bwd = fwd, bwd
         self._entries[key] = entry
         self.stats.captures += 1

@@ -224,7 +224,10 @@ def _ranking_request(model, history, cands, dtype, dev, args) -> dict:
         row["cache_mb"] = round(cache.nbytes() / 2**20, 1)
 
         def full():
-            batch = with_candidates(history, cands).to(dev, non_blocking=True)
+            batch = with_candidates(history, cands)
+            if cuda:  # page-locked copies, as the cached path makes them
+                batch = batch.pin_memory()
+            batch = batch.to(dev, non_blocking=True)
             return model(batch)["logits"].float().cpu()
 
         def cached():

@@ -10,11 +10,13 @@
 # (scripts/bench_e2e.py, 1 GPU, the docs/benchmarks.md command), data (prepare ML-1M, Amazon
 # Beauty, ML-100K from data/raw), inference (scripts/bench_inference.py), small
 # (scripts/bench_small.py, eager vs CUDA graphs), small-profile (the same with a profile),
-# hybrid-e2e (the e2e model with a 20M-row hybrid item table against 2M rows in HBM), attn-bias (the relative bias's cost), hybrid
+# hybrid-e2e (the e2e model with a 20M-row hybrid item table against 2M rows in HBM), e2e-graphs
+# (the e2e step eager and with CUDA graphs of the encoder), attn-bias (the relative bias's cost), hybrid
 # (scripts/bench_embedding.py --hybrid); A/B runs of one build (no
 # reference): attn-ab (dispatch order), attn-fwd256 (d256 forward tiles), dq-convert-ab (where dQ
 # is converted); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute).
-# Every step runs even if an earlier one failed; the exit code is the number of failed steps.
+# Every step runs even if an earlier one failed (a step named twice runs twice, its log appended);
+# the exit code is the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_logs}
@@ -64,6 +66,13 @@ step() {
       python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --steps 30 \
         --paths compiled --bindings "EmbeddingArgs.item_capacity=2000000" \
         "EmbeddingArgs.user_capacity=1000000" "TrainerArgs.peak_tflops=989" ;;
+    e2e-graphs)  # the same, eager and with the encoder from CUDA graphs
+      for g in False True; do
+        python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --steps 30 \
+          --paths compiled --bindings "EmbeddingArgs.item_capacity=2000000" \
+          "EmbeddingArgs.user_capacity=1000000" "TrainerArgs.peak_tflops=989" \
+          "NetworkArgs.cuda_graphs=$g"
+      done ;;
     data)  # the public datasets, from copies in data/raw (ml-1m.txt.gz, Beauty.txt, ml-100k/u.data)
       python3 -m hstu.data.prepare --dataset sequences --source data/raw/ml-1m.txt.gz --output data/ml-1m
       python3 -m hstu.data.prepare --dataset amazon-beauty --source data/raw/Beauty.txt --output data/amazon-beauty
@@ -109,7 +118,7 @@ step() {
         HSTU_ATTN_DQ_CONVERT=$c bench_ab dq_convert_ab --iters 20 --shapes long_d128,long_d256
       done ;;
     *) echo "unknown step $name" >&2; return 2 ;;
-  esac > >(tee "$out/$name.log") 2>&1
+  esac > >(tee -a "$out/$name.log") 2>&1
   local rc=$?
   echo "[gpu_check] $name rc=$rc $((SECONDS - t0))s" | tee -a "$out/summary.log"
   return $rc

@@ -60,7 +60,7 @@ def _parse(argv):
         "--profile",
         action="store_true",
         help="one more pass (retrieval) or request of each kind (ranking) under torch.profiler: "
-        "GPU kernel time vs wall time and the top kernels and operators (\"profile\" fields)",
+        'GPU kernel time vs wall time and the top kernels and operators ("profile" fields)',
     )
     return p.parse_args(argv)
 

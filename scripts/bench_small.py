@@ -3,7 +3,8 @@
 The models most users train first (MovieLens, Amazon, Yelp: a few layers, width ~50, batch 128)
 are limited by the host, not the GPU, so their throughput is tracked as a run: start-up (data
 and model), the training steps, and the evaluations, each timed separately, plus steps/s and
-samples/s of the training steps alone and the final metrics.
+samples/s of the training steps alone (and of the steady state, ``steady_samples_per_s``) and the
+final metrics.
 
     python -m hstu.data.prepare --dataset sequences --source ml-1m.txt.gz --output data/ml-1m
     python scripts/bench_small.py --config configs/ml_1m_retrieval.gin --steps 10000 --evals 5
@@ -56,7 +57,7 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="after the run, --profile-steps more steps under torch.profiler; the trace goes to "
         "this directory and a summary (GPU kernel time vs step time, top kernels and host "
-        "operators) into the row's \"profile\"",
+        'operators) into the row\'s "profile"',
     )
     p.add_argument("--profile-steps", type=int, default=20)
     args = p.parse_args(argv)
@@ -138,6 +139,8 @@ def run(args: argparse.Namespace) -> dict:
             "samples_per_s": samples / train_s,
             "first_steps_ms": 1000.0 * first / args.first_steps,
             "steady_step_ms": 1000.0 * steady,
+            # the steps after the first window only (one-time costs such as captures excluded)
+            "steady_samples_per_s": cfg.trainer.train_batch_size / steady if steady > 0 else 0.0,
             "metrics": result.final_metrics,
             # CUDA graphs of the encoder: captures (one-time, inside train_s) and their seconds
             **_graph_fields(trainer),

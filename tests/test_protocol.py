@@ -109,8 +109,8 @@ def test_training_windows_cover_all_but_the_last_item():
 
 
 def _trainer_stub(data: SequenceData) -> SimpleNamespace:
-    """The Trainer attributes `Trainer._full_histories` reads (data, its user-row cache)."""
-    return SimpleNamespace(data=data, _user_row=None)
+    """The Trainer attribute `Trainer._full_histories` reads (its data)."""
+    return SimpleNamespace(data=data)
 
 
 def test_full_history_excludes_items_outside_the_truncated_window():
@@ -220,3 +220,22 @@ def test_target_scored_like_excluded_items_is_ranked_after_the_rest():
     scores = torch.tensor([[float("-inf"), 0.2, float("-inf"), 0.1]])
     m = retrieval_metrics(scores, torch.tensor([0]), ks=(1,))
     assert m["mrr"].tolist() == [pytest.approx(1 / 3)]  # behind the two finite scores only
+
+
+def test_user_rows_and_held_out_histories_of_any_users():
+    """The shared lookup of evaluation users: rows by raw id (-1 when absent, any order, repeats)
+    and each row's items before its last one; a missing user is a clear error."""
+    data = _data()
+    rows = data.user_rows([11, 10, 99, 11])
+    assert rows.tolist() == [1, 0, -1, 1]
+    values, offsets = data.histories_before_last(np.array([1, 0], dtype=np.int64))
+    assert offsets.tolist() == [0, 3, 9]
+    assert values.tolist() == [3, 8, 9, 1, 2, 3, 4, 5, 6]
+    one = data.histories_before_last(np.array([2], dtype=np.int64))  # user 12: one item only
+    assert one[0].tolist() == [] and one[1].tolist() == [0, 0]
+    from hstu.modules.metrics import held_out_histories
+
+    v, o = held_out_histories(data, torch.tensor([11]))
+    assert v.tolist() == [3, 8, 9] and o.tolist() == [0, 3]
+    with pytest.raises(ValueError, match=r"evaluation users \[99\] are not in the dataset"):
+        held_out_histories(data, torch.tensor([10, 99]))

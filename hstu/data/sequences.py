@@ -122,6 +122,35 @@ class SequenceData:
     def user_slice(self, u: int) -> slice:
         return slice(int(self.offsets[u]), int(self.offsets[u + 1]))
 
+    def user_rows(self, user_ids) -> np.ndarray:
+        """Row of each raw user id (int64 array), -1 for an id not in the data: one sorted
+        search for the whole array (the sorted index is built on first use)."""
+        index = self.__dict__.get("_user_index")
+        if index is None:
+            ids = np.asarray(self.user_ids, dtype=np.int64)
+            order = np.argsort(ids, kind="stable")
+            index = self.__dict__["_user_index"] = (ids[order], order)
+        sorted_ids, rows = index
+        uids = np.asarray(user_ids, dtype=np.int64).reshape(-1)
+        if not len(sorted_ids):
+            return np.full(uids.shape, -1, dtype=np.int64)
+        pos = np.searchsorted(sorted_ids, uids).clip(max=len(sorted_ids) - 1)
+        return np.where(sorted_ids[pos] == uids, rows[pos], -1).astype(np.int64)
+
+    def histories_before_last(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every item of each row's user but the last (the leave-one-out target), jagged:
+        (item ids, offsets [len(rows) + 1]), gathered at once."""
+        rows = np.asarray(rows, dtype=np.int64)
+        starts = np.asarray(self.offsets, dtype=np.int64)
+        lo = starts[rows]
+        lengths = np.maximum(starts[rows + 1] - 1 - lo, 0)
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        # index of every history element: its row's start + its position inside the row
+        within = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+        values = np.asarray(self.item_ids)[np.repeat(lo, lengths) + within]
+        return values.astype(np.int64, copy=False), offsets
+
     # ---- checks --------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ValueError naming the first broken invariant."""

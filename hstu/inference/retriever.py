@@ -32,7 +32,7 @@ from hstu.data.sequences import SequenceData
 from hstu.inference.requests import UserHistory, as_user_history
 from hstu.models.builder import build_model
 from hstu.models.retrieval import RetrievalGR
-from hstu.modules.metrics import RetrievalEvaluator, ks_from_metric_names
+from hstu.modules.metrics import RetrievalEvaluator, held_out_histories, ks_from_metric_names
 from hstu.training.checkpoint import Checkpointer
 from hstu.training.reshard import restore_into, unexpected_keys, upgrade_state_keys
 from hstu.training.rundir import config_identity
@@ -127,9 +127,6 @@ class CheckpointModel:
         self.corpus = torch.from_numpy(data.item_corpus()).long()
         self.max_history = int(cfg.dataset.max_history_seqlen)
         self._autocast_dtype = _DTYPES[cfg.network.dtype_str] if device.type == "cuda" else None
-        ids = np.asarray(data.user_ids, dtype=np.int64)
-        order = np.argsort(ids, kind="stable")
-        self._user_index = (ids[order], order)
         self._corpus_emb: torch.Tensor | None = None
         self._corpus_dev: torch.Tensor | None = None
 
@@ -232,11 +229,8 @@ class CheckpointModel:
         return ids[~found].tolist()
 
     def _user_row(self, user_id: int) -> int | None:
-        sorted_ids, rows = self._user_index
-        pos = int(np.searchsorted(sorted_ids, user_id))
-        if pos < len(sorted_ids) and sorted_ids[pos] == user_id:
-            return int(rows[pos])
-        return None
+        row = int(self.data.user_rows([user_id])[0])
+        return row if row >= 0 else None
 
     def make_batch(self, users: Sequence[UserHistory]) -> Batch:
         """A `Batch` of the requests: the last ``max_history_seqlen`` items of each as history."""
@@ -455,16 +449,9 @@ class Retriever(CheckpointModel):
             )
         return evaluator.compute()
 
-    def _dataset_histories(self, user_ids: torch.Tensor) -> list[torch.Tensor]:
-        """Every item each eval user consumed before the held-out (last) one."""
-        out = []
-        for uid in user_ids.tolist():
-            row = self._user_row(int(uid))
-            if row is None:
-                raise ValueError(f"evaluation user {uid} is not in the dataset")
-            lo, hi = int(self.data.offsets[row]), int(self.data.offsets[row + 1]) - 1
-            out.append(torch.from_numpy(np.asarray(self.data.item_ids[lo:hi], dtype=np.int64)))
-        return out
+    def _dataset_histories(self, user_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every item each eval user consumed before the held-out (last) one, jagged."""
+        return held_out_histories(self.data, user_ids)
 
 
 # ---- helpers -----------------------------------------------------------------------------------

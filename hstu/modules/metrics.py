@@ -19,12 +19,27 @@ __all__ = [
     "RankingMetrics",
     "RetrievalEvaluator",
     "binary_auc",
+    "held_out_histories",
     "ks_from_metric_names",
     "popularity_scores",
     "retrieval_metrics",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def held_out_histories(data, user_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``history_ids`` of `RetrievalEvaluator.update` for leave-one-out evaluation users:
+    every item each user of ``data`` (a `SequenceData`) consumed before the held-out last one
+    (not only the batch's window), as (values, offsets [B+1]) int64 on the CPU."""
+    uids = user_ids.cpu().numpy()
+    rows = data.user_rows(uids)
+    if (rows < 0).any():
+        missing = uids[rows < 0][:5].tolist()
+        raise ValueError(f"evaluation users {missing} are not in the dataset")
+    values, offsets = data.histories_before_last(rows)
+    return torch.from_numpy(values), torch.from_numpy(offsets)
+
 
 # Default bound on the [chunk, C] score block materialised by RetrievalEvaluator (elements).
 _DEFAULT_CHUNK_ELEMENTS = 1 << 25

@@ -29,7 +29,12 @@ from hstu.data.registry import build_samples, load_sequence_data
 from hstu.embeddings.stack import format_memory_plan
 from hstu.models.base import GenerativeRecommender
 from hstu.models.builder import build_model
-from hstu.modules.metrics import RankingMetrics, RetrievalEvaluator, ks_from_metric_names
+from hstu.modules.metrics import (
+    RankingMetrics,
+    RetrievalEvaluator,
+    held_out_histories,
+    ks_from_metric_names,
+)
 from hstu.training.checkpoint import Checkpointer, capture_rng_state, restore_rng_state
 from hstu.training.distributed import (
     DistInfo,
@@ -215,7 +220,6 @@ class Trainer:
             self.train_iter, self.embeddings, ahead=t.route_ids_ahead
         )
         # (sorted user ids, their rows of self.data): evaluation's history lookup
-        self._user_row: tuple[np.ndarray, np.ndarray] | None = None
         self.step = 0
         if t.ckpt_load_dir:
             self._load_checkpoint(t.ckpt_load_dir)
@@ -587,27 +591,7 @@ class Trainer:
     def _full_histories(self, user_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every item each eval user consumed before the held-out target (not only the window),
         as (values, offsets [B+1]) on the CPU: one vectorised gather for the batch."""
-        if self._user_row is None:
-            # user id -> row of self.data, as a sorted array and its rows (searchsorted lookup)
-            ids = np.asarray(self.data.user_ids, dtype=np.int64)
-            order = np.argsort(ids, kind="stable")
-            self._user_row = (ids[order], order)
-        sorted_ids, rows_of = self._user_row
-        uids = user_ids.cpu().numpy().astype(np.int64)
-        pos = np.searchsorted(sorted_ids, uids).clip(max=len(sorted_ids) - 1)
-        if not np.array_equal(sorted_ids[pos], uids):
-            missing = uids[sorted_ids[pos] != uids][:5].tolist()
-            raise ValueError(f"evaluation users {missing} are not in the dataset")
-        rows = rows_of[pos]
-        lo = np.asarray(self.data.offsets, dtype=np.int64)[rows]
-        hi = np.asarray(self.data.offsets, dtype=np.int64)[rows + 1] - 1  # the target excluded
-        lengths = np.maximum(hi - lo, 0)
-        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        # index of every history element: its row's start + its position inside the row
-        within = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
-        values = np.asarray(self.data.item_ids)[np.repeat(lo, lengths) + within]
-        return torch.from_numpy(values.astype(np.int64)), torch.from_numpy(offsets)
+        return held_out_histories(self.data, user_ids)
 
     # ---- the loop --------------------------------------------------------------------------
     def fit(self) -> TrainResult:

@@ -103,6 +103,28 @@ def launch(
     )
 
 
+# packages an exported artifact must serve without (the training stack)
+TRAINING_STACK = ("torchrec", "gin", "fbgemm_gpu", "tensorboard")
+
+
+def run_fresh_python(code: str) -> dict:
+    """Runs ``code`` (which ends by printing one JSON object) in a new interpreter with this
+    checkout importable; returns that object plus "heavy": the training-stack packages the
+    process had imported by then."""
+    probe = (
+        "\nimport sys as _sys, json as _json\n"
+        "print(_json.dumps(sorted({m.split('.')[0] for m in _sys.modules} & "
+        f"{set(TRAINING_STACK)!r})))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-c", code + probe], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    *_, result, heavy = proc.stdout.strip().splitlines()
+    return {**json.loads(result), "heavy": json.loads(heavy)}
+
+
 def error_lines(text: str) -> list[str]:
     """The lines of ``text`` that start with ``error:`` (the launchers' failure line)."""
     return [line for line in text.splitlines() if line.startswith("error:")]

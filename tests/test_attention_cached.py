@@ -125,6 +125,13 @@ def test_reference_equals_the_whole_sequence_rows(mask, bias):
     assert float(want.abs().max()) > 0
 
 
+@pytest.mark.parametrize("bad", [-1, 65, 2.0])
+def test_bad_num_splits_is_a_clear_error_on_every_path(bad):
+    _, cached, _, _, _ = _case(SEQS, 2, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"num_splits=.* must be an int in \[0, 64\]"):
+        _cached(hstu_attention_cached, cached, {}, {}, 320, num_splits=bad)
+
+
 def test_reference_bad_layouts_are_clear_errors():
     _, cached, _, _, _ = _case(SEQS, 2, 16, torch.float32, "cpu")
     args = (cached["q"], cached["k"], cached["v"])

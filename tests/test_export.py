@@ -7,14 +7,12 @@ scores it without importing torchrec or gin; damaged artifacts and bad exports a
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from dist_helpers import run_fresh_python
 from test_retriever import TINY
 
 from hstu.config.gin_utils import load_config
@@ -25,8 +23,6 @@ from hstu.inference.artifact import ArtifactError, RetrievalArtifact, read_manif
 from hstu.inference.export import export_retrieval
 from hstu.inference.requests import as_user_history
 from hstu.training.trainer import run_training
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -95,20 +91,13 @@ def test_manifest_describes_the_model_and_every_file(run, artifact_dir):
 def test_fresh_process_serves_without_the_training_stack(run, artifact_dir):
     result, _ = run
     users = _requests(Retriever.from_checkpoint(result.run_dir), n=8)
-    code = f"""
-import json, sys
+    out = run_fresh_python(f"""
+import json
 from hstu.inference.artifact import RetrievalArtifact
 art = RetrievalArtifact.load({str(artifact_dir)!r})
 ids, scores = art.retrieve(json.loads({json.dumps(json.dumps(users))}), top_k=10)
-heavy = sorted({{m.split('.')[0] for m in sys.modules}} & {{'torchrec', 'gin', 'fbgemm_gpu', 'tensorboard'}})
-print(json.dumps({{"ids": ids.tolist(), "heavy": heavy}}))
-"""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+print(json.dumps({{"ids": ids.tolist()}}))
+""")
     assert out["heavy"] == []
     ids, _ = RetrievalArtifact.load(artifact_dir).retrieve(users, top_k=10)
     assert out["ids"] == ids.tolist()

@@ -1,14 +1,13 @@
 """The retrieval evaluation protocol on hand-built cases (HSTU paper / SASRec protocol).
 
-Leave-one-out split, history exclusion through the trainer's own path (``Trainer._full_histories``
-feeding ``RetrievalEvaluator``), and metric values (HR@K, NDCG@K, MRR, ties) small enough to
+Leave-one-out split, history exclusion through the trainer's own path
+(``metrics.held_out_histories`` feeding ``RetrievalEvaluator``), and metric values (HR@K, NDCG@K, MRR, ties) small enough to
 rank by hand.
 """
 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,8 +15,7 @@ import torch
 
 from hstu.data.datasets import build_retrieval_samples
 from hstu.data.sequences import SequenceData
-from hstu.modules.metrics import RetrievalEvaluator, retrieval_metrics
-from hstu.training.trainer import Trainer
+from hstu.modules.metrics import RetrievalEvaluator, held_out_histories, retrieval_metrics
 
 # Three users (raw ids 10, 11, 12), time-ordered items. User 11 re-consumes item 3 as its last
 # item; user 12 has a single interaction (no usable sample).
@@ -108,17 +106,12 @@ def test_training_windows_cover_all_but_the_last_item():
 # ---- history exclusion through the trainer's path -----------------------------------------------
 
 
-def _trainer_stub(data: SequenceData) -> SimpleNamespace:
-    """The Trainer attribute `Trainer._full_histories` reads (its data)."""
-    return SimpleNamespace(data=data)
-
-
 def test_full_history_excludes_items_outside_the_truncated_window():
     data = _data()
     ev = build_retrieval_samples(data, max_history_seqlen=2).eval
     batch = ev.collate([0, 1])
     assert batch.features["item_id"].values().tolist() == [5, 6, 8, 9]  # windows of 2
-    hist = Trainer._full_histories(_trainer_stub(data), batch.user_ids)
+    hist = held_out_histories(data, batch.user_ids)
     values, offsets = hist
     assert offsets.tolist() == [0, 6, 9]
     assert values.tolist() == [1, 2, 3, 4, 5, 6, 3, 8, 9]
@@ -159,7 +152,7 @@ def test_exclusion_with_query_and_item_embeddings():
     data = _data()
     ev = build_retrieval_samples(data, max_history_seqlen=1).eval
     batch = ev.collate([0])
-    hist = Trainer._full_histories(_trainer_stub(data), batch.user_ids)
+    hist = held_out_histories(data, batch.user_ids)
     corpus = torch.from_numpy(data.item_corpus())
     emb = torch.zeros(9, 2)
     emb[:, 1] = 1.0  # every item: score 0 on axis 0 ...
@@ -233,8 +226,6 @@ def test_user_rows_and_held_out_histories_of_any_users():
     assert values.tolist() == [3, 8, 9, 1, 2, 3, 4, 5, 6]
     one = data.histories_before_last(np.array([2], dtype=np.int64))  # user 12: one item only
     assert one[0].tolist() == [] and one[1].tolist() == [0, 0]
-    from hstu.modules.metrics import held_out_histories
-
     v, o = held_out_histories(data, torch.tensor([11]))
     assert v.tolist() == [3, 8, 9] and o.tolist() == [0, 3]
     with pytest.raises(ValueError, match=r"evaluation users \[99\] are not in the dataset"):

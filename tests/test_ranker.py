@@ -179,28 +179,18 @@ def test_ranking_artifact_equals_the_full_forward(ranker, ranking_artifact):
 
 def test_ranking_artifact_serves_in_a_fresh_process(ranker, ranking_artifact, tmp_path):
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+
+    from dist_helpers import run_fresh_python
 
     users = _long_requests(ranker, [0, 1])
     sets = [[1, 2, 3], [4, 5]]
-    code = f"""
-import json, sys
+    out = run_fresh_python(f"""
+import json
 from hstu.inference.artifact import load_artifact
 art = load_artifact({str(ranking_artifact)!r})
 probs = art.predict(json.loads({json.dumps(json.dumps(users))}), {sets!r})
-heavy = sorted({{m.split('.')[0] for m in sys.modules}} & {{'torchrec', 'gin', 'fbgemm_gpu', 'tensorboard'}})
-print(json.dumps({{"probs": probs.tolist(), "heavy": heavy}}))
-"""
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root))
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+print(json.dumps({{"probs": probs.tolist()}}))
+""")
     assert out["heavy"] == []
     want = ranker.score_full(users, sets).sigmoid()
     torch.testing.assert_close(torch.tensor(out["probs"]), want, rtol=0, atol=1e-5)

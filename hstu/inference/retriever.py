@@ -445,13 +445,9 @@ class Retriever(CheckpointModel):
                 self.queries(batch),
                 emb,
                 batch.target_item_ids,
-                self._dataset_histories(batch.user_ids) if rt.eval_exclude_history else None,
+                held_out_histories(self.data, batch.user_ids) if rt.eval_exclude_history else None,
             )
         return evaluator.compute()
-
-    def _dataset_histories(self, user_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every item each eval user consumed before the held-out (last) one, jagged."""
-        return held_out_histories(self.data, user_ids)
 
 
 # ---- helpers -----------------------------------------------------------------------------------

@@ -384,30 +384,27 @@ class EncoderGraphs:
         back to the device: the eager steps before a capture leave them reserved in the ordinary
         pool, where the graphs' pool cannot use them (a large model's step needs ~20 GB of
         activations, docs/architecture.md)."""
-        try:
-            return self._capture_once(encoder, key, x, attn)
-        except torch.OutOfMemoryError as exc:
-            first = str(exc).splitlines()[0] if str(exc) else ""
-        except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly, say why
+        for attempt in (1, 2):
+            try:
+                return self._capture_once(encoder, key, x, attn)
+            except torch.OutOfMemoryError as exc:
+                error, retry = f"{type(exc).__name__}: {exc}", attempt == 1
+            except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly, say why
+                error, retry = f"{type(exc).__name__}: {exc}", False
+            # here the failed attempt's tensors are gone with its traceback
             torch.cuda.synchronize(x.device)
-            self._disable(f"capturing failed ({type(exc).__name__}: {exc})")
-            return None
-        # out of memory (the failed attempt's tensors went with its traceback): once more
-        torch.cuda.synchronize(x.device)
-        freed = torch.cuda.memory_reserved(x.device) - torch.cuda.memory_allocated(x.device)
-        torch.cuda.empty_cache()
-        logger.info(
-            "CUDA graphs: capture ran out of memory (%s); retrying once after releasing %.1f GB "
-            "of cached blocks",
-            first,
-            freed / 2**30,
-        )
-        try:
-            return self._capture_once(encoder, key, x, attn)
-        except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly, say why
-            torch.cuda.synchronize(x.device)
-            self._disable(f"capturing failed ({type(exc).__name__}: {exc})")
-            return None
+            if not retry:
+                break
+            freed = torch.cuda.memory_reserved(x.device) - torch.cuda.memory_allocated(x.device)
+            torch.cuda.empty_cache()
+            logger.info(
+                "CUDA graphs: capture ran out of memory (%s); retrying once after releasing "
+                "%.1f GB of cached blocks",
+                error.splitlines()[0],
+                freed / 2**30,
+            )
+        self._disable(f"capturing failed ({error})")
+        return None
 
     def _capture_once(
         self, encoder: nn.Module, key: GraphKey, x: torch.Tensor, attn: AttentionInputs

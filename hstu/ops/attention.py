@@ -228,6 +228,10 @@ def _at_kernel_head_dim(op: Callable, q, k, v, *args, **kwargs) -> torch.Tensor:
     return op(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), *args, **kwargs)[..., :d]
 
 
+# the cached kernel's largest key split (kMaxKeySplits in kernels/hstu_attention/api.cpp)
+MAX_KEY_SPLITS = 64
+
+
 def hstu_attention_cached(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -258,6 +262,12 @@ def hstu_attention_cached(
     ``max_q_seqlen`` / ``max_seqlen``: the compiled kernel's grid under CUDA graph capture
     (`hstu.ops.cuda_attention.hstu_attention_cached_cuda`); ignored otherwise. ``num_splits``:
     the kernel's key splits (1: none, 0: chosen per call); the reference ignores it."""
+    # checked on every path, so that a setting the kernel would refuse fails on the CPU too
+    if not isinstance(num_splits, int) or not 0 <= num_splits <= MAX_KEY_SPLITS:
+        raise ValueError(
+            f"num_splits={num_splits!r} must be an int in [0, {MAX_KEY_SPLITS}] "
+            "(1: no key splits, 0: chosen per call)"
+        )
     kwargs = dict(
         kv_lengths=kv_lengths,
         num_contexts=num_contexts,

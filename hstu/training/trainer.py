@@ -571,7 +571,9 @@ class Trainer:
                     out["query"].float(),
                     corpus_emb,
                     host_batch.target_item_ids,
-                    self._full_histories(host_batch.user_ids) if rt.eval_exclude_history else None,
+                    held_out_histories(self.data, host_batch.user_ids)
+                    if rt.eval_exclude_history
+                    else None,
                 )
         loss_sum, count = all_reduce_sum([loss_sum, count], self.device)
         result = metrics.compute() if self.cfg.task == "ranking" else evaluator.compute()
@@ -587,11 +589,6 @@ class Trainer:
             with self._autocast():
                 parts.append(self.core.item_embeddings(ids).float())
         return torch.cat(parts)
-
-    def _full_histories(self, user_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every item each eval user consumed before the held-out target (not only the window),
-        as (values, offsets [B+1]) on the CPU: one vectorised gather for the batch."""
-        return held_out_histories(self.data, user_ids)
 
     # ---- the loop --------------------------------------------------------------------------
     def fit(self) -> TrainResult:

@@ -50,8 +50,8 @@ def _parse(argv):
     p.add_argument(
         "--num-splits",
         type=int,
-        default=1,
-        help="ranking: key splits of the compiled cached attention (1: none, 0: chosen per call)",
+        default=0,
+        help="ranking: key splits of the compiled cached attention (0: chosen per call, 1: none)",
     )
     p.add_argument("--top-k", type=int, default=100, help="retrieval: K")
     p.add_argument("--batch-size", type=int, default=2048, help="retrieval: users per batch")

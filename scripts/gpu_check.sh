@@ -79,8 +79,10 @@ step() {
       python3 -m hstu.data.prepare --dataset ml-100k --source data/raw/ml-100k --output data/ml-100k ;;
     inference)  # ranking from a KV cache (batches of 1 and 64), retrieval users/s on ML-1M
       python3 scripts/bench_inference.py ranking --batches 1,64 --profile --out "$out/inference.jsonl"
-      # the cached attention with key splits chosen per call
-      python3 scripts/bench_inference.py ranking --batches 1,64 --num-splits 0 --out "$out/inference.jsonl"
+      # the cached attention without key splits, and with 16
+      for s in 1 16; do
+        python3 scripts/bench_inference.py ranking --batches 1 --num-splits $s --out "$out/inference.jsonl"
+      done
       python3 scripts/bench_inference.py retrieval --config configs/ml_1m_retrieval.gin \
         --profile --out "$out/inference.jsonl" ;;
     small)  # the small configs, eager vs CUDA graphs of the encoder, 2000 steps each

@@ -82,6 +82,48 @@ def test_every_backend_looks_up_through_one_interface(backend, contextual):
     assert ("dynamic_embeddings" in stack.checkpoint_state()) == (backend == "dynamic")
 
 
+@pytest.mark.parametrize("backend,contextual", BACKENDS + [("hybrid", "dense")])
+def test_serving_item_lookup_gives_the_rows_of_the_lookup(backend, contextual):
+    """The serving lookup (no dedup, no host reads) returns exactly the eval lookup's item rows
+    (known ids, unknown ones as zeros, repeats); it is absent for torchrec and hybrid item
+    tables, and its host check refuses ids the table cannot hold."""
+    storage = ["EmbeddingArgs.storage='hybrid'"] if backend == "hybrid" else []
+    cfg, data, splits = _setup(
+        "ranking",
+        f"EmbeddingArgs.embedding_backend='{'dynamic' if backend == 'hybrid' else backend}'",
+        f"EmbeddingArgs.contextual_tables='{contextual}'",
+        "EmbeddingArgs.item_capacity=1000",
+        *storage,
+    )
+    stack = build_embedding_stack(cfg, feature_info(data, cfg), extra_item_feature=False)
+    batch = splits.train.collate(list(range(6)))
+    with torch.no_grad():
+        stack(batch)  # training mode: dynamic tables insert the batch's ids
+    stack.eval()
+    lookup = stack.serving_item_lookup()
+    if backend in ("torchrec", "hybrid"):
+        assert lookup is None
+        return
+    ids = batch.features[ITEM_FEATURE].values()
+    unseen = 10_000 if backend == "dynamic" else 0  # an id no dynamic table has seen
+    assert unseen not in ids.tolist()
+    probe = torch.cat([ids, ids[:3], torch.tensor([unseen])])
+    lookup.check(probe)
+    got = lookup.rows(probe)
+    with torch.no_grad():
+        want = stack(batch)[ITEM_FEATURE].values()
+    assert got.shape == (probe.numel(), 18)
+    torch.testing.assert_close(got[: ids.numel()], want, rtol=0, atol=0)
+    torch.testing.assert_close(got[ids.numel() : -1], want[:3], rtol=0, atol=0)
+    if backend == "dynamic":
+        assert bool((got[-1] == 0).all())
+        with pytest.raises(ValueError, match="reserved"):
+            lookup.check(torch.tensor([1, torch.iinfo(torch.int64).min]))
+    else:
+        with pytest.raises(ValueError, match="ids must lie in"):
+            lookup.check(torch.tensor([1, 10**6]))
+
+
 def test_dynamic_rows_round_trip_through_checkpoint_state():
     cfg, data, splits = _setup("ranking", "EmbeddingArgs.embedding_backend='dynamic'")
     info = feature_info(data, cfg)

@@ -575,3 +575,39 @@ def test_fused_input_layernorm_kernel_path_cpu_autocast(monkeypatch, recompute):
     torch.testing.assert_close(dx_k, dx_a, atol=1e-5, rtol=1e-5)
     for name in g_a:
         torch.testing.assert_close(g_k[name], g_a[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_serving_project_and_finish_equal_the_fused_forward():
+    """Eval without grad (hstu.inference.kv_cache's path): project -> attend -> finish runs the
+    fused forward's own steps and gives its output; with grad enabled they are `HSTULayer`'s
+    autograd ops and gradients flow."""
+    lengths = [5, 3, 8]
+    attn = _layout(lengths, [1, 0, 2], [2, 1, 3])
+    _, fused = _pair()
+    fused.eval()
+    x = torch.randn(sum(lengths), HIDDEN, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = fused(x, attn)
+        u, v, q, k = fused.project(x)
+        got = fused.finish(x, fused.attend(q, k, v, attn), u)
+    assert all(t.is_contiguous() for t in (u, v, q, k))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    xi = x.clone().requires_grad_(True)
+    u, v, q, k = fused.project(xi)
+    fused.finish(xi, fused.attend(q, k, v, attn), u).sum().backward()
+    assert xi.grad is not None and fused.uvqk.weight.grad is not None
+
+
+def test_serving_weight_casts_are_kept_until_the_weights_change():
+    _, fused = _pair()
+    fused.eval()
+    x = torch.randn(4, HIDDEN)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fused.project(x)
+        w, b = fused._serving_weights(fused.uvqk, torch.bfloat16)
+        assert w.dtype == torch.bfloat16
+        assert fused._serving_weights(fused.uvqk, torch.bfloat16)[0] is w  # kept
+        fused.uvqk.weight.add_(1.0)  # e.g. an optimizer step or a checkpoint load
+        w2, _ = fused._serving_weights(fused.uvqk, torch.bfloat16)
+    assert w2 is not w
+    torch.testing.assert_close(w2, fused.uvqk.weight.detach().to(torch.bfloat16), rtol=0, atol=0)

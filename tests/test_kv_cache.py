@@ -1,8 +1,8 @@
 """Ranking from a cached history (hstu.inference.kv_cache) equals the full recomputation (CPU).
 
 Every mask the ranking model uses: contextual tokens, candidates as targets (groups of 1 and 2),
-a local window; no bias, the position bias and position + time; fused and unfused layers; a fixed
-scaling with candidate sets of other sizes. Equality is exact up to float32 rounding (asserted to
+a local window; no bias, the position bias and position + time; fused and unfused layers; plain,
+dynamic and torchrec item tables; a fixed scaling with candidate sets of other sizes. Equality is exact up to float32 rounding (asserted to
 1e-5; measured 0 on the CPU reference path).
 """
 
@@ -39,9 +39,12 @@ def _setup(extra: list[str], users: int = 6):
     torch.manual_seed(0)
     cfg = load_config("ranking", [], BASE + extra)
     data = load_sequence_data(cfg.dataset, num_tasks=8)
-    model = build_model(cfg, data, device_type="cpu").eval()
+    model = build_model(cfg, data, device_type="cpu")
     samples = build_samples(data, cfg.dataset, "ranking").eval
-    return model, samples.collate(list(range(users)))
+    batch = samples.collate(list(range(users)))
+    with torch.no_grad():
+        model.embeddings(batch)  # training mode: dynamic tables insert the batch's ids
+    return model.eval(), batch
 
 
 CASES = {
@@ -52,6 +55,15 @@ CASES = {
     "window": ["NetworkArgs.max_attn_len=6"],
     "no_contexts": ["NetworkArgs.use_contextual_features=False"],
     "fused_time": ["NetworkArgs.fused_layer=True", "NetworkArgs.relative_attention_bias='time'"],
+    # the item rows from a dynamic table's serving lookup; from torchrec's lookup of a batch
+    "dynamic_table": [
+        "EmbeddingArgs.embedding_backend='dynamic'",
+        "EmbeddingArgs.contextual_tables='dense'",
+        "EmbeddingArgs.item_capacity=1000",
+        "EmbeddingArgs.user_capacity=1000",
+        "NetworkArgs.fused_layer=True",
+    ],
+    "torchrec_table": ["EmbeddingArgs.embedding_backend='torchrec'"],
 }
 
 

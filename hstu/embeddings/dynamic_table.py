@@ -241,6 +241,31 @@ class DynamicEmbeddingTable(nn.Module):
             out = self.ops.gather(self.state, self.dim, slots, u.inverse)
         return out.to(dtype)
 
+    # whether `serving_rows` may run (the hybrid table's rows may live on the host)
+    serves_without_sync = True
+
+    def serving_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Eval lookup for serving: rows [len(ids), dim] of int64 ``ids`` on the table's device
+        (zeros for unknown ids), as `forward` gives them in eval mode, but without deduplication
+        or counters, so nothing is read back to the host and a CUDA graph can capture it. The
+        caller checks the ids on the host (`check_serving_ids`)."""
+        if self.training:
+            raise RuntimeError(f"table {self.config.name!r}: serving_rows needs eval mode")
+        if not self.serves_without_sync:
+            raise RuntimeError(
+                f"table {self.config.name!r} (storage={self.config.storage!r}) cannot look up "
+                "without host reads; use the table's forward"
+            )
+        slots = self.ops.find(self.state, ids)
+        inverse = torch.arange(ids.numel(), device=ids.device)
+        out = self.ops.gather(self.state, self.dim, slots, inverse)
+        return out.to(_DTYPES[self.config.output_dtype])
+
+    def check_serving_ids(self, host_ids: torch.Tensor) -> None:
+        """Raises if CPU ``host_ids`` hold the reserved empty-slot key (`serving_rows`)."""
+        if host_ids.numel() and bool((host_ids == EMPTY_KEY).any()):
+            self._raise_reserved()
+
     def _unique(self, ids: torch.Tensor, host_ids: torch.Tensor | None) -> UniqueIds:
         """The checked, deduplicated ids of a lookup, on the table's device (the distinct-id
         count and the reserved-id check from ``host_ids`` when given)."""
@@ -719,6 +744,12 @@ class DynamicEmbeddingCollection(nn.Module):
 
     def embedding_configs(self) -> list[DynamicEmbeddingConfig]:
         return list(self._configs)
+
+    def table_of(self, feature: str) -> DynamicEmbeddingTable:
+        """The table that serves ``feature``."""
+        if feature not in self._feature_to_table:
+            raise KeyError(f"feature {feature!r} has no dynamic table: {self.feature_names()}")
+        return self.tables[self._feature_to_table[feature]]
 
     def feature_names(self) -> list[str]:
         return list(self._feature_to_table)

@@ -193,6 +193,9 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         self._cache_counters = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._pending: list[int] = []  # steps whose lookup's backward has not run
 
+    # misses are fetched from the host tier with host reads: no graph-safe serving lookup
+    serves_without_sync = False
+
     # -- tensors ----------------------------------------------------------------------------
     def _memory_need(self, num_slots: int) -> tuple[int, int]:
         """Directory (24 B per slot) + slot -> cache row (4 B) + the cache (row + key + slot) on

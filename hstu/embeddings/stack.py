@@ -18,9 +18,11 @@ statistics, the next batch's input dist); neither ever names a backend. It owns:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
@@ -46,6 +48,7 @@ from hstu.embeddings.static import (
 __all__ = [
     "EmbeddingStack",
     "EXTRA_ITEM_FEATURE",
+    "ItemLookup",
     "USER_ID_FEATURE",
     "SparseInput",
     "format_memory_plan",
@@ -72,6 +75,15 @@ class SparseInput:
     features: list[str]
     counts: list[int]
     dist_input: Awaitable
+
+
+@dataclass
+class ItemLookup:
+    """`EmbeddingStack.serving_item_lookup`: ``rows(device ids) -> [n, hidden_size]`` without
+    host reads, and ``check(cpu ids)`` that raises on ids ``rows`` must not see."""
+
+    rows: Callable[[torch.Tensor], torch.Tensor]
+    check: Callable[[torch.Tensor], None]
 
 
 @dataclass
@@ -446,6 +458,32 @@ class EmbeddingStack(nn.Module):
                 host_values=extra if extra.device.type == "cpu" else None,
             )
         return b, parts
+
+    def serving_item_lookup(self) -> ItemLookup | None:
+        """The item rows for serving (eval): ``rows(ids)`` maps int64 item ids on the tables'
+        device to their [n, hidden_size] rows, as `forward` returns them, reading nothing back
+        to the host (a CUDA graph can capture it); ``check(host_ids)`` validates the same ids on
+        the CPU first. None where the item table cannot (torchrec tables, hybrid storage)."""
+        if ITEM_FEATURE in self.dynamic_features:
+            table_of = getattr(self.dynamic_collection, "table_of", None)  # None once sharded
+            table = None if table_of is None else table_of(ITEM_FEATURE)
+            if table is None or not table.serves_without_sync:
+                return None
+            return ItemLookup(rows=table.serving_rows, check=table.check_serving_ids)
+        if self.dense_tables is None:
+            return None
+        emb = self.dense_tables.tables[self.dense_tables.feature_to_table[ITEM_FEATURE]]
+        width = self.hidden_size
+
+        def check(host_ids: torch.Tensor) -> None:
+            n = emb.num_embeddings
+            if host_ids.numel() and (int(host_ids.min()) < 0 or int(host_ids.max()) >= n):
+                raise ValueError(
+                    f"feature {ITEM_FEATURE!r}: ids must lie in [0, {n}); got "
+                    f"{int(host_ids.min())}..{int(host_ids.max())}"
+                )
+
+        return ItemLookup(rows=lambda ids: F.embedding(ids, emb.weight)[:, :width], check=check)
 
     def lookup_kjt(
         self, batch: Batch | None, extra_ids: torch.Tensor | None = None

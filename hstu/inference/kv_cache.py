@@ -36,6 +36,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
+from hstu.embeddings.stack import ItemLookup
 from hstu.models.ranking import RankingGR
 from hstu.modules.preprocessor import host_lengths, segment_ranges
 from hstu.ops.attention import hstu_attention_cached
@@ -357,27 +358,52 @@ def _candidates(model, cache: HistoryCache, candidates, timestamps):
     return cands, counts, torch.cat(times)
 
 
-def _candidate_inputs(model: RankingGR, cache: HistoryCache, cands: list[torch.Tensor], device):
-    """[sum n, D] input tokens of the candidates: item embedding (scaled as the preprocessor
-    scales it) + the position embedding of position = history items (dropout is off in eval)."""
-    hist = cache.history
-    parts = feature_parts(hist)
-    counts = torch.tensor([c.numel() for c in cands], dtype=torch.int64)
-    parts[ITEM_FEATURE] = (torch.cat(cands), counts)
-    actions = parts[ACTION_FEATURE][0]
-    parts[ACTION_FEATURE] = (actions[:0], torch.zeros_like(counts))
-    batch = batch_from_parts(parts, hist, counts, None)
-    if torch.device(device).type == "cuda":
-        # page-locked: the copies are queued without the host waiting on each (a request's
-        # handful of pageable copies cost ~1 ms of host time at batch 1, docs/inference.md)
-        batch = batch.pin_memory().to(device, non_blocking=True)
-    else:
-        batch = batch.to(device)
-    items = model.embeddings(batch)[ITEM_FEATURE].values()
+def _candidate_positions(model: RankingGR, cache: HistoryCache, counts: torch.Tensor, device):
+    """[sum n] position ids of the candidates: each user's history items (clamped as the
+    preprocessor clamps them)."""
+    pre = model.preprocessor
+    pos = torch.repeat_interleave(cache.history_items.clamp(max=pre.max_positions - 1), counts)
+    return pos.to(device)
+
+
+def _input_tokens(model: RankingGR, items: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Input tokens of candidate ``items`` rows: the item embedding scaled as the preprocessor
+    scales it, plus the position embedding of ``positions`` (dropout is off in eval)."""
     pre = model.preprocessor
     scaled = items * pre.item_scale if pre.item_scale != 1.0 else items
-    pos = torch.repeat_interleave(cache.history_items.clamp(max=pre.max_positions - 1), counts)
-    return scaled + pre.position_embedding(pos.to(device))
+    return scaled + pre.position_embedding(positions)
+
+
+def _serving_lookup(model: RankingGR) -> ItemLookup | None:
+    """The item table's host-read-free lookup (`EmbeddingStack.serving_item_lookup`), if any."""
+    get = getattr(model.embeddings, "serving_item_lookup", None)
+    return None if get is None else get()
+
+
+def _candidate_inputs(model: RankingGR, cache: HistoryCache, cands: list[torch.Tensor], device):
+    """[sum n, D] input tokens of the candidates (`_input_tokens`). The item rows come from the
+    table's serving lookup where it has one (ids checked on the host, one copy), else from the
+    model's embedding lookup of a candidates-only batch."""
+    counts = torch.tensor([c.numel() for c in cands], dtype=torch.int64)
+    lookup = _serving_lookup(model)
+    if lookup is not None:
+        ids = torch.cat(cands)
+        lookup.check(ids)
+        items = lookup.rows(ids.to(device))
+    else:
+        hist = cache.history
+        parts = feature_parts(hist)
+        parts[ITEM_FEATURE] = (torch.cat(cands), counts)
+        actions = parts[ACTION_FEATURE][0]
+        parts[ACTION_FEATURE] = (actions[:0], torch.zeros_like(counts))
+        batch = batch_from_parts(parts, hist, counts, None)
+        if torch.device(device).type == "cuda":
+            # page-locked: the copies are queued without the host waiting on each
+            batch = batch.pin_memory().to(device, non_blocking=True)
+        else:
+            batch = batch.to(device)
+        items = model.embeddings(batch)[ITEM_FEATURE].values()
+    return _input_tokens(model, items, _candidate_positions(model, cache, counts, device))
 
 
 def _layout(cache: HistoryCache, counts: torch.Tensor) -> tuple[dict, torch.Tensor]:
@@ -433,13 +459,13 @@ def score_candidates(
     cache: HistoryCache,
     candidates: list[list[int]] | list[torch.Tensor],
     timestamps: list[list[int]] | None = None,
-    num_splits: int = 1,
+    num_splits: int = 0,
 ) -> torch.Tensor:
     """Logits [sum of candidates, num_tasks] of each user's candidates (users in the cache's
     order, candidates in the given order) from ``cache``. The candidates' keys and values are
     written into the cache's slots (the history's rows are left as they are). ``num_splits``:
-    the compiled attention's key splits (1: none; 0: chosen from the shape, for few users
-    against long histories)."""
+    the compiled attention's key splits (0, the default: chosen from the shape, splitting the
+    keys when few users leave most of the GPU idle; 1: none)."""
     cands, counts, times = _candidates(model, cache, candidates, timestamps)
     if int(counts.max()) > cache.capacity:
         _grow(cache, int(counts.max()))
@@ -455,9 +481,13 @@ class GraphedScorer:
     graph (CUDA only). Scoring a small candidate set issues a few dozen small kernels per layer,
     so it is bound by the host's launch cost; the graph issues them all at once.
 
-    The candidates' input rows (the embedding lookup) are computed eagerly, written into the
-    graph's static input, then the layers, the norm and the head replay. Built from the cache's
-    current layout (the cache must not be grown or re-encoded while the scorer is used).
+    Where the item table has a serving lookup (`EmbeddingStack.serving_item_lookup`: plain and
+    all-HBM dynamic tables) the graph starts from the candidate ids: a call checks them on the
+    host, copies them (and their times) through page-locked buffers into the graph's inputs and
+    replays the lookup, the layers, the norm and the head. Otherwise (torchrec or hybrid item
+    tables) the candidates' input rows are computed eagerly and copied into the graph's input.
+    Built from the cache's current layout and the model's current weights (the cache must not be
+    grown or re-encoded, nor the model trained, while the scorer is used).
 
         scorer = GraphedScorer(model, cache, counts=[100] * B)
         logits = scorer(candidates)               # equals score_candidates(model, cache, ...)
@@ -469,7 +499,7 @@ class GraphedScorer:
         cache: HistoryCache,
         counts: list[int],
         autocast_dtype: torch.dtype | None = None,
-        num_splits: int = 1,
+        num_splits: int = 0,
     ) -> None:
         _check_model(model)
         device = cache.keys[0].device if cache.keys else torch.device("cpu")
@@ -488,28 +518,41 @@ class GraphedScorer:
         )
         meta = {k: None if t is None else t.to(device) for k, t in meta.items()}
         meta.update(max_q_seqlen=int(counts_t.max()), max_seqlen=int(meta["kv_lengths"].max()))
+        n = int(counts_t.sum())
+        timed = cache.timestamps is not None
+        self._lookup = _serving_lookup(model)
+        # the graph's inputs, and page-locked staging buffers for the calls' copies into them
+        self._times = torch.zeros(n, dtype=torch.int64, device=device)
+        self._ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self._host_times = torch.zeros(n, dtype=torch.int64).pin_memory()
+        self._host_ids = torch.zeros(n, dtype=torch.int64).pin_memory()
+        self._staged = torch.cuda.Event()  # the last call's copies out of the staging buffers
+        self._staged.record()
         hidden = model.encoder.layers[0].hidden_size
         param_dtype = next(model.parameters()).dtype
-        self._x = torch.zeros(int(counts_t.sum()), hidden, dtype=param_dtype, device=device)
-        timed = cache.timestamps is not None
-        self._times = torch.zeros(self._x.shape[0], dtype=torch.int64, device=device)
+        self._x = torch.zeros(n, hidden, dtype=param_dtype, device=device)
         # the graph reads these tensors' memory at every replay: they live as long as the scorer
+        self._positions = _candidate_positions(model, cache, counts_t, device)
         self._dst = dst.to(device)
         self._meta = meta
 
         def run() -> torch.Tensor:
             with self._autocast():
+                x = self._x
+                if self._lookup is not None:
+                    x = _input_tokens(model, self._lookup.rows(self._ids), self._positions)
                 return _score_layers(
                     model,
                     cache,
-                    self._x,
+                    x,
                     self._dst,
                     self._meta,
                     self._times if timed else None,
                     num_splits,
                 )
 
-        # warm up on a side stream (kernel selection, lazy tables), then capture
+        # warm up on a side stream (kernel selection, lazy tables, the layers' weight casts),
+        # then capture
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.no_grad(), torch.cuda.stream(stream):
@@ -522,8 +565,13 @@ class GraphedScorer:
     def _autocast(self):
         if self.autocast_dtype is None or self.autocast_dtype == torch.float32:
             return contextlib.nullcontext()
-        # no cast cache: a cast made outside the capture must not be read by the graph
+        # no cast cache: a cast made outside the capture must not be read by the graph (the
+        # layers keep their own weight casts, `FusedHSTULayer.project`)
         return torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
+
+    def _stage(self, host: torch.Tensor, staging: torch.Tensor, target: torch.Tensor) -> None:
+        staging.copy_(host)
+        target.copy_(staging, non_blocking=True)
 
     @torch.no_grad()
     def __call__(
@@ -539,11 +587,18 @@ class GraphedScorer:
                 f"this scorer was captured for {self.counts.tolist()} candidates per user; got "
                 f"{counts.tolist()}"
             )
+        self._staged.synchronize()  # the previous call's copies have left the staging buffers
         if times is not None:
-            self._times.copy_(times, non_blocking=True)
-        with self._autocast():
-            x = _candidate_inputs(self.model, self.cache, cands, self._x.device)
-        self._x.copy_(x)
+            self._stage(times, self._host_times, self._times)
+        if self._lookup is not None:
+            ids = torch.cat(cands)
+            self._lookup.check(ids)
+            self._stage(ids, self._host_ids, self._ids)
+        else:
+            with self._autocast():
+                x = _candidate_inputs(self.model, self.cache, cands, self._x.device)
+            self._x.copy_(x)
+        self._staged.record()
         self.graph.replay()
         return self._out.clone()
 

@@ -863,6 +863,76 @@ class FusedHSTULayer(HSTULayer):
             )
         return fused_hstu_layer(self, x, attn)
 
+    # ---- serving: the layer around an attention computed elsewhere (hstu.inference.kv_cache) --
+    def _serving(self, x: torch.Tensor) -> bool:
+        """True where `project` / `finish` run the fused forward's own steps: eval mode, no
+        autograd (the kernels here have no backward; otherwise `HSTULayer`'s autograd ops)."""
+        return not self.training and not torch.is_grad_enabled()
+
+    def _serving_weights(self, linear: torch.nn.Linear, cdtype: torch.dtype):
+        """(weight, bias) of ``linear`` in the matmul dtype, cast once and kept while the
+        parameters are unchanged (their version counters): a served layer runs its matmuls
+        without a cast per call, and a CUDA graph of it reads the kept casts."""
+        w, b = linear.weight, linear.bias
+        stamp = (w.data_ptr(), w._version, b.data_ptr(), b._version, cdtype)
+        casts = self.__dict__.setdefault("_serving_casts", {})
+        hit = casts.get(id(linear))
+        if hit is None or hit[0] != stamp:
+            hit = casts[id(linear)] = (stamp, w.detach().to(cdtype), b.detach().to(cdtype))
+        return hit[1], hit[2]
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(u, v, q, k), each [T, H * D]. Serving (eval, no grad): the fused forward's input
+        LayerNorm, matmul and chunk-major SiLU (the same kernels and precision as `forward`;
+        q, k and v are contiguous); otherwise `HSTULayer.project`."""
+        if not self._serving(x):
+            return super().project(x)
+        cdtype = _compute_dtype(x)
+        inner = self.num_heads * self.head_dim
+        norm = self.input_norm
+        ln = (
+            _ln_ops(x, self.hidden_size)
+            if self.elementwise_kernels and self.layernorm_kernel
+            else None
+        )
+        silu = _silu_ops(x, inner) if self.elementwise_kernels else None
+        with torch.autocast(x.device.type, enabled=False):
+            if ln is not None:
+                n_c = ln[0](x, norm.weight.float(), norm.bias.float(), norm.eps, cdtype)[0]
+            else:
+                n_c = _stage(
+                    "pre_norm", x.device, x, norm.weight, norm.bias, norm.eps, cdtype,
+                    compile_stages=self.stage_compile,
+                )[0]  # fmt: skip
+            w, b = self._serving_weights(self.uvqk, cdtype)
+            z = F.linear(n_c, w, b)
+            act = silu[0](z) if silu is not None else _silu_chunk_major(z, inner)
+        return act[0], act[1], act[2], act[3]
+
+    def finish(self, x: torch.Tensor, a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """x + W_o(LayerNorm(a) * u). Serving (eval, no grad): the fused forward's gating step
+        and output matmul; otherwise `HSTULayer.finish`."""
+        if not self._serving(x):
+            return super().finish(x, a, u)
+        cdtype = _compute_dtype(x)
+        inner = self.num_heads * self.head_dim
+        norm = self.attn_norm
+        gate = _gate_ops(self.gate_kernel, x, inner)
+        with torch.autocast(x.device.type, enabled=False):
+            a = _kernel_layout(a.reshape(-1, inner).to(cdtype))
+            if gate is not None:
+                y_c = gate[0](
+                    a, _kernel_layout(u.to(cdtype)), norm.weight.float(), norm.bias.float(),
+                    norm.eps, 0.0, 0, 0,
+                )[0]  # fmt: skip
+            else:
+                y_c = _stage(
+                    "gate_fwd", x.device, a, norm.weight, norm.bias, u, None, 1.0, norm.eps,
+                    cdtype, compile_stages=self.stage_compile,
+                )[0]  # fmt: skip
+            w, b = self._serving_weights(self.out_proj, cdtype)
+            return _residual(x, F.linear(y_c, w, b))
+
     def kernel_choices(self, device: torch.device) -> dict[str, str]:
         """`HSTUEncoder.kernel_choices` of a stack of fused layers: each value is the setting,
         then in brackets what runs on ``device`` (never raises; the per-call conditions such as

@@ -516,7 +516,8 @@ class GraphedScorer:
         cached_layout(
             meta["q_offsets"], meta["kv_offsets"], meta["kv_lengths"], int(counts_t.sum())
         )
-        meta = {k: None if t is None else t.to(device) for k, t in meta.items()}
+        # int32, the kernel's own type: a replay converts nothing
+        meta = {k: None if t is None else t.to(device, torch.int32) for k, t in meta.items()}
         meta.update(max_q_seqlen=int(counts_t.max()), max_seqlen=int(meta["kv_lengths"].max()))
         n = int(counts_t.sum())
         timed = cache.timestamps is not None

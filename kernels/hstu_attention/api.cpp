@@ -702,7 +702,7 @@ CachedChecked check_cached_inputs(const Tensor& q, const Tensor& k, const Tensor
 // Key splits of a cached forward (num_splits=0): one query block per (sequence, head) and few
 // sequences leave most SMs idle (e.g. one user's 100 candidates x 4 heads: 8 CTAs), while each CTA
 // walks every key block of a long history. Splits fill about one wave of SMs, each CTA keeping
-// at least 4 key blocks of 64 (the tile sizes vary by head dim; 64 is the smallest of them).
+// at least 2 key blocks of 64 (the tile sizes vary by head dim; 64 is the smallest of them).
 constexpr int64_t kMaxKeySplits = 64;
 
 int key_splits(int64_t max_q_len, int64_t max_len, int64_t batch, int64_t heads) {
@@ -710,7 +710,7 @@ int key_splits(int64_t max_q_len, int64_t max_len, int64_t batch, int64_t heads)
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   if (ctas <= 0 || ctas >= sms) return 1;
   const int64_t by_sms = (sms + ctas - 1) / ctas;
-  const int64_t by_keys = (max_len + 63) / 64 / 4;
+  const int64_t by_keys = (max_len + 63) / 64 / 2;
   return int(std::max<int64_t>(1, std::min({by_sms, by_keys, kMaxKeySplits})));
 }
 

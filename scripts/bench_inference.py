@@ -246,12 +246,12 @@ def _ranking_request(model, history, cands, dtype, dev, args) -> dict:
                 num_splits=args.num_splits,
             )
             row["cached_graph"], got["graph"] = _time(
-                lambda: scorer(cands).cpu(), args.iters, args.warmup
+                lambda: scorer(cands, to_host=True), args.iters, args.warmup
             )
         if args.profile:
             kinds = {"full": full, "cached_eager": cached}
             if cuda:
-                kinds["cached_graph"] = lambda: scorer(cands).cpu()
+                kinds["cached_graph"] = lambda: scorer(cands, to_host=True)
             for name, fn in kinds.items():
                 if name != "full" or not args.no_full:
                     row[f"profile_{name}"] = _profile(fn, dev, top=8)

@@ -152,12 +152,15 @@ def test_cuda_cached_and_graphed_scores_equal_the_full_recomputation(case):
             model, cache, [c.numel() for c in cands], autocast_dtype=torch.bfloat16
         )
         graphed = scorer(cands, times)
+        on_host = scorer(cands, times, to_host=True)
         other = [c.flip(0) for c in cands]
         graphed_other = scorer(other, times)
         eager_other = score_candidates(model, cache, other, times)
     scale = float(ref.abs().max())
     assert float((eager - ref).abs().max()) <= 3e-2 * scale
     torch.testing.assert_close(graphed, eager, rtol=0, atol=1e-5 * scale)
+    assert on_host.device.type == "cpu"
+    torch.testing.assert_close(on_host, graphed.cpu(), rtol=0, atol=0)
     torch.testing.assert_close(graphed_other, eager_other, rtol=0, atol=1e-5 * scale)
     # other counts: refused (the cache's own count check comes first unless the scaling is fixed)
     with pytest.raises(ValueError, match="captured for|encoded for"):

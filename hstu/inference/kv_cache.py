@@ -30,6 +30,7 @@ What has to hold for the cached and full scores to be equal:
 from __future__ import annotations
 
 import contextlib
+import copy as copy_module
 from dataclasses import dataclass
 
 import torch
@@ -359,19 +360,19 @@ def _candidates(model, cache: HistoryCache, candidates, timestamps):
 
 
 def _candidate_positions(model: RankingGR, cache: HistoryCache, counts: torch.Tensor, device):
-    """[sum n] position ids of the candidates: each user's history items (clamped as the
-    preprocessor clamps them)."""
+    """[sum n, D] position embeddings of the candidates: position = each user's history items
+    (clamped as the preprocessor clamps them)."""
     pre = model.preprocessor
     pos = torch.repeat_interleave(cache.history_items.clamp(max=pre.max_positions - 1), counts)
-    return pos.to(device)
+    return pre.position_embedding(pos.to(device))
 
 
 def _input_tokens(model: RankingGR, items: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Input tokens of candidate ``items`` rows: the item embedding scaled as the preprocessor
-    scales it, plus the position embedding of ``positions`` (dropout is off in eval)."""
+    scales it, plus the candidates' position embeddings (dropout is off in eval)."""
     pre = model.preprocessor
     scaled = items * pre.item_scale if pre.item_scale != 1.0 else items
-    return scaled + pre.position_embedding(positions)
+    return scaled + positions
 
 
 def _serving_lookup(model: RankingGR) -> ItemLookup | None:
@@ -422,7 +423,9 @@ def _layout(cache: HistoryCache, counts: torch.Tensor) -> tuple[dict, torch.Tens
     return meta, _rows(cache.slot_offsets[:-1] + cache.history_tokens, counts)
 
 
-def _score_layers(model, cache: HistoryCache, x, dst, meta, times, num_splits) -> torch.Tensor:
+def _score_layers(
+    model, cache: HistoryCache, x, dst, meta, times, num_splits, head=None
+) -> torch.Tensor:
     """The candidates' tokens ``x`` through the layers, the final norm and the head; writes
     their keys, values and ``times`` into the slot rows ``dst``. ``num_splits``: the compiled
     cached attention's key splits (`hstu.ops.attention.hstu_attention_cached`)."""
@@ -450,7 +453,7 @@ def _score_layers(model, cache: HistoryCache, x, dst, meta, times, num_splits) -
         x = layer.finish(x, a.reshape(-1, h * d).to(u.dtype), u)
     if model.encoder.final_norm is not None:
         x = model.encoder.final_norm(x)
-    return model.head(x).float()
+    return (model.head if head is None else head)(x).float()
 
 
 @torch.no_grad()
@@ -533,9 +536,12 @@ class GraphedScorer:
         param_dtype = next(model.parameters()).dtype
         self._x = torch.zeros(n, hidden, dtype=param_dtype, device=device)
         # the graph reads these tensors' memory at every replay: they live as long as the scorer
-        self._positions = _candidate_positions(model, cache, counts_t, device)
+        with torch.no_grad():
+            self._positions = _candidate_positions(model, cache, counts_t, device)
         self._dst = dst.to(device)
         self._meta = meta
+        self._head = _head_in(model.head, autocast_dtype)
+        self._host_out: torch.Tensor | None = None
 
         def run() -> torch.Tensor:
             with self._autocast():
@@ -550,6 +556,7 @@ class GraphedScorer:
                     self._meta,
                     self._times if timed else None,
                     num_splits,
+                    self._head,
                 )
 
         # warm up on a side stream (kernel selection, lazy tables, the layers' weight casts),
@@ -579,9 +586,11 @@ class GraphedScorer:
         self,
         candidates: list[list[int]] | list[torch.Tensor],
         timestamps: list[list[int]] | None = None,
+        to_host: bool = False,
     ) -> torch.Tensor:
-        """Logits [sum of candidates, num_tasks] (on the device; the graph's output buffer is
-        copied) of each user's candidates, as `score_candidates` computes them."""
+        """Logits [sum of candidates, num_tasks] of each user's candidates, as
+        `score_candidates` computes them: a copy of the graph's output buffer, on the device, or
+        with ``to_host`` on the CPU (through a page-locked buffer, waiting for the replay)."""
         cands, counts, times = _candidates(self.model, self.cache, candidates, timestamps)
         if not torch.equal(counts, self.counts):
             raise ValueError(
@@ -601,7 +610,29 @@ class GraphedScorer:
             self._x.copy_(x)
         self._staged.record()
         self.graph.replay()
-        return self._out.clone()
+        if not to_host:
+            return self._out.clone()
+        if self._host_out is None:
+            self._host_out = torch.empty(self._out.shape, dtype=self._out.dtype).pin_memory()
+        self._host_out.copy_(self._out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return self._host_out.clone()
+
+
+def _head_in(head: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    """``head`` itself, or (a bf16/fp16 ``dtype``) a copy whose Linear layers hold their
+    weights in ``dtype``: under autocast the matmuls then cast nothing per call, with the same
+    values (autocast rounds the float32 weights to ``dtype`` alike); other layers (the
+    LayerNorm) keep their float32 parameters."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return head
+    copy = copy_module.deepcopy(head)
+    for m in copy.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.to(dtype)
+    return copy
 
 
 @torch.no_grad()

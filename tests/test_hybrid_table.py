@@ -114,6 +114,35 @@ def test_hybrid_equals_hbm_with_evictions_every_step(opt, policy):
     assert s["evictions"] > 0 and s["cache_fetches"] > 0 and s["cache_hit_rate"] < 0.5
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_hybrid_equals_hbm_when_every_id_is_held_and_rows_come_from_the_host(policy, monkeypatch):
+    """The steady state of a large table: the directory holds every id (no inserts) and the
+    cache a part of them, so lookups fetch rows from the host tier; the sizes those lookups need
+    are read from the device once (`torch.nonzero_static` with the size read, not a second
+    read of its own)."""
+    hbm, hybrid = pair(cache=0.25, capacity=2048, eviction_policy=policy)
+    assert hybrid.cache_rows == 512
+    for t in (hbm, hybrid):
+        for chunk in torch.arange(600).split(100):
+            with torch.no_grad():
+                t(chunk.to(t.device), host_ids=chunk)
+    inserted = hybrid.stats()["inserts"]
+    sizes = []
+    real = torch.nonzero_static
+
+    def counted(mask, *, size, **kw):
+        sizes.append(size)
+        return real(mask, size=size, **kw)
+
+    monkeypatch.setattr(torch, "nonzero_static", counted)
+    gen = torch.Generator().manual_seed(1)
+    train_both(hbm, hybrid, 16, gen, batch=120)
+    assert_same_tables(hbm, hybrid)
+    s = hybrid.stats()
+    assert s["inserts"] == inserted and s["cache_fetches"] > 0
+    assert len(sizes) >= 14 and sum(sizes) > 0  # every training lookup took the one-read path
+
+
 def test_lookups_awaiting_backward_keep_their_rows():
     """Two training lookups, then one backward (gradient accumulation): the cache must not drop
     the first lookup's rows while the second one brings in its own."""

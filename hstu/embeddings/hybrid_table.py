@@ -266,10 +266,19 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         self.step += 1
         score_vals, accumulate = self._score_values(u, scores)
         slots = self.ops.find(self.state, u.uniq, True, self.step, score_vals, accumulate)
-        n_new, fresh_idx, fresh_slots = self._insert_directory(u, slots, score_vals)
+        # one read of two sizes: ids the directory lacks, and ids it holds whose rows are in
+        # the host tier only (those to fetch, when nothing is inserted)
+        uncached = (slots >= 0) & (self.slot_row[slots.clamp(min=0)] < 0)
+        n_new, n_fetch = torch.stack([(slots < 0).sum(), uncached.sum()]).tolist()
+        if n_new:
+            n_new, fresh_idx, fresh_slots = self._insert_directory(u, slots, score_vals)
+            fetch = None  # the insert may have taken slots: _place looks again
+        else:
+            fresh_idx = fresh_slots = slots.new_zeros(0)
+            fetch = torch.nonzero_static(uncached, size=n_fetch).flatten()
         self._counters[0] += n_unique
         self._counters[1] += n_unique - n_new
-        rows = self._place(u, slots, fresh_idx, fresh_slots)
+        rows = self._place(u, slots, fresh_idx, fresh_slots, fetch)
         if torch.is_grad_enabled():
             self._pending = [p for p in self._pending if p > self.step - MAX_PENDING_STEPS]
             self._pending.append(self.step)
@@ -346,9 +355,11 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         slots: torch.Tensor,
         fresh_idx: torch.Tensor,
         fresh_slots: torch.Tensor,
+        fetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The cache row of every unique id of a training lookup (-1 where the directory had no
-        slot: overflow), bringing the missing rows in."""
+        slot: overflow), bringing the missing rows in. ``fetch``: the positions of the ids whose
+        rows are in the host tier only, when the caller knows them (no insert this lookup)."""
         if fresh_slots.numel():
             # a slot that took a new key this step: the row cached for its former key is stale
             old = self.slot_row[fresh_slots].long()
@@ -358,9 +369,11 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
             self.slot_row[fresh_slots] = -1
         live = slots >= 0
         rows = torch.where(live, self.slot_row[slots.clamp(min=0)].long(), -1)
-        missing = live & (rows < 0)
-        missing[fresh_idx] = False
-        old_idx = torch.nonzero(missing).flatten()  # cached nowhere but in the host tier
+        if fetch is None:
+            missing = live & (rows < 0)
+            missing[fresh_idx] = False
+            fetch = torch.nonzero(missing).flatten()
+        old_idx = fetch  # cached nowhere but in the host tier
         self._cache_counters[3] += live.sum()
         self._cache_counters[2] += live.sum() - old_idx.numel() - fresh_idx.numel()
         idx = torch.cat([old_idx, fresh_idx])

@@ -254,7 +254,7 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         host_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As `DynamicEmbeddingTable.forward`; a training lookup also brings its rows into the
-        HBM cache (reading the host tier, waiting for the GPU: a few host syncs per lookup)."""
+        HBM cache (one read of sizes from the GPU when it inserts no key, a few when it does)."""
         u = self._unique(ids, host_ids)
         n_unique = u.uniq.numel()
         dtype = _DTYPES[self.config.output_dtype]

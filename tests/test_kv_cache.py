@@ -165,3 +165,19 @@ def test_cuda_cached_and_graphed_scores_equal_the_full_recomputation(case):
     # other counts: refused (the cache's own count check comes first unless the scaling is fixed)
     with pytest.raises(ValueError, match="captured for|encoded for"):
         scorer([c[:1] for c in cands])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [16, 5])  # 16: moved as 16-byte elements; 5: element by element
+def test_cache_row_writes_equal_index_copy(dtype, width):
+    from hstu.inference.kv_cache import _wide, _write_rows
+
+    gen = torch.Generator().manual_seed(0)
+    act = torch.randn(4, 7, 4 * width, generator=gen).to(dtype)
+    rows = act[3].view(7, 4, width)  # a chunk of a larger buffer, as the layer's k and v are
+    dst = torch.tensor([3, 9, 10, 11, 40, 41, 49])
+    buf = torch.randn(50, 4, width, generator=gen).to(dtype)
+    want = buf.clone().index_copy_(0, dst, rows)
+    _write_rows(buf, dst, rows)
+    assert torch.equal(buf, want)
+    assert (_wide(rows) is not None) == (width == 16)

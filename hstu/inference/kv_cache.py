@@ -335,11 +335,19 @@ def _check_counts(model: RankingGR, cache: HistoryCache, counts: torch.Tensor) -
         )
 
 
+def _ids(c) -> torch.Tensor:
+    """Candidate ids as a 1-D int64 CPU tensor (given ones as they are: ~1.5 us a user less,
+    which a request of 64 users feels)."""
+    if type(c) is torch.Tensor and c.dtype == torch.int64 and c.dim() == 1 and not c.is_cuda:
+        return c
+    return torch.as_tensor(c, dtype=torch.int64).reshape(-1)
+
+
 def _candidates(model, cache: HistoryCache, candidates, timestamps):
     """(candidate id tensors, counts [B], their times [sum] or None) of a scoring call, checked
     against the cache."""
     _check_model(model)
-    cands = [torch.as_tensor(c, dtype=torch.int64).reshape(-1) for c in candidates]
+    cands = [_ids(c) for c in candidates]
     counts = torch.tensor([c.numel() for c in cands], dtype=torch.int64)
     _check_counts(model, cache, counts)
     if cache.timestamps is None:
@@ -423,6 +431,27 @@ def _layout(cache: HistoryCache, counts: torch.Tensor) -> tuple[dict, torch.Tens
     return meta, _rows(cache.slot_offsets[:-1] + cache.history_tokens, counts)
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` viewed with 16-byte elements along its last dim (the same bytes), or None where its
+    layout does not allow it."""
+    ratio = 16 // t.element_size()
+    if t.stride(-1) != 1 or t.shape[-1] % ratio or t.storage_offset() % ratio:
+        return None
+    if any(s % ratio for s in t.stride()[:-1]):
+        return None
+    return t.view(torch.complex128)
+
+
+def _write_rows(buf: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> None:
+    """``buf[dst] = rows`` (rows [n, H, D] of buf's dtype), moving 16-byte elements where the
+    layouts allow: index_copy moves one element per thread, so bf16 rows go 8x faster this way."""
+    wide_buf, wide_rows = _wide(buf), _wide(rows)
+    if wide_buf is None or wide_rows is None:
+        buf.index_copy_(0, dst, rows)
+    else:
+        wide_buf.index_copy_(0, dst, wide_rows)
+
+
 def _score_layers(
     model, cache: HistoryCache, x, dst, meta, times, num_splits, head=None
 ) -> torch.Tensor:
@@ -435,8 +464,8 @@ def _score_layers(
     for layer, k_buf, v_buf in zip(model.encoder.layers, cache.keys, cache.values):
         h, d = layer.num_heads, layer.head_dim
         u, v, q, k = layer.project(x)
-        k_buf.index_copy_(0, dst, k.reshape(-1, h, d).to(k_buf.dtype))
-        v_buf.index_copy_(0, dst, v.reshape(-1, h, d).to(v_buf.dtype))
+        _write_rows(k_buf, dst, k.reshape(-1, h, d).to(k_buf.dtype))
+        _write_rows(v_buf, dst, v.reshape(-1, h, d).to(v_buf.dtype))
         a = hstu_attention_cached(
             q.reshape(-1, h, d).to(k_buf.dtype).contiguous(),
             k_buf,

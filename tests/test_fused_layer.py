@@ -604,10 +604,10 @@ def test_serving_weight_casts_are_kept_until_the_weights_change():
     x = torch.randn(4, HIDDEN)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         fused.project(x)
-        w, b = fused._serving_weights(fused.uvqk, torch.bfloat16)
+        w, b = fused._serving_weights("uvqk", torch.bfloat16)
         assert w.dtype == torch.bfloat16
-        assert fused._serving_weights(fused.uvqk, torch.bfloat16)[0] is w  # kept
+        assert fused._serving_weights("uvqk", torch.bfloat16)[0] is w  # kept
         fused.uvqk.weight.add_(1.0)  # e.g. an optimizer step or a checkpoint load
-        w2, _ = fused._serving_weights(fused.uvqk, torch.bfloat16)
+        w2, _ = fused._serving_weights("uvqk", torch.bfloat16)
     assert w2 is not w
     torch.testing.assert_close(w2, fused.uvqk.weight.detach().to(torch.bfloat16), rtol=0, atol=0)

@@ -869,16 +869,18 @@ class FusedHSTULayer(HSTULayer):
         autograd (the kernels here have no backward; otherwise `HSTULayer`'s autograd ops)."""
         return not self.training and not torch.is_grad_enabled()
 
-    def _serving_weights(self, linear: torch.nn.Linear, cdtype: torch.dtype):
-        """(weight, bias) of ``linear`` in the matmul dtype, cast once and kept while the
-        parameters are unchanged (their version counters): a served layer runs its matmuls
-        without a cast per call, and a CUDA graph of it reads the kept casts."""
+    def _serving_weights(self, name: str, cdtype: torch.dtype):
+        """(weight, bias) of the Linear ``name`` ("uvqk" or "out_proj") in the matmul dtype,
+        cast once and kept while the parameters are unchanged (same memory, same version
+        counters): a served layer runs its matmuls without a cast per call, and a CUDA graph of
+        it reads the kept casts."""
+        linear = getattr(self, name)
         w, b = linear.weight, linear.bias
         stamp = (w.data_ptr(), w._version, b.data_ptr(), b._version, cdtype)
         casts = self.__dict__.setdefault("_serving_casts", {})
-        hit = casts.get(id(linear))
+        hit = casts.get(name)
         if hit is None or hit[0] != stamp:
-            hit = casts[id(linear)] = (stamp, w.detach().to(cdtype), b.detach().to(cdtype))
+            hit = casts[name] = (stamp, w.detach().to(cdtype), b.detach().to(cdtype))
         return hit[1], hit[2]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -904,7 +906,7 @@ class FusedHSTULayer(HSTULayer):
                     "pre_norm", x.device, x, norm.weight, norm.bias, norm.eps, cdtype,
                     compile_stages=self.stage_compile,
                 )[0]  # fmt: skip
-            w, b = self._serving_weights(self.uvqk, cdtype)
+            w, b = self._serving_weights("uvqk", cdtype)
             z = F.linear(n_c, w, b)
             act = silu[0](z) if silu is not None else _silu_chunk_major(z, inner)
         return act[0], act[1], act[2], act[3]
@@ -930,7 +932,7 @@ class FusedHSTULayer(HSTULayer):
                     "gate_fwd", x.device, a, norm.weight, norm.bias, u, None, 1.0, norm.eps,
                     cdtype, compile_stages=self.stage_compile,
                 )[0]  # fmt: skip
-            w, b = self._serving_weights(self.out_proj, cdtype)
+            w, b = self._serving_weights("out_proj", cdtype)
             return _residual(x, F.linear(y_c, w, b))
 
     def kernel_choices(self, device: torch.device) -> dict[str, str]:

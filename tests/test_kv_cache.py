@@ -108,6 +108,8 @@ def test_cache_misuse_is_a_clear_error():
         score_candidates(model, cache, cands, shifted)
     with pytest.raises(ValueError, match="one per user"):
         score_candidates(model, cache, cands[:-1], times[:-1])
+    with pytest.raises(ValueError, match="ids must lie in"):  # checked before any lookup
+        score_candidates(model, cache, [c + 10**6 for c in cands], times)
     with pytest.raises(ValueError, match="histories only"):
         encode_history(model, batch, 4)
     model.train()

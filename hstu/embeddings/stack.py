@@ -472,18 +472,12 @@ class EmbeddingStack(nn.Module):
             return ItemLookup(rows=table.serving_rows, check=table.check_serving_ids)
         if self.dense_tables is None:
             return None
-        emb = self.dense_tables.tables[self.dense_tables.feature_to_table[ITEM_FEATURE]]
-        width = self.hidden_size
-
-        def check(host_ids: torch.Tensor) -> None:
-            n = emb.num_embeddings
-            if host_ids.numel() and (int(host_ids.min()) < 0 or int(host_ids.max()) >= n):
-                raise ValueError(
-                    f"feature {ITEM_FEATURE!r}: ids must lie in [0, {n}); got "
-                    f"{int(host_ids.min())}..{int(host_ids.max())}"
-                )
-
-        return ItemLookup(rows=lambda ids: F.embedding(ids, emb.weight)[:, :width], check=check)
+        dense, width = self.dense_tables, self.hidden_size
+        weight = dense.table_of(ITEM_FEATURE).weight
+        return ItemLookup(
+            rows=lambda ids: F.embedding(ids, weight)[:, :width],
+            check=lambda host_ids: dense.check_ids(ITEM_FEATURE, host_ids),
+        )
 
     def lookup_kjt(
         self, batch: Batch | None, extra_ids: torch.Tensor | None = None

@@ -131,6 +131,24 @@ class DenseEmbeddingCollection(nn.Module):
                     raise ValueError(f"feature {f!r} is listed by two tables")
                 self.feature_to_table[f] = s.name
 
+    def table_of(self, feature: str) -> nn.Embedding:
+        """The table that serves ``feature``."""
+        if feature not in self.feature_to_table:
+            raise KeyError(
+                f"feature {feature!r} has no table (tables serve {sorted(self.feature_to_table)})"
+            )
+        return self.tables[self.feature_to_table[feature]]
+
+    def check_ids(self, feature: str, ids: torch.Tensor) -> None:
+        """ValueError when ``ids`` (best on the CPU: on a GPU the min/max are read back) fall
+        outside ``feature``'s table."""
+        n = self.table_of(feature).num_embeddings
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            raise ValueError(
+                f"feature {feature!r}: ids must lie in [0, {n}); got "
+                f"{int(ids.min())}..{int(ids.max())}"
+            )
+
     def forward(
         self, features: KeyedJaggedTensor, host_ids: dict[str, torch.Tensor] | None = None
     ) -> dict[str, JaggedTensor]:
@@ -139,18 +157,9 @@ class DenseEmbeddingCollection(nn.Module):
         out: dict[str, JaggedTensor] = {}
         host_ids = host_ids or {}
         for key, jt in features.to_dict().items():
-            if key not in self.feature_to_table:
-                raise KeyError(
-                    f"feature {key!r} has no table (tables serve {sorted(self.feature_to_table)})"
-                )
-            table = self.tables[self.feature_to_table[key]]
+            table = self.table_of(key)
             ids = jt.values().long()
-            check = host_ids.get(key, ids)
-            if check.numel() and (int(check.min()) < 0 or int(check.max()) >= table.num_embeddings):
-                raise ValueError(
-                    f"feature {key!r}: ids must lie in [0, {table.num_embeddings}); got "
-                    f"{int(check.min())}..{int(check.max())}"
-                )
+            self.check_ids(key, host_ids.get(key, ids))
             out[key] = JaggedTensor(values=table(ids), lengths=jt.lengths())
         return out
 

@@ -389,16 +389,22 @@ def _serving_lookup(model: RankingGR) -> ItemLookup | None:
     return None if get is None else get()
 
 
-def _candidate_inputs(model: RankingGR, cache: HistoryCache, cands: list[torch.Tensor], device):
-    """[sum n, D] input tokens of the candidates (`_input_tokens`). The item rows come from the
-    table's serving lookup where it has one (ids checked on the host, one copy), else from the
-    model's embedding lookup of a candidates-only batch."""
-    counts = torch.tensor([c.numel() for c in cands], dtype=torch.int64)
+def _checked_ids(lookup: ItemLookup, cands: list[torch.Tensor]) -> torch.Tensor:
+    """The candidates' ids concatenated on the host, checked by the serving lookup."""
+    ids = torch.cat(cands)
+    lookup.check(ids)
+    return ids
+
+
+def _candidate_inputs(
+    model: RankingGR, cache: HistoryCache, cands: list[torch.Tensor], counts: torch.Tensor, device
+):
+    """[sum n, D] input tokens of the candidates (``counts`` per user, `_input_tokens`). The
+    item rows come from the table's serving lookup where it has one (ids checked on the host,
+    one copy), else from the model's embedding lookup of a candidates-only batch."""
     lookup = _serving_lookup(model)
     if lookup is not None:
-        ids = torch.cat(cands)
-        lookup.check(ids)
-        items = lookup.rows(ids.to(device))
+        items = lookup.rows(_checked_ids(lookup, cands).to(device))
     else:
         hist = cache.history
         parts = feature_parts(hist)
@@ -502,7 +508,7 @@ def score_candidates(
     if int(counts.max()) > cache.capacity:
         _grow(cache, int(counts.max()))
     device = cache.keys[0].device
-    x = _candidate_inputs(model, cache, cands, device)
+    x = _candidate_inputs(model, cache, cands, counts, device)
     meta, dst = _layout(cache, counts)
     times = None if times is None else times.to(device)
     return _score_layers(model, cache, x, dst.to(device), meta, times, num_splits)
@@ -554,16 +560,24 @@ class GraphedScorer:
         n = int(counts_t.sum())
         timed = cache.timestamps is not None
         self._lookup = _serving_lookup(model)
-        # the graph's inputs, and page-locked staging buffers for the calls' copies into them
-        self._times = torch.zeros(n, dtype=torch.int64, device=device)
-        self._ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self._host_times = torch.zeros(n, dtype=torch.int64).pin_memory()
-        self._host_ids = torch.zeros(n, dtype=torch.int64).pin_memory()
+
+        # the graph's inputs (the candidate ids, or their input rows where the lookup runs
+        # eagerly; their times), and page-locked staging buffers for the calls' copies of ids
+        # and times into them
+        def ids_and_staging() -> tuple[torch.Tensor, torch.Tensor]:
+            host = torch.zeros(n, dtype=torch.int64).pin_memory()
+            return torch.zeros(n, dtype=torch.int64, device=device), host
+
+        if self._lookup is not None:
+            self._ids, self._host_ids = ids_and_staging()
+        else:
+            hidden = model.encoder.layers[0].hidden_size
+            param_dtype = next(model.parameters()).dtype
+            self._x = torch.zeros(n, hidden, dtype=param_dtype, device=device)
+        if timed:
+            self._times, self._host_times = ids_and_staging()
         self._staged = torch.cuda.Event()  # the last call's copies out of the staging buffers
         self._staged.record()
-        hidden = model.encoder.layers[0].hidden_size
-        param_dtype = next(model.parameters()).dtype
-        self._x = torch.zeros(n, hidden, dtype=param_dtype, device=device)
         # the graph reads these tensors' memory at every replay: they live as long as the scorer
         with torch.no_grad():
             self._positions = _candidate_positions(model, cache, counts_t, device)
@@ -574,9 +588,10 @@ class GraphedScorer:
 
         def run() -> torch.Tensor:
             with self._autocast():
-                x = self._x
                 if self._lookup is not None:
                     x = _input_tokens(model, self._lookup.rows(self._ids), self._positions)
+                else:
+                    x = self._x
                 return _score_layers(
                     model,
                     cache,
@@ -630,12 +645,10 @@ class GraphedScorer:
         if times is not None:
             self._stage(times, self._host_times, self._times)
         if self._lookup is not None:
-            ids = torch.cat(cands)
-            self._lookup.check(ids)
-            self._stage(ids, self._host_ids, self._ids)
+            self._stage(_checked_ids(self._lookup, cands), self._host_ids, self._ids)
         else:
             with self._autocast():
-                x = _candidate_inputs(self.model, self.cache, cands, self._x.device)
+                x = _candidate_inputs(self.model, self.cache, cands, counts, self._x.device)
             self._x.copy_(x)
         self._staged.record()
         self.graph.replay()
@@ -644,9 +657,7 @@ class GraphedScorer:
         if self._host_out is None:
             self._host_out = torch.empty(self._out.shape, dtype=self._out.dtype).pin_memory()
         self._host_out.copy_(self._out, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
+        torch.cuda.current_stream(self._out.device).synchronize()
         return self._host_out.clone()
 
 

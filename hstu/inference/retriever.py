@@ -179,11 +179,15 @@ class CheckpointModel:
             return contextlib.nullcontext()
         return torch.autocast("cuda", dtype=self._autocast_dtype)
 
-    def _columns(self, items: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Corpus position of each id (the corpus is sorted) and whether it is in the corpus."""
-        items = items.to("cpu", torch.int64)
-        pos = torch.searchsorted(self.corpus, items).clamp_(max=self.corpus.numel() - 1)
-        return pos, self.corpus[pos] == items
+    def _columns(
+        self, items: torch.Tensor, corpus: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Corpus position of each id (the corpus is sorted) and whether it is in the corpus, on
+        ``corpus``'s device (default: the CPU copy)."""
+        corpus = self.corpus if corpus is None else corpus
+        items = items.to(corpus.device, torch.int64)
+        pos = torch.searchsorted(corpus, items).clamp_(max=corpus.numel() - 1)
+        return pos, corpus[pos] == items
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -393,8 +397,8 @@ class Retriever(CheckpointModel):
             rows = torch.repeat_interleave(
                 torch.arange(counts.numel(), device=dev), counts, output_size=items.numel()
             )
-            col = torch.searchsorted(corpus, items).clamp_(max=c - 1)
-            col = torch.where(corpus[col] == items, col, c)
+            col, found = self._columns(items, corpus)
+            col = torch.where(found, col, c)
             scores.index_put_((rows, col), scores.new_full((), float("-inf")))
         top, pos = torch.topk(scores[:, :c], k, dim=1)
         ids = torch.where(torch.isneginf(top), -1, corpus[pos])

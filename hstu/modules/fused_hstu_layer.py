@@ -864,7 +864,7 @@ class FusedHSTULayer(HSTULayer):
         return fused_hstu_layer(self, x, attn)
 
     # ---- serving: the layer around an attention computed elsewhere (hstu.inference.kv_cache) --
-    def _serving(self, x: torch.Tensor) -> bool:
+    def _serving(self) -> bool:
         """True where `project` / `finish` run the fused forward's own steps: eval mode, no
         autograd (the kernels here have no backward; otherwise `HSTULayer`'s autograd ops)."""
         return not self.training and not torch.is_grad_enabled()
@@ -887,7 +887,7 @@ class FusedHSTULayer(HSTULayer):
         """(u, v, q, k), each [T, H * D]. Serving (eval, no grad): the fused forward's input
         LayerNorm, matmul and chunk-major SiLU (the same kernels and precision as `forward`;
         q, k and v are contiguous); otherwise `HSTULayer.project`."""
-        if not self._serving(x):
+        if not self._serving():
             return super().project(x)
         cdtype = _compute_dtype(x)
         inner = self.num_heads * self.head_dim
@@ -914,7 +914,7 @@ class FusedHSTULayer(HSTULayer):
     def finish(self, x: torch.Tensor, a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """x + W_o(LayerNorm(a) * u). Serving (eval, no grad): the fused forward's gating step
         and output matmul; otherwise `HSTULayer.finish`."""
-        if not self._serving(x):
+        if not self._serving():
             return super().finish(x, a, u)
         cdtype = _compute_dtype(x)
         inner = self.num_heads * self.head_dim

@@ -219,7 +219,6 @@ class Trainer:
         self.pipeline = SparseDistPipeline(
             self.train_iter, self.embeddings, ahead=t.route_ids_ahead
         )
-        # (sorted user ids, their rows of self.data): evaluation's history lookup
         self.step = 0
         if t.ckpt_load_dir:
             self._load_checkpoint(t.ckpt_load_dir)

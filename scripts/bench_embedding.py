@@ -264,10 +264,12 @@ def _run_table(args, storage: str, batches: list[torch.Tensor], dev: torch.devic
     for ids in batches[: args.warmup]:
         losses.append(step(ids))
     before = table.stats()
+    issue = []  # host time until the step's work is queued (before waiting for the GPU)
     for ids in batches[args.warmup :]:
         sync(dev)
         t0 = time.perf_counter()
         losses.append(step(ids))
+        issue.append(1000.0 * (time.perf_counter() - t0))
         sync(dev)
         times.append(1000.0 * (time.perf_counter() - t0))
     after = table.stats()
@@ -283,6 +285,7 @@ def _run_table(args, storage: str, batches: list[torch.Tensor], dev: torch.devic
         steps=steps,
         ms=statistics.median(times),
         ms_mean=statistics.fmean(times),
+        issue_ms=statistics.median(issue),
         table_hit_rate=(after["hits"] - before["hits"]) / (after["lookups"] - before["lookups"]),
         build_s=build_s,
         fill_s=fill_s,

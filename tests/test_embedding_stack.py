@@ -291,7 +291,7 @@ def test_memory_plan_of_a_hybrid_table_splits_hbm_and_host_memory():
     # 2 ranks: 500 rows each -> 512 slots; rows of 18 + 1 state floats -> 20 (80 B); cache:
     # a quarter of the slots (128 rows) with 16 B of key and slot each
     assert item["storage"] == "hybrid"
-    assert item["device_bytes_per_rank"] == 512 * 28 + 128 * (80 + 16)
+    assert item["device_bytes_per_rank"] == 512 * 28 + 128 * (80 + 24) + 36
     assert item["host_bytes_per_rank"] == 512 * 80
     assert item["bytes_per_rank"] == item["device_bytes_per_rank"] + item["host_bytes_per_rank"]
     assert item["where"] == "host memory + 128-row cache in HBM, row-wise over 2 rank(s)"
@@ -303,7 +303,8 @@ def test_memory_plan_of_a_hybrid_table_splits_hbm_and_host_memory():
     one = {r["table"]: r for r in stack.memory_plan(1, "cpu")}["item_table"]
     held = sum(x.numel() * x.element_size() for x in vars(table.state).values())
     held += table.host.rows.numel() * 4 + table.cache.values.numel() * 4
-    held += (table.cache.keys.numel() + table.cache_slot.numel()) * 8 + table.slot_row.numel() * 4
+    held += sum(x.numel() * 8 for x in (table._row_keys, table.cache_slot, table._free))
+    held += table.slot_row.numel() * 4 + table._n_free.numel() * 8
     assert held == one["bytes_per_rank"]
 
 

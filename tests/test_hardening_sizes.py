@@ -562,8 +562,8 @@ def test_hybrid_tables_count_the_cache_in_hbm_and_the_rows_in_host_memory():
     hybrid = table_memory("dynamic", 120_000_000, 128, storage="hybrid", hbm_cache=8 * GiB, **kw)
     # rows of 128 + 1 state columns -> 132 floats (528 B); 120M slots
     assert (hbm.device, hbm.host) == (120_000_000 * (528 + 24), 0)
-    assert hybrid.cache_rows == 8 * GiB // (528 + 16) // 32 * 32
-    assert hybrid.device == 120_000_000 * 28 + hybrid.cache_rows * (528 + 16)
+    assert hybrid.cache_rows == 8 * GiB // (528 + 24) // 32 * 32
+    assert hybrid.device == 120_000_000 * 28 + hybrid.cache_rows * (528 + 24) + 36
     assert hybrid.host == 120_000_000 * 528
     est = estimate_memory(
         _cfg("ranking", *_ROWS_120M, "EmbeddingArgs.storage='hybrid'",

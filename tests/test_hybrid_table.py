@@ -117,9 +117,9 @@ def test_hybrid_equals_hbm_with_evictions_every_step(opt, policy):
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_hybrid_equals_hbm_when_every_id_is_held_and_rows_come_from_the_host(policy, monkeypatch):
     """The steady state of a large table: the directory holds every id (no inserts) and the
-    cache a part of them, so lookups fetch rows from the host tier; the sizes those lookups need
-    are read from the device once (`torch.nonzero_static` with the size read, not a second
-    read of its own)."""
+    cache a part of them, so lookups fetch rows from the host tier and background evictions
+    write rows back. The host's bound on the free rows (reads of the free count queued without
+    waiting) keeps room ahead: no lookup has to read the free count and wait for it."""
     hbm, hybrid = pair(cache=0.25, capacity=2048, eviction_policy=policy)
     assert hybrid.cache_rows == 512
     for t in (hbm, hybrid):
@@ -127,20 +127,23 @@ def test_hybrid_equals_hbm_when_every_id_is_held_and_rows_come_from_the_host(pol
             with torch.no_grad():
                 t(chunk.to(t.device), host_ids=chunk)
     inserted = hybrid.stats()["inserts"]
-    sizes = []
-    real = torch.nonzero_static
+    waits = []
+    real = HybridDynamicEmbeddingTable._reserve
 
-    def counted(mask, *, size, **kw):
-        sizes.append(size)
-        return real(mask, size=size, **kw)
+    def reserve(table, n):  # the lookups that found the host's bound too low
+        before = table.free_lb
+        real(table, n)
+        waits.append(before < n)
 
-    monkeypatch.setattr(torch, "nonzero_static", counted)
+    monkeypatch.setattr(HybridDynamicEmbeddingTable, "_reserve", reserve)
     gen = torch.Generator().manual_seed(1)
-    train_both(hbm, hybrid, 16, gen, batch=120)
+    writebacks = train_both(hbm, hybrid, 16, gen, batch=120)
+    assert len(waits) == 14 and not any(waits)
+    assert sum(writebacks) > 0
     assert_same_tables(hbm, hybrid)
     s = hybrid.stats()
-    assert s["inserts"] == inserted and s["cache_fetches"] > 0
-    assert len(sizes) >= 14 and sum(sizes) > 0  # every training lookup took the one-read path
+    assert s["inserts"] == inserted and s["cache_fetches"] > 0 and s["cache_writebacks"] > 0
+    assert 0 <= hybrid.free_lb <= hybrid.n_free
 
 
 def test_lookups_awaiting_backward_keep_their_rows():
@@ -259,7 +262,7 @@ def test_cache_smaller_than_a_batch_is_a_clear_error():
     assert table.cache_rows == 64
     with pytest.raises(
         ValueError,
-        match=r"HBM cache of 64 rows is too small: this lookup brings in 100 rows.*hbm_cache",
+        match=r"HBM cache of 64 rows is too small: this lookup needs room for its 100 distinct ids but only 64 rows.*hbm_cache",
     ):
         table(torch.arange(100)).sum().backward()
 
@@ -268,7 +271,7 @@ def test_cache_size_settings():
     c = config(capacity=10_000, storage="hybrid", hbm_cache=0.1)
     assert c.cache_rows(c.num_slots) == 1024  # 10% of 10,016 slots, in whole buckets
     # bytes: rows of 12 floats (6 + Adam's 13 state columns -> 20 floats) + 16 B each
-    c = config(capacity=10_000, storage="hybrid", hbm_cache=96 * 100)
+    c = config(capacity=10_000, storage="hybrid", hbm_cache=104 * 100)  # 80 B row + 24 B
     assert c.row_width == 20 and c.cache_rows(c.num_slots) == 96
     assert config(storage="hybrid", hbm_cache=1.0).cache_rows(256) == 256
     assert config(storage="hybrid", hbm_cache=10**12).cache_rows(256) == 256  # at most all
@@ -441,3 +444,206 @@ def test_cuda_hybrid_large_batches_dump_load_and_increments():
     train_both(hbm2, hybrid2, 6, torch.Generator().manual_seed(2), vocab=60_000, batch=4000)
     assert_same_tables(hbm2, hybrid2)
     assert hybrid2.stats()["cache_writebacks"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("dynamic_embedding_kernels")
+def test_copy_rows_kernel_matches_reference_on_device_and_mapped_host_rows():
+    """The masked row copy (the hybrid tables' fetch and write-back) against its PyTorch twin:
+    pairs with -1 or out-of-range indices are skipped, whether the source or the destination is
+    device memory or page-locked host memory mapped for the GPU."""
+    from hstu.embeddings import cuda_table
+    from hstu.embeddings import reference_table as R
+    from hstu.embeddings.hybrid_table import HostRows
+
+    gen = torch.Generator().manual_seed(0)
+    host = HostRows(300, 12, torch.device("cuda"), cuda_table.copy_rows)
+    assert host.mapped
+    host.rows.copy_(torch.randn(300, 12, generator=gen))
+    mapped = host.view.view(torch.float32)
+    for src_on_host in (True, False):
+        dst = torch.randn(200, 12, generator=gen).cuda()
+        src = mapped if src_on_host else torch.randn(300, 12, generator=gen).cuda()
+        dst_idx = torch.randperm(200, generator=gen)[:150]
+        src_idx = torch.randint(0, 300, (150,), generator=gen)
+        dst_idx[::7] = -1
+        src_idx[::5] = -1
+        dst_idx[3], src_idx[4] = 200, 300  # out of range: skipped as well
+        want = dst.clone()
+        R.copy_rows(want, dst_idx.cuda(), src, src_idx.cuda())
+        cuda_table.copy_rows(dst, dst_idx.cuda(), src, src_idx.cuda())
+        assert torch.equal(dst, want)
+    # into mapped host memory (the write-back)
+    rows = torch.randn(40, 12, generator=gen).cuda()
+    slots = torch.randperm(300, generator=gen)[:40]
+    slots[::3] = -1
+    want = host.rows.clone()
+    keep = slots >= 0
+    want[slots[keep]] = rows.cpu()[keep]
+    cuda_table.copy_rows(mapped, slots.cuda(), rows, torch.arange(40, device="cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(host.rows, want)
+    with pytest.raises(ValueError, match="dst rows have 12 floats, src rows 8"):
+        cuda_table.copy_rows(dst, dst_idx.cuda(), src[:, :8].contiguous(), src_idx.cuda())
+
+
+def _placement_case(gen, init):
+    """A cache of 64 rows (30 holding slots) over 200 slots, and a lookup of 48 unique ids:
+    hits, rows to fetch, fresh keys in slots with and without a cached row, overflows."""
+    from hstu.embeddings import reference_table as R
+
+    rows, slots_n, width, dim = 64, 200, 8, 5
+    cache = torch.randn(rows, width, generator=gen)
+    host = torch.randn(slots_n, width, generator=gen)
+    held = torch.randperm(slots_n, generator=gen)[:30]
+    held_rows = torch.randperm(rows, generator=gen)[:30]
+    slot_row = torch.full((slots_n + 1,), -1, dtype=torch.int32)
+    slot_row[held] = held_rows.int()
+    row_keys = torch.full((rows + 1,), R.EMPTY_KEY)
+    cache_slot = torch.full((rows + 1,), -1)
+    row_keys[held_rows] = held * 10
+    cache_slot[held_rows] = held
+    free = torch.zeros(rows + 1, dtype=torch.int64)
+    unused = torch.tensor(sorted(set(range(rows)) - set(held_rows.tolist())))
+    free[: unused.numel()] = unused
+    n_free = torch.tensor(unused.numel())
+    slots = torch.cat([held[:12], torch.randperm(slots_n, generator=gen)[:36]])
+    slots = torch.unique(slots)[:48]
+    slots[::9] = -1
+    miss = torch.zeros(slots.numel(), dtype=torch.bool)
+    miss[::4] = True  # some in held slots (stale row reused), some not
+    # a key found in its slot is the one the slot holds (slot x 10 here); fresh keys are new
+    uniq = torch.where(miss, torch.randint(0, 2**40, (slots.numel(),), generator=gen), slots * 10)
+    counters = torch.zeros(4, dtype=torch.int64)
+    return [
+        cache,
+        row_keys,
+        cache_slot,
+        slot_row,
+        free,
+        n_free,
+        host,
+        slots,
+        miss,
+        uniq,
+        dim,
+        3,
+        init,
+        counters,
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("dynamic_embedding_kernels")
+@pytest.mark.parametrize(
+    "init",
+    [
+        (0, -0.5, 0.25, 0.0, 0.0),
+        (1, 0.1, 2.0, 0.0, 0.0),
+        (2, 0.0, 1.0, -2.0, 2.0),
+        (3, 0.7, 0.0, 0.0, 0.0),
+    ],
+)
+def test_place_rows_kernel_matches_reference(init):
+    """The cache placement of a hybrid table's training lookup (one kernel) against its PyTorch
+    twin: the same rows fetched, initialised (every initializer) or kept, the same bookkeeping;
+    only which free row an id gets may differ."""
+    from hstu.embeddings import cuda_table
+    from hstu.embeddings import reference_table as R
+
+    ref = _placement_case(torch.Generator().manual_seed(6), init)
+    dev = [x.cuda() if isinstance(x, torch.Tensor) else x for x in ref]
+    rows_ref = R.place_rows(*ref)
+    rows_dev = cuda_table.place_rows(*dev).cpu()
+    cache, row_keys, cache_slot, slot_row, free, n_free, _, slots, miss, uniq = ref[:10]
+    dcache, drow_keys, dcache_slot, dslot_row, dfree, dn_free = (x.cpu() for x in dev[:6])
+    assert torch.equal(rows_dev < 0, rows_ref < 0) and torch.equal(rows_ref < 0, slots < 0)
+    live = slots >= 0
+    assert live.sum() > 30 and (miss & live).sum() > 5
+    torch.testing.assert_close(dcache[rows_dev[live]], cache[rows_ref[live]], atol=1e-6, rtol=0)
+    for keys, slot_of, row_of, got in (
+        (row_keys, cache_slot, slot_row, rows_ref),
+        (drow_keys, dcache_slot, dslot_row, rows_dev),
+    ):
+        assert torch.equal(keys[got[live]], uniq[live])
+        assert torch.equal(slot_of[got[live]], slots[live])
+        assert torch.equal(row_of[slots[live]].long(), got[live])
+    assert int(dn_free) == int(n_free)
+    assert set(dfree[: int(n_free)].tolist()) == set(free[: int(n_free)].tolist())
+    assert torch.equal(dev[13].cpu(), ref[13])
+    hits = (
+        live
+        & ~miss
+        & (_placement_case(torch.Generator().manual_seed(6), init)[3][slots.clamp(min=0)] >= 0)
+    )
+    assert int(ref[13][2]) == int(hits.sum()) and int(ref[13][3]) == int(live.sum())
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("dynamic_embedding_kernels")
+def test_keys_only_insert_matches_reference_directory():
+    """The compiled insert on a table without rows (a hybrid table's directory) places the keys
+    exactly where the reference does, evictions included."""
+    from hstu.embeddings import cuda_table
+    from hstu.embeddings import reference_table as R
+
+    gen = torch.Generator().manual_seed(2)
+    dev_state = R.TableState.empty(256, 8, torch.device("cuda"))
+    dev_state.values = dev_state.values[:0]
+    ref_state = R.TableState.empty(256, 8, torch.device("cpu"))
+    ref_state.values = ref_state.values[:0]
+    for step in range(1, 30):
+        keys = torch.unique(torch.randint(0, 5000, (60,), generator=gen))
+        bucket = R.bucket_of(keys, 8)
+        order = torch.argsort(bucket, stable=True)
+        keys, bucket = keys[order], bucket[order]
+        segs, counts = torch.unique_consecutive(bucket, return_counts=True)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+        scores = torch.randint(0, 100, keys.shape, generator=gen)
+        want, ev_want = R.insert(
+            ref_state, keys, offsets, segs, scores, step, 4, 0, (0, -1, 1, 0, 0)
+        )
+        got, ev_got = cuda_table.insert(
+            dev_state,
+            keys.cuda(),
+            offsets.cuda(),
+            segs.cuda(),
+            scores.cuda(),
+            step,
+            4,
+            0,
+            (0, -1.0, 1.0, 0.0, 0.0),
+        )
+        assert torch.equal(got.cpu(), want) and int(ev_got) == int(ev_want)
+    assert torch.equal(dev_state.keys.cpu(), ref_state.keys)
+    assert torch.equal(dev_state.scores.cpu(), ref_state.scores)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("dynamic_embedding_kernels")
+def test_cuda_hybrid_training_step_does_not_wait_for_the_gpu():
+    """Once the cache has room ahead, a training step (lookup with inserts and fetches from the
+    host tier, backward with the fused update, background evictions) makes no blocking read of
+    the GPU (``torch.cuda.set_sync_debug_mode('error')``), and gives the all-HBM table's rows."""
+    hbm, hybrid = pair(
+        "cuda", cache=0.25, capacity=40_000, embedding_dim=32, optimizer="rowwise_adagrad"
+    )
+    assert hybrid.host.mapped
+    gen = torch.Generator().manual_seed(4)
+    train_both(hbm, hybrid, 6, gen, vocab=60_000, batch=1000)
+    writebacks = hybrid.stats()["cache_writebacks"]
+    batches = [torch.randint(0, 60_000, (1000,), generator=gen) for _ in range(16)]
+    pinned = [b.pin_memory() for b in batches]
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for ids in pinned:
+            out = hybrid(ids.cuda(non_blocking=True), host_ids=ids)
+            out.square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    for ids in batches:
+        hbm(ids.cuda(), host_ids=ids).square().sum().backward()
+    assert hybrid.stats()["cache_writebacks"] > writebacks  # evictions ran in the background
+    assert_same_tables(hbm, hybrid)

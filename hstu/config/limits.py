@@ -88,9 +88,12 @@ _DYNAMIC_BUCKET = 32
 # with the hot ones cached in HBM (hstu.embeddings.hybrid_table)
 STORAGES: tuple[str, ...] = ("hbm", "hybrid")
 # hybrid tables: each slot of the directory (in HBM) holds key, score, last-use step (int64) and
-# the row of the HBM cache holding it (int32); each cache row records its key and slot (int64)
+# the row of the HBM cache holding it (int32); each cache row records its key and slot and has a
+# free-list entry (int64); the cache's index tensors have one spare entry each, and the free-row
+# count is one int64 (hstu.embeddings.hybrid_table)
 _HYBRID_SLOT_BYTES = _DYNAMIC_SLOT_BYTES + 4
-_CACHE_ROW_META_BYTES = 16
+_CACHE_ROW_META_BYTES = 24
+_HYBRID_FIXED_BYTES = 4 + 3 * 8 + 8
 # saved activations per token and layer, in elements: x and LayerNorm(x) (2 hidden), u, v, q, k
 # and their SiLU (8 x heads x kv_channels); the gate's tensors are left out (a low estimate)
 _ACT_HIDDEN, _ACT_INNER = 2, 8
@@ -320,7 +323,7 @@ def _dynamic_width(width: int, sparse_optimizer: str) -> int:
 
 def hbm_cache_rows(hbm_cache: float | int, slots: int, row_floats: int) -> int:
     """Rows of a hybrid table's HBM cache (one rank's shard of ``slots`` slots, rows of
-    ``row_floats`` fp32): a fraction of the slots, or as many rows (with their 16 B of
+    ``row_floats`` fp32): a fraction of the slots, or as many rows (with their 24 B of
     metadata) as the byte count holds; a multiple of 32, at least 32, at most ``slots``."""
     slots = max(_DYNAMIC_BUCKET, int(slots))
     if isinstance(hbm_cache, float):
@@ -329,6 +332,15 @@ def hbm_cache_rows(hbm_cache: float | int, slots: int, row_floats: int) -> int:
         rows = int(hbm_cache) // (row_floats * 4 + _CACHE_ROW_META_BYTES)
         rows = rows // _DYNAMIC_BUCKET * _DYNAMIC_BUCKET
     return min(max(rows, _DYNAMIC_BUCKET), math.ceil(slots / _DYNAMIC_BUCKET) * _DYNAMIC_BUCKET)
+
+
+def hybrid_device_bytes(slots: int, cache_rows: int, row_floats: int) -> int:
+    """Device bytes of a hybrid dynamic table's shard: the slot directory and the cache."""
+    return (
+        slots * _HYBRID_SLOT_BYTES
+        + cache_rows * (row_floats * 4 + _CACHE_ROW_META_BYTES)
+        + _HYBRID_FIXED_BYTES
+    )
 
 
 @dataclass(frozen=True)
@@ -381,7 +393,7 @@ def table_memory(
         row_floats = _dynamic_width(width, sparse_optimizer)
         if storage == "hybrid":
             cache = hbm_cache_rows(hbm_cache, slots, row_floats)
-            device = slots * _HYBRID_SLOT_BYTES + cache * (row_floats * 4 + _CACHE_ROW_META_BYTES)
+            device = hybrid_device_bytes(slots, cache, row_floats)
             return TableMemory(device, slots * row_floats * 4, ws, cache)
         return TableMemory(slots * (row_floats * 4 + _DYNAMIC_SLOT_BYTES), 0, ws)
     if kind == "plain":

@@ -14,6 +14,8 @@ __all__ = [
     "find",
     "insert",
     "gather",
+    "copy_rows",
+    "place_rows",
     "update",
     "erase",
     "export",
@@ -102,6 +104,62 @@ def insert(
 
 def gather(state: TableState, dim: int, slots: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     return _ops().gather(state.values, dim, slots.contiguous(), inverse.contiguous())
+
+
+def copy_rows(
+    dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
+) -> None:
+    for name, t in (("dst", dst), ("src", src)):
+        if t.dim() != 2 or t.dtype != torch.float32 or not t.is_contiguous() or t.shape[1] % 4:
+            raise ValueError(
+                f"copy_rows: {name} must be a contiguous [rows, 4k] float32 tensor, got "
+                f"{tuple(t.shape)} {t.dtype}"
+            )
+    if dst.shape[1] != src.shape[1] or dst_idx.shape != src_idx.shape:
+        raise ValueError(
+            f"copy_rows: dst rows have {dst.shape[1]} floats, src rows {src.shape[1]}; "
+            f"{dst_idx.numel()} destination and {src_idx.numel()} source indices"
+        )
+    _ops().copy_rows(dst, dst_idx.contiguous(), src, src_idx.contiguous())
+
+
+def place_rows(
+    cache: torch.Tensor,
+    row_keys: torch.Tensor,
+    cache_slot: torch.Tensor,
+    slot_row: torch.Tensor,
+    free_rows: torch.Tensor,
+    n_free: torch.Tensor,
+    host: torch.Tensor,
+    slots: torch.Tensor,
+    miss: torch.Tensor,
+    uniq: torch.Tensor,
+    dim: int,
+    seed: int,
+    init: tuple[int, float, float, float, float],
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    kind, p0, p1, p2, p3 = init
+    return _ops().place_rows(
+        cache,
+        row_keys,
+        cache_slot,
+        slot_row,
+        free_rows,
+        n_free,
+        host,
+        slots.contiguous(),
+        miss.contiguous(),
+        uniq.contiguous(),
+        dim,
+        seed,
+        kind,
+        p0,
+        p1,
+        p2,
+        p3,
+        counters,
+    )
 
 
 def update(

@@ -34,6 +34,7 @@ import weakref
 
 import torch
 
+from hstu.config.limits import hybrid_device_bytes
 from hstu.embeddings import reference_table
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
 from hstu.embeddings.dynamic_table import (
@@ -84,10 +85,11 @@ class HostRows:
     copies go through the CPU (the host waits for them). On CPU/meta tables ``rows`` is an
     ordinary tensor of the table's device."""
 
-    def __init__(self, num_slots: int, width: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, width: int, device: torch.device, copy_rows) -> None:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        self._copy_rows = copy_rows  # the table backend's masked row copy
         host = torch.device("cpu") if device.type == "cuda" else device
         self.rows = torch.empty((num_slots, width), dtype=torch.float32, device=host)
         self.view: torch.Tensor | None = None
@@ -141,21 +143,33 @@ class HostRows:
             return self.rows.index_select(0, slots.cpu()).to(self.device)
         return self.rows.index_select(0, slots)
 
+    def device_view(self) -> torch.Tensor:
+        """The rows as a float32 CUDA tensor over the mapped memory, for a read by the GPU on
+        the current stream: that stream first waits for the rows written back so far."""
+        if self._written is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._written)
+        return self.view.view(torch.float32)
+
     def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Writes ``rows`` (device tensor, owned by the caller's stream) into ``slots``. On the
-        mapped path the write runs on the side stream after the work queued so far."""
+        """Writes ``rows[i]`` (device tensor, owned by the caller's stream) into slot
+        ``slots[i]`` for every ``slots[i] >= 0``. On the mapped path the write runs on the side
+        stream after the work queued so far."""
         if self.view is not None:
             main = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(main)
             with torch.cuda.stream(self.stream):
-                self.view.index_copy_(0, slots, rows.view(torch.complex128))
+                every = torch.arange(slots.numel(), device=self.device)
+                self._copy_rows(self.view.view(torch.float32), slots, rows, every)
             slots.record_stream(self.stream)
             rows.record_stream(self.stream)
+            every.record_stream(self.stream)
             self._written = self.stream.record_event()
-        elif self.device.type == "cuda":
-            self.rows.index_copy_(0, slots.cpu(), rows.cpu())
+            return
+        keep = torch.nonzero(slots >= 0).flatten()
+        if self.device.type == "cuda":
+            self.rows.index_copy_(0, slots[keep].cpu(), rows[keep].cpu())
         else:
-            self.rows.index_copy_(0, slots, rows)
+            self.rows.index_copy_(0, slots[keep], rows[keep])
 
     def synchronize(self) -> None:
         """Waits until every queued read and write of the host tier is done."""
@@ -189,6 +203,7 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         rank: int = 0,
     ) -> None:
         super().__init__(config, device, backend=backend, world_size=world_size, rank=rank)
+        self._init = config.init_args()
         # rows fetched from the host tier, rows written back, cache hits, cache lookups
         self._cache_counters = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._pending: list[int] = []  # steps whose lookup's backward has not run
@@ -198,14 +213,19 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
 
     # -- tensors ----------------------------------------------------------------------------
     def _memory_need(self, num_slots: int) -> tuple[int, int]:
-        """Directory (24 B per slot) + slot -> cache row (4 B) + the cache (row + key + slot) on
-        the device; every row in host memory."""
+        """Directory (24 B per slot) + slot -> cache row (4 B) + the cache (row, key, slot and
+        free-list entry) on the device, each index with one spare entry; every row in host
+        memory."""
         rows = self.config.cache_rows(num_slots)
-        return num_slots * 28 + rows * (self.width * 4 + 16), num_slots * self.width * 4
+        return hybrid_device_bytes(num_slots, rows, self.width), num_slots * self.width * 4
 
     def _allocate(self, num_slots: int) -> TableState:
         """The directory (no rows), and on first use the host tier and the cache; afterwards
-        (`load`) the same memory, emptied."""
+        (`load`) the same memory, emptied.
+
+        The cache's index tensors (``cache_slot``, ``slot_row``, the key of each row, the free
+        list) have one spare entry at the end: a padded update writes the entries it does not
+        use there, so no update needs to know on the host how many entries it changes."""
         dev = self.device
         directory = TableState(
             keys=torch.full((num_slots,), EMPTY_KEY, dtype=torch.int64, device=dev),
@@ -214,28 +234,41 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
             values=torch.empty((0, self.width), dtype=torch.float32, device=dev),
         )
         if not hasattr(self, "host"):
-            self.host = HostRows(num_slots, self.width, dev)
+            self.host = HostRows(num_slots, self.width, dev, self.ops.copy_rows)
             rows = self.config.cache_rows(num_slots)
+            self._row_keys = torch.empty(rows + 1, dtype=torch.int64, device=dev)
             self.cache = TableState(
-                keys=torch.empty(rows, dtype=torch.int64, device=dev),  # key held, EMPTY: free
+                keys=self._row_keys[:rows],  # key held, EMPTY: free
                 scores=torch.empty(0, dtype=torch.int64, device=dev),  # (unused)
                 touched=torch.empty(0, dtype=torch.int64, device=dev),  # (unused)
                 values=torch.zeros((rows, self.width), dtype=torch.float32, device=dev),
             )
-            self.cache_slot = torch.empty(rows, dtype=torch.int64, device=dev)
-            self.slot_row = torch.empty(num_slots, dtype=torch.int32, device=dev)
-            self._free = torch.empty(rows, dtype=torch.int64, device=dev)
+            self.cache_slot = torch.empty(rows + 1, dtype=torch.int64, device=dev)
+            self.slot_row = torch.empty(num_slots + 1, dtype=torch.int32, device=dev)
+            # free cache rows: a stack, _free[:n_free] (n_free on the device)
+            self._free = torch.empty(rows + 1, dtype=torch.int64, device=dev)
+            self._n_free = torch.zeros((), dtype=torch.int64, device=dev)
             # evictions come in batches (one top-k over the cache each) and start ahead, when
-            # fewer rows than the low-water mark are free, so their write-back overlaps the step
+            # fewer rows than the low-water mark may be free, so their write-back overlaps steps
             self.evict_batch = max(1, rows // 64)
             self.low_water = rows // 64
+            # the host's view of n_free: a lower bound (free_lb) from reads of n_free queued
+            # without waiting (a pinned buffer and an event each) less the rows taken since
+            self._reads: list[list] = []
+            self._read_bufs = torch.zeros(2, dtype=torch.int64, pin_memory=dev.type == "cuda")
+            self._read_seq = 0
+            self._evictions = 0  # background evictions issued
+            self._evictions_seen = 0  # ... of which a completed read of n_free accounts for
         self.host.synchronize()
-        self.cache.keys.fill_(EMPTY_KEY)
+        self._row_keys.fill_(EMPTY_KEY)
         self.cache_slot.fill_(-1)
         self.slot_row.fill_(-1)
         rows = self.cache.keys.numel()
-        self._free.copy_(torch.arange(rows - 1, -1, -1, device=dev))
-        self.n_free = rows
+        self._free[:rows].copy_(torch.arange(rows - 1, -1, -1, device=dev))
+        self._n_free.fill_(rows)
+        self._reads.clear()
+        self.free_lb = rows
+        self._evictions_seen = self._evictions
         return directory
 
     def row_state(self) -> TableState:
@@ -244,6 +277,11 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
     @property
     def cache_rows(self) -> int:
         return self.cache.keys.numel()
+
+    @property
+    def n_free(self) -> int:
+        """Free cache rows now (reads the device)."""
+        return int(self._n_free)
 
     # -- lookup ---------------------------------------------------------------------------------
     def forward(
@@ -254,7 +292,8 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         host_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As `DynamicEmbeddingTable.forward`; a training lookup also brings its rows into the
-        HBM cache (one read of sizes from the GPU when it inserts no key, a few when it does)."""
+        HBM cache. With the compiled kernels it reads nothing from the GPU while the cache has
+        room for the lookup's distinct ids by the host's count (`free_lb`); see `_reserve`."""
         u = self._unique(ids, host_ids)
         n_unique = u.uniq.numel()
         dtype = _DTYPES[self.config.output_dtype]
@@ -264,21 +303,18 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
             self._counters[1] += (slots >= 0).sum()
             return self._eval_rows(u, slots).to(dtype)
         self.step += 1
+        self._reserve(n_unique)
         score_vals, accumulate = self._score_values(u, scores)
         slots = self.ops.find(self.state, u.uniq, True, self.step, score_vals, accumulate)
-        # one read of two sizes: ids the directory lacks, and ids it holds whose rows are in
-        # the host tier only (those to fetch, when nothing is inserted)
-        uncached = (slots >= 0) & (self.slot_row[slots.clamp(min=0)] < 0)
-        n_new, n_fetch = torch.stack([(slots < 0).sum(), uncached.sum()]).tolist()
-        if n_new:
-            n_new, fresh_idx, fresh_slots = self._insert_directory(u, slots, score_vals)
-            fetch = None  # the insert may have taken slots: _place looks again
+        miss = slots < 0
+        if self._padded_insert:  # padded to the distinct ids: no read of how many are missing
+            n_new = self._insert_padded(u, slots, score_vals, miss)
         else:
-            fresh_idx = fresh_slots = slots.new_zeros(0)
-            fetch = torch.nonzero_static(uncached, size=n_fetch).flatten()
+            n_new = self._insert_directory(u, slots, score_vals)[0]
         self._counters[0] += n_unique
         self._counters[1] += n_unique - n_new
-        rows = self._place(u, slots, fresh_idx, fresh_slots, fetch)
+        rows = self._place(u, slots, miss)
+        self._after_lookup(n_unique)
         if torch.is_grad_enabled():
             self._pending = [p for p in self._pending if p > self.step - MAX_PENDING_STEPS]
             self._pending.append(self.step)
@@ -349,117 +385,134 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         return torch.cat(slots), evicted
 
     # -- the cache --------------------------------------------------------------------------------
-    def _place(
-        self,
-        u: UniqueIds,
-        slots: torch.Tensor,
-        fresh_idx: torch.Tensor,
-        fresh_slots: torch.Tensor,
-        fetch: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def _place(self, u: UniqueIds, slots: torch.Tensor, miss: torch.Tensor) -> torch.Tensor:
         """The cache row of every unique id of a training lookup (-1 where the directory had no
-        slot: overflow), bringing the missing rows in. ``fetch``: the positions of the ids whose
-        rows are in the host tier only, when the caller knows them (no insert this lookup)."""
-        if fresh_slots.numel():
-            # a slot that took a new key this step: the row cached for its former key is stale
-            old = self.slot_row[fresh_slots].long()
-            stale = old[old >= 0]
-            if stale.numel():
-                self._release(stale)
-            self.slot_row[fresh_slots] = -1
-        live = slots >= 0
-        rows = torch.where(live, self.slot_row[slots.clamp(min=0)].long(), -1)
-        if fetch is None:
-            missing = live & (rows < 0)
-            missing[fresh_idx] = False
-            fetch = torch.nonzero(missing).flatten()
-        old_idx = fetch  # cached nowhere but in the host tier
-        self._cache_counters[3] += live.sum()
-        self._cache_counters[2] += live.sum() - old_idx.numel() - fresh_idx.numel()
-        idx = torch.cat([old_idx, fresh_idx])
-        n = idx.numel()
-        if n:
-            new_rows = self._take(n)
-            s = slots[idx]
-            n_old = old_idx.numel()
-            if n_old:
-                self.cache.values[new_rows[:n_old]] = self.host.gather(s[:n_old])
-                self._cache_counters[0] += n_old
-            if n > n_old:
-                self.cache.values[new_rows[n_old:]] = self._initial_rows(u.uniq[fresh_idx])
-            self.cache.keys[new_rows] = u.uniq[idx]
-            self.cache_slot[new_rows] = s
-            self.slot_row[s] = new_rows.to(torch.int32)
-            rows[idx] = new_rows
-        if self.n_free < self.low_water:
-            self._evict(self.evict_batch, needed=0)
-        return rows
-
-    def _initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
-        """New rows [n, width] of ``keys`` (initial embedding, zero optimizer state) made by the
-        insert op of the table's backend, as the all-HBM table makes them: the keys go to an
-        empty scratch table, 32 to a bucket, so key i lands in slot i."""
-        n = keys.numel()
-        nseg = -(-n // reference_table.BUCKET)
-        scratch = TableState.empty(nseg * reference_table.BUCKET, self.width, self.device)
-        bounds = torch.arange(nseg + 1, device=self.device) * reference_table.BUCKET
-        self.ops.insert(
-            scratch,
-            keys.contiguous(),
-            bounds.clamp(max=n),
-            torch.arange(nseg, device=self.device),
-            torch.zeros_like(keys),
-            1,
+        slot: overflow), bringing the missing rows in: from the host tier, or initial rows for
+        the ids whose key took its slot in this lookup (``miss``). One op (`place_rows`) of the
+        table's backend; with the host tier not mapped for the GPU, the PyTorch one over the
+        host rows."""
+        if self.host.mapped:
+            ops, host = self.ops, self.host.device_view()
+        else:
+            ops, host = reference_table, self.host.rows
+        return ops.place_rows(
+            self.cache.values,
+            self._row_keys,
+            self.cache_slot,
+            self.slot_row,
+            self._free,
+            self._n_free,
+            host,
+            slots,
+            miss,
+            u.uniq,
             self.dim,
             self.config.seed,
-            self.config.init_args(),
+            self._init,
+            self._cache_counters,
         )
-        return scratch.values[:n]
 
-    def _take(self, n: int) -> torch.Tensor:
-        """``n`` free cache rows (evicting first if fewer are free)."""
-        if n > self.n_free:
-            self._evict(max(n - self.n_free, self.evict_batch), needed=n - self.n_free)
-        rows = self._free[self.n_free - n : self.n_free].clone()
-        self.n_free -= n
-        return rows
+    def _push_free(self, rows: torch.Tensor, mask: torch.Tensor) -> None:
+        """Frees the cache rows ``rows[mask]`` without writing them back (their keys left the
+        table, or the caller wrote them back)."""
+        at = torch.where(mask, rows, self.cache_rows)
+        self._row_keys.index_fill_(0, at, EMPTY_KEY)  # (a scalar fill: no copy from the host)
+        self.cache_slot.index_fill_(0, at, -1)
+        rank = torch.cumsum(mask, 0) - 1
+        self._free[torch.where(mask, self._n_free + rank, self.cache_rows)] = rows
+        self._n_free += mask.sum()
 
-    def _release(self, rows: torch.Tensor) -> None:
-        """Frees cache rows without writing them back (their keys left the table)."""
-        self.cache.keys[rows] = EMPTY_KEY
-        self.cache_slot[rows] = -1
-        self._free[self.n_free : self.n_free + rows.numel()] = rows
-        self.n_free += rows.numel()
+    # -- how many rows are free, seen from the host ------------------------------------------
+    def _poll_reads(self) -> None:
+        """Applies the newest completed read of n_free: free_lb = the value read less the rows
+        lookups may have taken since it was queued (rows freed since are not counted)."""
+        done = None
+        while self._reads and (self._reads[0][1] is None or self._reads[0][1].query()):
+            done = self._reads.pop(0)
+        if done is not None:
+            slot, _, since, evictions = done
+            self.free_lb = int(self._read_bufs[slot]) - since
+            self._evictions_seen = evictions
+
+    def _queue_read(self) -> None:
+        """Queues a copy of n_free to a pinned buffer (at most two in flight)."""
+        if len(self._reads) >= 2:
+            return
+        slot = self._read_seq % 2
+        self._read_seq += 1
+        self._read_bufs[slot].copy_(self._n_free, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._reads.append([slot, event, 0, self._evictions])
+
+    def _reserve(self, n: int) -> None:
+        """Makes sure ``n`` cache rows are free before a lookup of ``n`` distinct ids takes
+        them. Free when the host's bound says so; otherwise it reads n_free (one wait for the
+        GPU) and, if still short, evicts at once (a `ValueError` if the cache cannot hold the
+        lookup)."""
+        self._poll_reads()
+        if self.free_lb >= n:
+            return
+        self._reads.clear()
+        self.free_lb = self.n_free
+        self._evictions_seen = self._evictions
+        if self.free_lb < n:
+            short = n - self.free_lb
+            self._evict(max(short, self.evict_batch), needed=short)
+            self.free_lb = self.n_free
+
+    def _after_lookup(self, n: int) -> None:
+        """Counts the rows a lookup of ``n`` distinct ids may have taken; starts a background
+        eviction of max(evict_batch, 4n) rows when the bound falls under max(low_water, 4n), so
+        that the next lookups find room without a read while the read of the eviction's result
+        is under way (one eviction at a time: the next waits until a read shows the last one);
+        queues the next read of n_free."""
+        self.free_lb -= n
+        for read in self._reads:
+            read[2] += n
+        ahead = max(self.low_water, 4 * n)
+        if self.free_lb < ahead and self._evictions_seen == self._evictions:
+            self._evict(max(self.evict_batch, ahead), needed=0)
+            self._evictions += 1
+        self._queue_read()
 
     def _evict(self, k: int, needed: int) -> None:
         """Writes back and frees up to ``k`` cached rows, lowest eviction score first, among the
         rows that no pending lookup uses (rows last used at or after the oldest step whose
-        backward has not run); at least ``needed`` rows or a `ValueError`."""
+        backward has not run). ``needed > 0``: at least that many, checked on the host (a
+        `ValueError` if fewer are evictable); ``needed == 0``: nothing is read back, and fewer
+        than ``k`` rows go when fewer are evictable."""
         oldest = min([*self._pending, self.step])
-        held = self.cache_slot >= 0
-        s = self.cache_slot.clamp(min=0)
+        held = self.cache_slot[: self.cache_rows] >= 0
+        s = self.cache_slot[: self.cache_rows].clamp(min=0)
         evictable = held & (self.state.touched[s] < oldest)
-        n_evictable = int(evictable.sum())
-        if n_evictable < needed:
-            in_use = int(held.sum()) - n_evictable
-            raise ValueError(
-                f"table {self.config.name!r}: the HBM cache of {self.cache_rows} rows is too "
-                f"small: this lookup brings in {needed + self.n_free} rows but only "
-                f"{self.n_free + n_evictable} are free or evictable (the other {in_use} hold "
-                "rows of this lookup or of lookups whose backward has not run); give the cache "
-                "room for at least two batches' distinct ids (EmbeddingArgs.hbm_cache / "
-                "DynamicEmbeddingConfig.hbm_cache)"
-            )
-        k = min(k, n_evictable)
+        if needed > 0:
+            n_evictable = int(evictable.sum())
+            if n_evictable < needed:
+                in_use = int(held.sum()) - n_evictable
+                n_free = self.n_free
+                raise ValueError(
+                    f"table {self.config.name!r}: the HBM cache of {self.cache_rows} rows is too "
+                    f"small: this lookup needs room for its {needed + n_free} distinct ids but "
+                    f"only {n_free + n_evictable} rows are free or evictable (the other {in_use} hold "
+                    "rows of this lookup or of lookups whose backward has not run); give the "
+                    "cache room for at least two batches' distinct ids (EmbeddingArgs.hbm_cache "
+                    "/ DynamicEmbeddingConfig.hbm_cache)"
+                )
+            k = min(k, n_evictable)
+        k = min(k, self.cache_rows)
         if k == 0:
             return
         score = torch.where(evictable, self.state.scores[s], _INT64_MAX)
         victims = torch.topk(score, k, largest=False, sorted=False).indices
-        vslots = self.cache_slot[victims]
+        ok = evictable[victims]
+        vslots = torch.where(ok, self.cache_slot[victims], -1)
         self.host.scatter(vslots, self.cache.values[victims])
-        self._cache_counters[1] += k
-        self.slot_row[vslots] = -1
-        self._release(victims)
+        self._cache_counters[1] += ok.sum()
+        self.slot_row.index_fill_(0, torch.where(ok, vslots, self.slot_row.numel() - 1), -1)
+        self._push_free(victims, ok)
 
     def _eval_rows(self, u: UniqueIds, slots: torch.Tensor) -> torch.Tensor:
         """Evaluation: embeddings of the ids in the cache or the host tier, zeros for unknown
@@ -479,8 +532,10 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         slots = self.ops.find(self.state, ids)
         live = slots[slots >= 0]
         rows = self.slot_row[live].long()
-        self._release(rows[rows >= 0])
+        self._push_free(rows, rows >= 0)
         self.slot_row[live] = -1
+        self._reads.clear()  # rows were freed: the next lookup reads n_free afresh
+        self.free_lb = self.n_free
         return super().erase(ids)
 
     def _read_rows(self, slots: torch.Tensor) -> torch.Tensor:

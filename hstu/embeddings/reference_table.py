@@ -34,6 +34,8 @@ __all__ = [
     "insert",
     "insert_keys",
     "gather",
+    "copy_rows",
+    "place_rows",
     "update",
     "erase",
     "export",
@@ -223,6 +225,8 @@ def insert(
     evicted keys as a 0-d tensor). New slots: score = score_vals, touched = step, embedding from
     init_rows, optimizer state zero."""
     slots, n_evicted = insert_keys(state, keys, seg_offsets, seg_buckets, score_vals, step)
+    if state.values.shape[0] == 0:  # a table of keys only (a hybrid table's slot directory)
+        return slots, n_evicted
     ok = slots >= 0
     new_slots = slots[ok]
     state.values[new_slots] = 0.0
@@ -235,6 +239,75 @@ def gather(state: TableState, dim: int, slots: torch.Tensor, inverse: torch.Tens
     s = slots[inverse]
     out = state.values[s.clamp(min=0), :dim]
     return out * (s >= 0).unsqueeze(1).to(out.dtype)
+
+
+def copy_rows(
+    dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
+) -> None:
+    """dst[dst_idx[i]] = src[src_idx[i]] (whole rows) for every i whose two indices are inside
+    their tensors; -1 marks the pairs a padded caller does not use. Destinations are distinct."""
+    ok = (dst_idx >= 0) & (dst_idx < dst.shape[0]) & (src_idx >= 0) & (src_idx < src.shape[0])
+    keep = torch.nonzero(ok).flatten()
+    dst.index_copy_(0, dst_idx[keep], src.index_select(0, src_idx[keep]))
+
+
+def place_rows(
+    cache: torch.Tensor,
+    row_keys: torch.Tensor,
+    cache_slot: torch.Tensor,
+    slot_row: torch.Tensor,
+    free_rows: torch.Tensor,
+    n_free: torch.Tensor,
+    host: torch.Tensor,
+    slots: torch.Tensor,
+    miss: torch.Tensor,
+    uniq: torch.Tensor,
+    dim: int,
+    seed: int,
+    init: tuple[int, float, float, float, float],
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    """A hybrid table's training lookup: the cache row of every unique id (-1 where ``slots`` is
+    -1), bringing the missing rows into the cache ``cache`` [rows, width]:
+
+    - an id with ``miss`` (its key took its slot in this lookup) gets its initial row (`init_rows`,
+      zero optimizer state) in the row its slot already had (the former key's, now stale) or in a
+      free one;
+    - an id whose slot has a row (``slot_row``) keeps it (a hit);
+    - any other id takes a free row, filled with the host tier's row of its slot (``host``
+      [slots, width], on any device).
+
+    Free rows are taken from the top of the stack ``free_rows[: n_free]``; the caller makes sure
+    there are enough. ``row_keys`` / ``cache_slot`` (per cache row) and ``slot_row`` (per slot)
+    have a spare last entry, where the entries that change nothing are written. ``counters``
+    (int64 [4]) gets += (rows fetched, 0, hits, ids with a slot). The compiled twin hands the
+    free rows out in another order; the rows' contents are the same."""
+    spare = cache.shape[0]
+    live = slots >= 0
+    s = slots.clamp(min=0)
+    cur = torch.where(live, slot_row[s].long(), -1)
+    fresh = miss & live
+    take = live & (cur < 0)
+    rank = torch.cumsum(take, 0) - 1
+    popped = free_rows[(n_free - 1 - rank).clamp(min=0)]
+    n_free -= take.sum()
+    row = torch.where(take, popped, cur)
+    fetch = take & ~fresh
+    at = torch.nonzero(fetch).flatten()
+    got = host.index_select(0, s[at].to(host.device)).to(cache.device)
+    cache.index_copy_(0, row[at], got)
+    at = torch.nonzero(fresh).flatten()
+    new = torch.zeros(at.numel(), cache.shape[1], dtype=torch.float32, device=cache.device)
+    new[:, :dim] = init_rows(uniq[at], dim, seed, init)
+    cache.index_copy_(0, row[at], new)
+    fill = fresh | take
+    where = torch.where(fill, row, spare)
+    row_keys[where] = uniq
+    cache_slot[where] = slots
+    slot_row[torch.where(fill, s, slot_row.numel() - 1)] = row.to(slot_row.dtype)
+    n_live, n_fetch, n_fill = torch.stack([live, fetch, fill]).sum(1).unbind()
+    counters += torch.stack([n_fetch, torch.zeros_like(n_fetch), n_live - n_fill, n_live])
+    return row
 
 
 def update(

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstdint>
 
 #include "launch.h"
 
@@ -27,12 +28,15 @@ void check_table(const Tensor& keys) {
               keys.numel());
 }
 
-void check_values(const Tensor& values, const Tensor& keys, int64_t dim) {
+// rows_optional: values may have 0 rows (a table of keys only, the slot directory of a hybrid
+// table); otherwise one row per slot.
+void check_values(const Tensor& values, const Tensor& keys, int64_t dim,
+                  bool rows_optional = false) {
   TORCH_CHECK(values.is_cuda() && values.scalar_type() == at::kFloat && values.is_contiguous() &&
                   values.dim() == 2,
               "values must be a contiguous 2-D float32 CUDA tensor");
-  TORCH_CHECK(values.size(0) == keys.numel(), "values has ", values.size(0), " rows for ",
-              keys.numel(), " slots");
+  TORCH_CHECK(values.size(0) == keys.numel() || (rows_optional && values.size(0) == 0),
+              "values has ", values.size(0), " rows for ", keys.numel(), " slots");
   TORCH_CHECK(dim > 0 && dim <= values.size(1), "dim=", dim, " out of range for width ",
               values.size(1));
   TORCH_CHECK(values.size(1) % 4 == 0, "values width must be a multiple of 4, got ",
@@ -74,24 +78,9 @@ Tensor find_touch(const Tensor& keys, const Tensor& scores, const Tensor& touche
   return slots;
 }
 
-std::tuple<Tensor, Tensor> insert(const Tensor& keys, const Tensor& scores, const Tensor& touched, const Tensor& values,
-                                  const Tensor& new_keys, const Tensor& seg_offsets,
-                                  const Tensor& seg_buckets, const Tensor& score_vals,
-                                  int64_t step, int64_t dim, int64_t seed, int64_t init_kind,
-                                  double p0, double p1, double p2, double p3) {
-  check_table(keys);
-  check_i64(scores, "scores");
-  check_i64(touched, "touched");
-  check_values(values, keys, dim);
-  check_i64(new_keys, "new_keys");
-  check_i64(seg_offsets, "seg_offsets");
-  check_i64(seg_buckets, "seg_buckets");
-  check_i64(score_vals, "score_vals");
-  TORCH_CHECK(seg_offsets.numel() == seg_buckets.numel() + 1,
-              "seg_offsets needs one more entry than seg_buckets");
-  TORCH_CHECK(score_vals.numel() == new_keys.numel(), "score_vals needs one value per new key");
+dynemb::InitParams init_params(int64_t seed, int64_t init_kind, double p0, double p1, double p2,
+                               double p3) {
   TORCH_CHECK(init_kind >= 0 && init_kind <= 3, "init_kind must be 0..3, got ", init_kind);
-  const c10::cuda::CUDAGuard guard(keys.device());
   dynemb::InitParams init;
   init.kind = static_cast<int>(init_kind);
   init.seed_mix = dynemb::mix64(static_cast<uint64_t>(seed) + dynemb::kSeedSalt);
@@ -101,10 +90,32 @@ std::tuple<Tensor, Tensor> insert(const Tensor& keys, const Tensor& scores, cons
   init.p3 = p3;
   init.cdf_a = 0.5 * (1.0 + std::erf(p2 / std::sqrt(2.0)));
   init.cdf_b = 0.5 * (1.0 + std::erf(p3 / std::sqrt(2.0)));
+  return init;
+}
+
+std::tuple<Tensor, Tensor> insert(const Tensor& keys, const Tensor& scores, const Tensor& touched, const Tensor& values,
+                                  const Tensor& new_keys, const Tensor& seg_offsets,
+                                  const Tensor& seg_buckets, const Tensor& score_vals,
+                                  int64_t step, int64_t dim, int64_t seed, int64_t init_kind,
+                                  double p0, double p1, double p2, double p3) {
+  check_table(keys);
+  check_i64(scores, "scores");
+  check_i64(touched, "touched");
+  check_values(values, keys, dim, /*rows_optional=*/true);
+  check_i64(new_keys, "new_keys");
+  check_i64(seg_offsets, "seg_offsets");
+  check_i64(seg_buckets, "seg_buckets");
+  check_i64(score_vals, "score_vals");
+  TORCH_CHECK(seg_offsets.numel() == seg_buckets.numel() + 1,
+              "seg_offsets needs one more entry than seg_buckets");
+  TORCH_CHECK(score_vals.numel() == new_keys.numel(), "score_vals needs one value per new key");
+  const c10::cuda::CUDAGuard guard(keys.device());
+  const dynemb::InitParams init = init_params(seed, init_kind, p0, p1, p2, p3);
   auto out_slots = at::empty_like(new_keys);
   auto n_evicted = at::zeros({}, keys.options());
   dynemb::launch_insert(keys.data_ptr<int64_t>(), scores.data_ptr<int64_t>(),
-                        touched.data_ptr<int64_t>(), values.data_ptr<float>(), values.size(1),
+                        touched.data_ptr<int64_t>(),
+                        values.size(0) ? values.data_ptr<float>() : nullptr, values.size(1),
                         static_cast<int>(dim), new_keys.data_ptr<int64_t>(),
                         seg_offsets.data_ptr<int64_t>(), seg_buckets.data_ptr<int64_t>(),
                         seg_buckets.numel(), score_vals.data_ptr<int64_t>(), step, init,
@@ -155,6 +166,73 @@ void update(const Tensor& values, int64_t dim, const Tensor& keys, const Tensor&
                         slots.data_ptr<int64_t>(), perm.data_ptr<int64_t>(),
                         offsets.data_ptr<int64_t>(), grad.data_ptr<float>(), uniq.numel(), p,
                         stream());
+}
+
+void copy_rows(const Tensor& dst, const Tensor& dst_idx, const Tensor& src,
+               const Tensor& src_idx) {
+  for (const Tensor* t : {&dst, &src}) {
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->dim() == 2 && t->size(1) % 4 == 0,
+                "copy_rows: dst and src must be contiguous [rows, 4k] float32 tensors on the GPU "
+                "(or mapped for it), got ", t->sizes(), " ", t->scalar_type());
+  }
+  TORCH_CHECK(dst.size(1) == src.size(1), "copy_rows: dst rows have ", dst.size(1),
+              " floats, src rows ", src.size(1));
+  check_i64(dst_idx, "dst_idx");
+  check_i64(src_idx, "src_idx");
+  TORCH_CHECK(dst_idx.numel() == src_idx.numel(), "copy_rows: ", dst_idx.numel(),
+              " destination indices for ", src_idx.numel(), " source indices");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(dst.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(src.data_ptr()) % 16 == 0,
+              "copy_rows: dst and src must be 16-byte aligned");
+  const c10::cuda::CUDAGuard guard(dst_idx.device());
+  dynemb::launch_copy_rows(dst.data_ptr<float>(), dst.size(0), src.data_ptr<float>(), src.size(0),
+                           dst.size(1), dst_idx.data_ptr<int64_t>(), src_idx.data_ptr<int64_t>(),
+                           dst_idx.numel(), stream());
+}
+
+Tensor place_rows(const Tensor& cache, const Tensor& row_keys, const Tensor& cache_slot,
+                  const Tensor& slot_row, const Tensor& free_rows, const Tensor& n_free,
+                  const Tensor& host, const Tensor& slots, const Tensor& miss, const Tensor& uniq,
+                  int64_t dim, int64_t seed, int64_t init_kind, double p0, double p1, double p2,
+                  double p3, const Tensor& counters) {
+  for (const Tensor* t : {&cache, &host}) {
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->dim() == 2 && t->size(1) % 4 == 0,
+                "place_rows: the cache and the host tier must be contiguous [rows, 4k] float32 "
+                "tensors on (or mapped for) the GPU");
+  }
+  TORCH_CHECK(cache.size(1) == host.size(1), "place_rows: cache and host rows differ in width");
+  TORCH_CHECK(dim > 0 && dim <= cache.size(1), "place_rows: dim out of range");
+  const int64_t rows = cache.size(0);
+  check_i64(row_keys, "row_keys");
+  check_i64(cache_slot, "cache_slot");
+  check_i64(free_rows, "free_rows");
+  TORCH_CHECK(row_keys.numel() > rows && cache_slot.numel() > rows && free_rows.numel() > rows,
+              "place_rows: row_keys, cache_slot and free_rows need one entry per cache row "
+              "and a spare");
+  TORCH_CHECK(slot_row.is_cuda() && slot_row.scalar_type() == at::kInt &&
+                  slot_row.is_contiguous() && slot_row.numel() > host.size(0),
+              "place_rows: slot_row must be int32 with one entry per slot and a spare");
+  TORCH_CHECK(n_free.is_cuda() && n_free.scalar_type() == at::kLong && n_free.numel() == 1,
+              "place_rows: n_free must be one int64 on the GPU");
+  check_i64(slots, "slots");
+  check_i64(uniq, "uniq");
+  TORCH_CHECK(miss.is_cuda() && miss.scalar_type() == at::kBool && miss.is_contiguous() &&
+                  miss.numel() == slots.numel() && uniq.numel() == slots.numel(),
+              "place_rows: slots, miss (bool) and uniq need one entry per unique id");
+  check_i64(counters, "counters");
+  TORCH_CHECK(counters.numel() == 4, "place_rows: counters must have 4 entries");
+  const c10::cuda::CUDAGuard guard(cache.device());
+  auto out = at::empty_like(slots);
+  dynemb::launch_place_rows(
+      cache.data_ptr<float>(), cache.size(1), static_cast<int>(dim), row_keys.data_ptr<int64_t>(),
+      cache_slot.data_ptr<int64_t>(), slot_row.data_ptr<int>(), free_rows.data_ptr<int64_t>(),
+      n_free.data_ptr<int64_t>(), host.data_ptr<float>(), slots.data_ptr<int64_t>(),
+      miss.data_ptr<bool>(), uniq.data_ptr<int64_t>(), slots.numel(),
+      init_params(seed, init_kind, p0, p1, p2, p3), out.data_ptr<int64_t>(),
+      counters.data_ptr<int64_t>(), stream());
+  return out;
 }
 
 Tensor erase(const Tensor& keys, const Tensor& scores, const Tensor& touched, const Tensor& query) {
@@ -218,6 +296,12 @@ TORCH_LIBRARY(hstu_dynemb, m) {
       "update(Tensor(a!) values, int dim, Tensor keys, Tensor uniq, Tensor slots, Tensor perm, "
       "Tensor offsets, Tensor grad, int opt, float lr, float beta1, float beta2, float eps, "
       "float weight_decay) -> ()");
+  m.def("copy_rows(Tensor(a!) dst, Tensor dst_idx, Tensor src, Tensor src_idx) -> ()");
+  m.def(
+      "place_rows(Tensor(a!) cache, Tensor(b!) row_keys, Tensor(c!) cache_slot, "
+      "Tensor(d!) slot_row, Tensor free_rows, Tensor(e!) n_free, Tensor host, Tensor slots, "
+      "Tensor miss, Tensor uniq, int dim, int seed, int init_kind, float p0, float p1, "
+      "float p2, float p3, Tensor(f!) counters) -> Tensor");
   m.def("erase(Tensor(a!) keys, Tensor(b!) scores, Tensor(c!) touched, Tensor query) -> Tensor");
   m.def("size(Tensor keys) -> Tensor");
   m.def("export(Tensor keys) -> Tensor");
@@ -230,6 +314,8 @@ TORCH_LIBRARY_IMPL(hstu_dynemb, CUDA, m) {
   m.impl("insert", &insert);
   m.impl("gather", &gather);
   m.impl("update", &update);
+  m.impl("copy_rows", &copy_rows);
+  m.impl("place_rows", &place_rows);
   m.impl("erase", &erase);
   m.impl("size", &size);
   m.impl("export", &export_slots);

@@ -1,4 +1,5 @@
-// Hash table kernels: find (+ touch), insert with eviction, erase, size, export, bucket_of.
+// Hash table kernels: find (+ touch), insert with eviction, erase, size, export, bucket_of, and
+// copy_rows and place_rows (the masked row copy and the cache placement of hybrid tables).
 // Design (docs/kernels.md): buckets of 32 slots, one warp lane per slot. A key can only live in
 // its bucket, so find is one coalesced 256-byte read and a ballot; there are no probe chains and
 // no tombstones. Inserts are grouped by bucket on the host side (sort) and each bucket is owned
@@ -99,8 +100,9 @@ __global__ void __launch_bounds__(kThreads) insert_kernel(
     for (int64_t r = num_eligible + lane; r < m; r += 32) out_slots[lo + r] = -1;
     const unsigned evict_mask = __ballot_sync(kFull, take && cls == 1);
     if (lane == 0 && evict_mask) atomicAdd(n_evicted, __popc(evict_mask));
-    // Initialise the taken rows, the whole warp writing one row at a time (coalesced).
-    unsigned taken = __ballot_sync(kFull, take);
+    // Initialise the taken rows, the whole warp writing one row at a time (coalesced); a table
+    // without rows (values == nullptr: a hybrid table's slot directory) only places keys.
+    unsigned taken = values != nullptr ? __ballot_sync(kFull, take) : 0u;
     while (taken) {
       const int l = __ffs(taken) - 1;
       taken &= taken - 1;
@@ -168,7 +170,120 @@ __global__ void bucket_of_kernel(const int64_t* __restrict__ keys, int64_t n, in
   }
 }
 
+// One warp per pair i: dst[dst_idx[i]] = src[src_idx[i]] in 16-byte words, skipped where
+// either index is outside its tensor (-1 marks the pairs a padded caller does not use).
+__global__ void __launch_bounds__(kThreads) copy_rows_kernel(
+    float4* __restrict__ dst, int64_t dst_rows, const float4* __restrict__ src, int64_t src_rows,
+    int64_t words, const int64_t* __restrict__ dst_idx, const int64_t* __restrict__ src_idx,
+    int64_t n) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t i = warp; i < n; i += num_warps) {
+    const int64_t d = dst_idx[i];
+    const int64_t s = src_idx[i];
+    if (d < 0 || d >= dst_rows || s < 0 || s >= src_rows) continue;
+    for (int64_t w = lane; w < words; w += 32) dst[d * words + w] = src[s * words + w];
+  }
+}
+
+// One warp per unique id i of a hybrid table's training lookup: lane 0 finds the id's cache row,
+// the warp fills it. s = slots[i] (-1: the directory had no room: rows[i] = -1) and cur =
+// slot_row[s]:
+// - miss[i] (the key took slot s in this lookup): the row cached for the slot's former key is
+//   reused if there is one, else a free row is taken; it gets the key's initial row;
+// - else cur >= 0 (a hit): rows[i] = cur;
+// - else a free row is taken and filled from the host tier's row s (over PCIe when mapped).
+// Free rows are popped from free_rows[0 : *n_free] with an atomic on n_free: the caller makes
+// sure there are enough, so only which free row an id gets varies from run to run.
+// counters[0] += rows fetched, counters[2] += hits, counters[3] += ids with a slot.
+__global__ void __launch_bounds__(kThreads) place_rows_kernel(
+    float* __restrict__ cache, int64_t width, int dim, int64_t* __restrict__ row_keys,
+    int64_t* __restrict__ cache_slot, int* __restrict__ slot_row,
+    const int64_t* __restrict__ free_rows, unsigned long long* __restrict__ n_free,
+    const float4* __restrict__ host, const int64_t* __restrict__ slots,
+    const bool* __restrict__ miss, const int64_t* __restrict__ uniq, int64_t n, InitParams init,
+    int64_t* __restrict__ rows_out, unsigned long long* __restrict__ counters) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  unsigned long long fetched = 0, hits = 0, live = 0;  // lane 0's counts
+  for (int64_t i = warp; i < n; i += num_warps) {
+    const int64_t s = slots[i];
+    int64_t row = -1;
+    int mode = 0;  // 0: nothing to fill, 1: from the host tier, 2: initial row
+    if (lane == 0 && s >= 0) {
+      ++live;
+      const int64_t cur = slot_row[s];
+      const bool fresh = miss[i];
+      if (!fresh && cur >= 0) {
+        row = cur;
+        ++hits;
+      } else {
+        if (fresh && cur >= 0) {
+          row = cur;
+        } else {
+          const long long left = static_cast<long long>(atomicAdd(n_free, ~0ull));  // n_free - 1
+          if (left > 0) {
+            row = free_rows[left - 1];
+          } else {
+            atomicAdd(n_free, 1ull);  // (cannot happen: the caller reserved the rows)
+          }
+        }
+        if (row >= 0) {
+          mode = fresh ? 2 : 1;
+          fetched += fresh ? 0 : 1;
+          row_keys[row] = uniq[i];
+          cache_slot[row] = s;
+          slot_row[s] = static_cast<int>(row);
+        }
+      }
+    }
+    if (lane == 0) rows_out[i] = row;
+    row = __shfl_sync(kFull, row, 0);
+    mode = __shfl_sync(kFull, mode, 0);
+    if (mode == 1) {
+      const int64_t words = width / 4;
+      float4* dst = reinterpret_cast<float4*>(cache + row * width);
+      const int64_t src = __shfl_sync(kFull, s, 0) * words;
+      for (int64_t w = lane; w < words; w += 32) dst[w] = host[src + w];
+    } else if (mode == 2) {
+      const int64_t key = uniq[i];
+      float* dst = cache + row * width;
+      for (int64_t c = lane; c < width; c += 32) {
+        dst[c] = c < dim ? init_value(init, key, static_cast<int>(c)) : 0.f;
+      }
+    }
+  }
+  if (lane == 0 && live) {
+    atomicAdd(counters + 0, fetched);
+    atomicAdd(counters + 2, hits);
+    atomicAdd(counters + 3, live);
+  }
+}
+
 }  // namespace
+
+void launch_place_rows(float* cache, int64_t width, int dim, int64_t* row_keys,
+                       int64_t* cache_slot, int* slot_row, const int64_t* free_rows,
+                       int64_t* n_free, const float* host, const int64_t* slots, const bool* miss,
+                       const int64_t* uniq, int64_t n, const InitParams& init, int64_t* rows_out,
+                       int64_t* counters, cudaStream_t stream) {
+  if (n == 0) return;
+  place_rows_kernel<<<grid_for(n, kThreads / 32), kThreads, 0, stream>>>(
+      cache, width, dim, row_keys, cache_slot, slot_row, free_rows,
+      reinterpret_cast<unsigned long long*>(n_free), reinterpret_cast<const float4*>(host), slots,
+      miss, uniq, n, init, rows_out, reinterpret_cast<unsigned long long*>(counters));
+}
+
+void launch_copy_rows(float* dst, int64_t dst_rows, const float* src, int64_t src_rows,
+                      int64_t width, const int64_t* dst_idx, const int64_t* src_idx, int64_t n,
+                      cudaStream_t stream) {
+  if (n == 0) return;
+  copy_rows_kernel<<<grid_for(n, kThreads / 32), kThreads, 0, stream>>>(
+      reinterpret_cast<float4*>(dst), dst_rows, reinterpret_cast<const float4*>(src), src_rows,
+      width / 4, dst_idx, src_idx, n);
+}
 
 void launch_find(const int64_t* keys, int64_t num_buckets, const int64_t* q, int64_t n,
                  int64_t* slots, int64_t* scores, int64_t* touched, const int64_t* score_vals,

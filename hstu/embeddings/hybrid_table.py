@@ -6,20 +6,24 @@ It is split in three parts:
 
 - the **slot directory**, on the device: key, eviction score and last-use step of every slot
   (24 B per slot), exactly the metadata of the all-HBM table. Finding, inserting and evicting
-  keys run on it as on the all-HBM table (find with the same kernel, inserts with the
-  reference's ranking in torch ops, `reference_table.insert_keys`), so a key is in the table,
-  and in which slot, exactly when it would be in the all-HBM table;
+  keys run on it as on the all-HBM table (find and the training lookups' inserts with the same
+  kernels, the insert writing no rows; loads and the CPU with the reference's ranking in torch
+  ops, `reference_table.insert_keys`), so a key is in the table, and in which slot, exactly when
+  it would be in the all-HBM table;
 - the **host tier**, `HostRows`: one row (embedding + optimizer state) per slot, in host memory
   (page-locked and mapped into the GPU's address space on CUDA, so the GPU gathers and writes
   rows over PCIe without the host waiting);
 - the **HBM cache**: ``cache_rows`` rows on the device, fully associative. ``slot_row[s]`` is the
   cache row holding slot ``s`` (-1: not cached). A training lookup puts every row of its batch in
-  the cache (fetched from the host tier, or initialised for a new key) and the fused update runs
-  on the cached rows with the same kernels as the all-HBM table. When the cache needs room it
-  evicts, in batches, the rows with the lowest eviction scores of the table's policy (LRU: last
-  step used, LFU: use count, custom: given scores) that no pending lookup uses, and writes them
-  back to the host tier: on CUDA a copy of the evicted rows is written by a side stream while
-  the step goes on, and the next read of the host tier waits for it on the GPU (an event).
+  the cache (fetched from the host tier, or initialised for a new key: one `place_rows` op) and
+  the fused update runs on the cached rows with the same kernels as the all-HBM table. The
+  free-row count stays on the device; the host keeps a lower bound of it (`free_lb`) from reads
+  queued without waiting, so a lookup waits for the GPU only when the bound is short. Ahead of
+  need the cache evicts, in batches, the rows with the lowest eviction scores of the table's
+  policy (LRU: last step used, LFU: use count, custom: given scores) that no pending lookup uses,
+  and writes them back to the host tier: on CUDA a copy of the evicted rows is written by a side
+  stream while the step goes on, and the next read of the host tier waits for it on the GPU (an
+  event).
 
 For a key, the cached row, when there is one, is the current one; otherwise the host row is.
 `dump()` reads both, so a hybrid table dumps exactly what the all-HBM table dumps, and `load()`

@@ -194,3 +194,26 @@ def test_dmp_sharder_on_cuda_one_rank_matches_unsharded():
         assert_same_tables(dmp.module.dyn.tables["t"], ref.tables["t"])
     finally:
         dist.destroy_process_group()
+
+
+def test_bad_input_to_the_raw_ops_raises_instead_of_crashing():
+    """The compiled ops' own checks raise a Python error naming the problem (run in a child
+    process: a crash there fails this test instead of ending the suite)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, hstu._dynamic_embedding_C\n"
+        "k = torch.zeros(33, dtype=torch.int64, device='cuda')\n"
+        "for call in (lambda: torch.ops.hstu_dynemb.find(k, k),\n"
+        "             lambda: torch.ops.hstu_dynemb.find(k[:32], k.int())):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except RuntimeError as e:\n"
+        "        print('raised:', str(e).splitlines()[0])\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert lines[0] == "raised: keys: the slot count must be a positive multiple of 32, got 33"
+    assert lines[1] == "raised: query must be int64, got Int"

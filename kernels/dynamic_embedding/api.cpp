@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <type_traits>
 
 #include "launch.h"
 
@@ -14,16 +16,47 @@ namespace {
 
 using at::Tensor;
 
+// Errors are raised with messages assembled by std::to_string (no iostreams): with torch 2.11 +
+// CUDA 13 builds, a TORCH_CHECK whose message streams an integer can crash the process instead
+// of raising. DYNEMB_CHECK(cond, parts...) throws c10::Error with the parts concatenated.
+void append(std::string& s, const char* x) { s += x; }
+void append(std::string& s, const std::string& x) { s += x; }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+void append(std::string& s, T x) {
+  s += std::to_string(x);
+}
+void append(std::string& s, const c10::Device& d) { s += d.str(); }
+void append(std::string& s, at::ScalarType t) { s += c10::toString(t); }
+void append(std::string& s, c10::IntArrayRef a) {
+  s += "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  s += "]";
+}
+template <typename... A>
+std::string cat(const A&... a) {
+  std::string s;
+  (append(s, a), ...);
+  return s;
+}
+
+#define DYNEMB_CHECK(cond, ...)                                                              \
+  do {                                                                                       \
+    if (!(cond)) {                                                                           \
+      throw ::c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, cat(__VA_ARGS__)); \
+    }                                                                                        \
+  } while (0)
+
+
 void check_i64(const Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got ", t.dim(), "-D");
+  DYNEMB_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got ", t.device());
+  DYNEMB_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+  DYNEMB_CHECK(t.is_contiguous(), name, " must be contiguous");
+  DYNEMB_CHECK(t.dim() == 1, name, " must be 1-D, got ", t.dim(), "-D");
 }
 
 void check_table(const Tensor& keys) {
   check_i64(keys, "keys");
-  TORCH_CHECK(keys.numel() > 0 && keys.numel() % dynemb::kBucket == 0,
+  DYNEMB_CHECK(keys.numel() > 0 && keys.numel() % dynemb::kBucket == 0,
               "keys: the slot count must be a positive multiple of ", dynemb::kBucket, ", got ",
               keys.numel());
 }
@@ -32,14 +65,14 @@ void check_table(const Tensor& keys) {
 // table); otherwise one row per slot.
 void check_values(const Tensor& values, const Tensor& keys, int64_t dim,
                   bool rows_optional = false) {
-  TORCH_CHECK(values.is_cuda() && values.scalar_type() == at::kFloat && values.is_contiguous() &&
+  DYNEMB_CHECK(values.is_cuda() && values.scalar_type() == at::kFloat && values.is_contiguous() &&
                   values.dim() == 2,
               "values must be a contiguous 2-D float32 CUDA tensor");
-  TORCH_CHECK(values.size(0) == keys.numel() || (rows_optional && values.size(0) == 0),
+  DYNEMB_CHECK(values.size(0) == keys.numel() || (rows_optional && values.size(0) == 0),
               "values has ", values.size(0), " rows for ", keys.numel(), " slots");
-  TORCH_CHECK(dim > 0 && dim <= values.size(1), "dim=", dim, " out of range for width ",
+  DYNEMB_CHECK(dim > 0 && dim <= values.size(1), "dim=", dim, " out of range for width ",
               values.size(1));
-  TORCH_CHECK(values.size(1) % 4 == 0, "values width must be a multiple of 4, got ",
+  DYNEMB_CHECK(values.size(1) % 4 == 0, "values width must be a multiple of 4, got ",
               values.size(1));
 }
 
@@ -62,11 +95,11 @@ Tensor find_touch(const Tensor& keys, const Tensor& scores, const Tensor& touche
   check_i64(scores, "scores");
   check_i64(touched, "touched");
   check_i64(query, "query");
-  TORCH_CHECK(scores.numel() == keys.numel() && touched.numel() == keys.numel(),
+  DYNEMB_CHECK(scores.numel() == keys.numel() && touched.numel() == keys.numel(),
               "scores/touched must have one entry per slot");
   if (score_vals) {
     check_i64(*score_vals, "score_vals");
-    TORCH_CHECK(score_vals->numel() == query.numel(), "score_vals needs one value per query");
+    DYNEMB_CHECK(score_vals->numel() == query.numel(), "score_vals needs one value per query");
   }
   const c10::cuda::CUDAGuard guard(keys.device());
   auto slots = at::empty_like(query);
@@ -80,7 +113,7 @@ Tensor find_touch(const Tensor& keys, const Tensor& scores, const Tensor& touche
 
 dynemb::InitParams init_params(int64_t seed, int64_t init_kind, double p0, double p1, double p2,
                                double p3) {
-  TORCH_CHECK(init_kind >= 0 && init_kind <= 3, "init_kind must be 0..3, got ", init_kind);
+  DYNEMB_CHECK(init_kind >= 0 && init_kind <= 3, "init_kind must be 0..3, got ", init_kind);
   dynemb::InitParams init;
   init.kind = static_cast<int>(init_kind);
   init.seed_mix = dynemb::mix64(static_cast<uint64_t>(seed) + dynemb::kSeedSalt);
@@ -106,9 +139,9 @@ std::tuple<Tensor, Tensor> insert(const Tensor& keys, const Tensor& scores, cons
   check_i64(seg_offsets, "seg_offsets");
   check_i64(seg_buckets, "seg_buckets");
   check_i64(score_vals, "score_vals");
-  TORCH_CHECK(seg_offsets.numel() == seg_buckets.numel() + 1,
+  DYNEMB_CHECK(seg_offsets.numel() == seg_buckets.numel() + 1,
               "seg_offsets needs one more entry than seg_buckets");
-  TORCH_CHECK(score_vals.numel() == new_keys.numel(), "score_vals needs one value per new key");
+  DYNEMB_CHECK(score_vals.numel() == new_keys.numel(), "score_vals needs one value per new key");
   const c10::cuda::CUDAGuard guard(keys.device());
   const dynemb::InitParams init = init_params(seed, init_kind, p0, p1, p2, p3);
   auto out_slots = at::empty_like(new_keys);
@@ -124,10 +157,10 @@ std::tuple<Tensor, Tensor> insert(const Tensor& keys, const Tensor& scores, cons
 }
 
 Tensor gather(const Tensor& values, int64_t dim, const Tensor& slots, const Tensor& inverse) {
-  TORCH_CHECK(values.is_cuda() && values.scalar_type() == at::kFloat && values.is_contiguous() &&
+  DYNEMB_CHECK(values.is_cuda() && values.scalar_type() == at::kFloat && values.is_contiguous() &&
                   values.dim() == 2 && values.size(1) % 4 == 0,
               "values must be a contiguous [slots, 4k] float32 CUDA tensor");
-  TORCH_CHECK(dim > 0 && dim <= values.size(1), "dim out of range");
+  DYNEMB_CHECK(dim > 0 && dim <= values.size(1), "dim out of range");
   check_i64(slots, "slots");
   check_i64(inverse, "inverse");
   const c10::cuda::CUDAGuard guard(values.device());
@@ -147,15 +180,15 @@ void update(const Tensor& values, int64_t dim, const Tensor& keys, const Tensor&
   check_i64(slots, "slots");
   check_i64(perm, "perm");
   check_i64(offsets, "offsets");
-  TORCH_CHECK(grad.is_cuda() && grad.scalar_type() == at::kFloat && grad.is_contiguous() &&
+  DYNEMB_CHECK(grad.is_cuda() && grad.scalar_type() == at::kFloat && grad.is_contiguous() &&
                   grad.dim() == 2 && grad.size(1) == dim,
               "grad must be a contiguous [n, ", dim, "] float32 CUDA tensor");
-  TORCH_CHECK(perm.numel() == grad.size(0), "perm needs one entry per gradient row");
-  TORCH_CHECK(slots.numel() == uniq.numel() && offsets.numel() == uniq.numel() + 1,
+  DYNEMB_CHECK(perm.numel() == grad.size(0), "perm needs one entry per gradient row");
+  DYNEMB_CHECK(slots.numel() == uniq.numel() && offsets.numel() == uniq.numel() + 1,
               "slots/offsets do not match uniq");
-  TORCH_CHECK(opt >= 0 && opt <= 3, "optimizer code must be 0..3, got ", opt);
+  DYNEMB_CHECK(opt >= 0 && opt <= 3, "optimizer code must be 0..3, got ", opt);
   const int64_t need = opt == 0 ? dim : opt == 1 ? 3 * dim + 1 : opt == 2 ? 2 * dim : dim + 1;
-  TORCH_CHECK(values.size(1) >= need, "values width ", values.size(1), " too small for optimizer ",
+  DYNEMB_CHECK(values.size(1) >= need, "values width ", values.size(1), " too small for optimizer ",
               opt);
   const c10::cuda::CUDAGuard guard(values.device());
   dynemb::OptParams p{static_cast<int>(opt), static_cast<float>(lr), static_cast<float>(beta1),
@@ -171,18 +204,18 @@ void update(const Tensor& values, int64_t dim, const Tensor& keys, const Tensor&
 void copy_rows(const Tensor& dst, const Tensor& dst_idx, const Tensor& src,
                const Tensor& src_idx) {
   for (const Tensor* t : {&dst, &src}) {
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+    DYNEMB_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
                     t->dim() == 2 && t->size(1) % 4 == 0,
                 "copy_rows: dst and src must be contiguous [rows, 4k] float32 tensors on the GPU "
                 "(or mapped for it), got ", t->sizes(), " ", t->scalar_type());
   }
-  TORCH_CHECK(dst.size(1) == src.size(1), "copy_rows: dst rows have ", dst.size(1),
+  DYNEMB_CHECK(dst.size(1) == src.size(1), "copy_rows: dst rows have ", dst.size(1),
               " floats, src rows ", src.size(1));
   check_i64(dst_idx, "dst_idx");
   check_i64(src_idx, "src_idx");
-  TORCH_CHECK(dst_idx.numel() == src_idx.numel(), "copy_rows: ", dst_idx.numel(),
+  DYNEMB_CHECK(dst_idx.numel() == src_idx.numel(), "copy_rows: ", dst_idx.numel(),
               " destination indices for ", src_idx.numel(), " source indices");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(dst.data_ptr()) % 16 == 0 &&
+  DYNEMB_CHECK(reinterpret_cast<uintptr_t>(dst.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(src.data_ptr()) % 16 == 0,
               "copy_rows: dst and src must be 16-byte aligned");
   const c10::cuda::CUDAGuard guard(dst_idx.device());
@@ -197,32 +230,32 @@ Tensor place_rows(const Tensor& cache, const Tensor& row_keys, const Tensor& cac
                   int64_t dim, int64_t seed, int64_t init_kind, double p0, double p1, double p2,
                   double p3, const Tensor& counters) {
   for (const Tensor* t : {&cache, &host}) {
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+    DYNEMB_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
                     t->dim() == 2 && t->size(1) % 4 == 0,
                 "place_rows: the cache and the host tier must be contiguous [rows, 4k] float32 "
                 "tensors on (or mapped for) the GPU");
   }
-  TORCH_CHECK(cache.size(1) == host.size(1), "place_rows: cache and host rows differ in width");
-  TORCH_CHECK(dim > 0 && dim <= cache.size(1), "place_rows: dim out of range");
+  DYNEMB_CHECK(cache.size(1) == host.size(1), "place_rows: cache and host rows differ in width");
+  DYNEMB_CHECK(dim > 0 && dim <= cache.size(1), "place_rows: dim out of range");
   const int64_t rows = cache.size(0);
   check_i64(row_keys, "row_keys");
   check_i64(cache_slot, "cache_slot");
   check_i64(free_rows, "free_rows");
-  TORCH_CHECK(row_keys.numel() > rows && cache_slot.numel() > rows && free_rows.numel() > rows,
+  DYNEMB_CHECK(row_keys.numel() > rows && cache_slot.numel() > rows && free_rows.numel() > rows,
               "place_rows: row_keys, cache_slot and free_rows need one entry per cache row "
               "and a spare");
-  TORCH_CHECK(slot_row.is_cuda() && slot_row.scalar_type() == at::kInt &&
+  DYNEMB_CHECK(slot_row.is_cuda() && slot_row.scalar_type() == at::kInt &&
                   slot_row.is_contiguous() && slot_row.numel() > host.size(0),
               "place_rows: slot_row must be int32 with one entry per slot and a spare");
-  TORCH_CHECK(n_free.is_cuda() && n_free.scalar_type() == at::kLong && n_free.numel() == 1,
+  DYNEMB_CHECK(n_free.is_cuda() && n_free.scalar_type() == at::kLong && n_free.numel() == 1,
               "place_rows: n_free must be one int64 on the GPU");
   check_i64(slots, "slots");
   check_i64(uniq, "uniq");
-  TORCH_CHECK(miss.is_cuda() && miss.scalar_type() == at::kBool && miss.is_contiguous() &&
+  DYNEMB_CHECK(miss.is_cuda() && miss.scalar_type() == at::kBool && miss.is_contiguous() &&
                   miss.numel() == slots.numel() && uniq.numel() == slots.numel(),
               "place_rows: slots, miss (bool) and uniq need one entry per unique id");
   check_i64(counters, "counters");
-  TORCH_CHECK(counters.numel() == 4, "place_rows: counters must have 4 entries");
+  DYNEMB_CHECK(counters.numel() == 4, "place_rows: counters must have 4 entries");
   const c10::cuda::CUDAGuard guard(cache.device());
   auto out = at::empty_like(slots);
   dynemb::launch_place_rows(
@@ -271,7 +304,7 @@ Tensor export_slots(const Tensor& keys) {
 
 Tensor bucket_of(const Tensor& query, int64_t num_buckets) {
   check_i64(query, "query");
-  TORCH_CHECK(num_buckets > 0, "num_buckets must be > 0");
+  DYNEMB_CHECK(num_buckets > 0, "num_buckets must be > 0");
   const c10::cuda::CUDAGuard guard(query.device());
   auto out = at::empty_like(query);
   dynemb::launch_bucket_of(query.data_ptr<int64_t>(), query.numel(), num_buckets,

@@ -14,7 +14,8 @@
 # (the e2e step eager and with CUDA graphs of the encoder), attn-bias (the relative bias's cost), hybrid
 # (scripts/bench_embedding.py --hybrid); A/B runs of one build (no
 # reference): attn-ab (dispatch order), attn-fwd256 (d256 forward tiles), dq-convert-ab (where dQ
-# is converted); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute).
+# is converted); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute);
+# ncu-bias (the d128 forward and backward with the position + time bias, then without).
 # Every step runs even if an earlier one failed (a step named twice runs twice, its log appended);
 # the exit code is the number of failed steps.
 set -uo pipefail
@@ -25,13 +26,15 @@ export PYTHONUNBUFFERED=1 HSTU_ALLOW_NON_A100=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 failed=0
 
-ncu_kernel() {  # $1: kernel name regex, $2: launches to skip, $3: shape
-  ncu --kernel-name "regex:$1" --launch-skip "$2" --launch-count 1 \
+ncu_kernel() {  # $1: kernel name regex, $2: launches to skip, $3: shape, then bench args
+  local kernel=$1 skip=$2 shape=$3
+  shift 3
+  ncu --kernel-name "regex:$kernel" --launch-skip "$skip" --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section LaunchStats \
     --section Occupancy --section SourceCounters \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-    python3 scripts/bench_attention.py --shapes "$3" --iters 2 --no-ref
+    python3 scripts/bench_attention.py --shapes "$shape" --iters 2 --no-ref "$@"
 }
 
 # bench_ab NAME ARGS...: the attention benchmark without the reference, appended to
@@ -115,6 +118,11 @@ step() {
     ncu-bwd256) ncu_kernel hstu_bwd_kernel 2 long_d256 ;;
     ncu-fwd256) ncu_kernel hstu_fwd_kernel 2 long_d256 ;;
     ncu-bwd128) ncu_kernel hstu_bwd_kernel 2 long_d128 ;;
+    ncu-bias)  # the d128 kernels with the position + time bias, then without (same shape)
+      for b in position_time none; do
+        ncu_kernel hstu_fwd_kernel 1 long_d128 --bias $b
+        ncu_kernel hstu_bwd_kernel 1 long_d128 --bias $b
+      done ;;
     dq-convert-ab)  # dQ converted by the separate kernel (default) vs inside the backward
       for c in kernel bwd; do
         HSTU_ATTN_DQ_CONVERT=$c bench_ab dq_convert_ab --iters 20 --shapes long_d128,long_d256

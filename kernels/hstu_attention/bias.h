@@ -175,11 +175,16 @@ __device__ __forceinline__ void load_bias_constants(HstuParams const& p, int bid
   }
 }
 
-// The tile (m0, n0)'s diagonals: diag[d] = w_pos[clamp(n0 - m0 + d - (kBlockM - 1))] / alpha.
+// The tile (m0, n0)'s diagonals: diag[d] = w_pos[clamp(n0 - m0 + d - (kBlockM - 1))] / alpha;
+// zeros without a position term (add_rel_bias always adds the diagonal: one code path less).
 template <int kBlockM, int kBlockN, int kNThreads, class Tables>
 __device__ __forceinline__ void fill_diagonals(HstuParams const& p, int bidh, Tables const& t,
                                                int buf, int m0, int n0, int tidx) {
-  if (!t.has_pos) return;
+  if (!t.has_pos) {
+    if (!t.has_time) return;
+    for (int d = tidx; d < kBlockM + kBlockN - 1; d += kNThreads) t.diag(buf)[d] = 0.f;
+    return;
+  }
   const float* w = p.pos_w + int64_t(bidh) * p.pos_w_head_stride;
   const int P = p.max_pos;
   float* dst = t.diag(buf);
@@ -237,16 +242,17 @@ __device__ __forceinline__ void add_rel_bias(HstuParams const& p, Tables const& 
   const float* tw = t.time_w();
   const int64_t kmin = t.has_time ? t.key_range(key_buf)[0] : 0;
   const int64_t kmax = t.has_time ? t.key_range(key_buf)[1] : 0;
-  // time_mode: 0 no time term or one bucket per row (w_row), 1 thresholds, 2 per-key bucket
-  auto row_pass = [&](int mi, int r, int row, auto pos_term, auto time_mode,
-                      RowBuckets rbk, int64_t ti, float w_row) {
+  // time_mode: 0 no time term or one bucket per row (w_row), 1 thresholds, 2 per-key bucket.
+  // The diagonal term is always added (zeros without a position term): each variant is a copy
+  // of the unrolled loop, and fewer copies keep the main loop in the instruction cache.
+  auto row_pass = [&](int mi, int r, int row, auto time_mode, RowBuckets rbk, int64_t ti,
+                      float w_row) {
     CUTE_UNROLL
     for (int ni = 0; ni < size<2>(acc); ++ni) {
       CUTE_UNROLL
       for (int cc = 0; cc < 2; ++cc) {
         const int col = get<1>(tScS(make_coord(cc, r), mi, ni));
-        float b = w_row;
-        if constexpr (decltype(pos_term)::value) b += diag[col - row + kBlockM - 1];
+        float b = w_row + diag[col - row + kBlockM - 1];
         if constexpr (decltype(time_mode)::value == 1) b += tw[rbk.bucket(kts[col])];
         if constexpr (decltype(time_mode)::value == 2) {
           b += tw[time_bucket(edges, t.nb, ti - kts[col])];
@@ -255,8 +261,6 @@ __device__ __forceinline__ void add_rel_bias(HstuParams const& p, Tables const& 
       }
     }
   };
-  using Yes = cute::true_type;
-  using No = cute::false_type;
   using Uniform = cute::C<0>;
   using Thresholds = cute::C<1>;
   using PerKey = cute::C<2>;
@@ -265,28 +269,20 @@ __device__ __forceinline__ void add_rel_bias(HstuParams const& p, Tables const& 
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       const int row = get<0>(tScS(make_coord(0, r), mi, 0));
-      if (!t.has_time) {
-        row_pass(mi, r, row, Yes{}, Uniform{}, RowBuckets{}, 0, 0.f);  // has_pos: a bias exists
-        continue;
+      RowBuckets rbk;
+      int64_t ti = 0;
+      float w_row = 0.f;
+      if (t.has_time) {
+        ti = query_time(p, bidb, seq_start, L, m0 + row);
+        rbk = row_buckets(edges, t.nb, ti, kmin, kmax);
+        if (!rbk.general && rbk.n == 0) w_row = tw[rbk.k0];
       }
-      const int64_t ti = query_time(p, bidb, seq_start, L, m0 + row);
-      const RowBuckets rbk = row_buckets(edges, t.nb, ti, kmin, kmax);
-      if (!rbk.general && rbk.n == 0) {
-        if (t.has_pos) {
-          row_pass(mi, r, row, Yes{}, Uniform{}, rbk, ti, tw[rbk.k0]);
-        } else {
-          row_pass(mi, r, row, No{}, Uniform{}, rbk, ti, tw[rbk.k0]);
-        }
+      if (!t.has_time || (!rbk.general && rbk.n == 0)) {
+        row_pass(mi, r, row, Uniform{}, rbk, ti, w_row);
       } else if (!rbk.general) {
-        if (t.has_pos) {
-          row_pass(mi, r, row, Yes{}, Thresholds{}, rbk, ti, 0.f);
-        } else {
-          row_pass(mi, r, row, No{}, Thresholds{}, rbk, ti, 0.f);
-        }
-      } else if (t.has_pos) {
-        row_pass(mi, r, row, Yes{}, PerKey{}, rbk, ti, 0.f);
+        row_pass(mi, r, row, Thresholds{}, rbk, ti, 0.f);
       } else {
-        row_pass(mi, r, row, No{}, PerKey{}, rbk, ti, 0.f);
+        row_pass(mi, r, row, PerKey{}, rbk, ti, 0.f);
       }
     }
   }

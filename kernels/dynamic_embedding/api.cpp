@@ -10,42 +10,16 @@
 #include <string>
 #include <type_traits>
 
+#include "../common/error_message.h"
 #include "launch.h"
 
 namespace {
 
 using at::Tensor;
 
-// Errors are raised with messages assembled by std::to_string (no iostreams): with torch 2.11 +
-// CUDA 13 builds, a TORCH_CHECK whose message streams an integer can crash the process instead
-// of raising. DYNEMB_CHECK(cond, parts...) throws c10::Error with the parts concatenated.
-void append(std::string& s, const char* x) { s += x; }
-void append(std::string& s, const std::string& x) { s += x; }
-template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
-void append(std::string& s, T x) {
-  s += std::to_string(x);
-}
-void append(std::string& s, const c10::Device& d) { s += d.str(); }
-void append(std::string& s, at::ScalarType t) { s += c10::toString(t); }
-void append(std::string& s, c10::IntArrayRef a) {
-  s += "[";
-  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
-  s += "]";
-}
-template <typename... A>
-std::string cat(const A&... a) {
-  std::string s;
-  (append(s, a), ...);
-  return s;
-}
-
-#define DYNEMB_CHECK(cond, ...)                                                              \
-  do {                                                                                       \
-    if (!(cond)) {                                                                           \
-      throw ::c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, cat(__VA_ARGS__)); \
-    }                                                                                        \
-  } while (0)
-
+// Input checks throw c10::Error with messages built without iostreams
+// (kernels/common/error_message.h says why).
+#define DYNEMB_CHECK(cond, ...) HSTU_RAISE_IF_NOT(Error, cond, __VA_ARGS__)
 
 void check_i64(const Tensor& t, const char* name) {
   DYNEMB_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got ", t.device());

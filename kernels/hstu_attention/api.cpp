@@ -49,6 +49,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../common/error_message.h"
 #include "launch_registry.h"
 #include "params.h"
 
@@ -58,38 +59,10 @@ using at::Tensor;
 constexpr int kMinBlockM = 64;  // smallest backward query tile (dQ semaphore rows)
 constexpr int64_t kMaxSeqLen = int64_t(65535) * 64;  // at most 65535 blocks of >= 64 tokens
 
-// Error messages are assembled here with std::to_string (no iostreams): with torch 2.11 + CUDA 13
-// builds, TORCH_CHECK messages that stream an integer can crash the process instead of raising.
-void append(std::string& s, const char* x) { s += x; }
-void append(std::string& s, const std::string& x) { s += x; }
-template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
-void append(std::string& s, T x) {
-  s += std::to_string(x);
-}
-void append(std::string& s, double x) { s += std::to_string(x); }
-void append(std::string& s, const c10::Device& d) { s += d.str(); }
-void append(std::string& s, at::ScalarType t) { s += c10::toString(t); }
-void append(std::string& s, c10::IntArrayRef a) {
-  s += "[";
-  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
-  s += "]";
-}
-template <typename... A>
-std::string cat(const A&... a) {
-  std::string s;
-  (append(s, a), ...);
-  return s;
-}
-
-#define HSTU_RAISE(kind, cond, ...)                                                       \
-  do {                                                                                    \
-    if (!(cond)) {                                                                        \
-      throw ::c10::kind({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, cat(__VA_ARGS__)); \
-    }                                                                                     \
-  } while (0)
-#define HSTU_CHECK(cond, ...) HSTU_RAISE(Error, cond, __VA_ARGS__)
-#define HSTU_CHECK_VALUE(cond, ...) HSTU_RAISE(ValueError, cond, __VA_ARGS__)
-#define HSTU_CHECK_TYPE(cond, ...) HSTU_RAISE(TypeError, cond, __VA_ARGS__)
+// Input checks: messages built without iostreams (kernels/common/error_message.h says why).
+#define HSTU_CHECK(cond, ...) HSTU_RAISE_IF_NOT(Error, cond, __VA_ARGS__)
+#define HSTU_CHECK_VALUE(cond, ...) HSTU_RAISE_IF_NOT(ValueError, cond, __VA_ARGS__)
+#define HSTU_CHECK_TYPE(cond, ...) HSTU_RAISE_IF_NOT(TypeError, cond, __VA_ARGS__)
 
 std::string shape_str(const Tensor& t) {
   std::string s = "[";

@@ -448,7 +448,7 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))  # the copy's stream
         self._reads.append([slot, event, 0, self._evictions])
 
     def _reserve(self, n: int) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -191,6 +192,21 @@ class HostRows:
         self.rows.index_copy_(0, slots.to(self.rows.device), rows.to(self.rows.device))
 
 
+@dataclass
+class _FreeCountRead:
+    """A copy of the cache's free-row count queued into page-locked ``buffer[slot]``: done when
+    ``event`` (None on CPU: at once) has completed. ``since``: distinct ids of the lookups issued
+    after it (rows they may have taken); ``evictions``: background evictions it accounts for."""
+
+    slot: int
+    event: torch.cuda.Event | None
+    evictions: int
+    since: int = 0
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+
 class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
     """A `DynamicEmbeddingTable` (or one rank's shard) with ``config.storage == 'hybrid'``:
     the slot directory and a cache of ``config.cache_rows(slots)`` rows on the device, every row
@@ -252,13 +268,13 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
             # free cache rows: a stack, _free[:n_free] (n_free on the device)
             self._free = torch.empty(rows + 1, dtype=torch.int64, device=dev)
             self._n_free = torch.zeros((), dtype=torch.int64, device=dev)
-            # evictions come in batches (one top-k over the cache each) and start ahead, when
-            # fewer rows than the low-water mark may be free, so their write-back overlaps steps
+            # evictions come in batches (one top-k over the cache each) of at least 1/64 of
+            # the cache and start ahead, when fewer rows than that may be free, so their
+            # write-back overlaps steps
             self.evict_batch = max(1, rows // 64)
-            self.low_water = rows // 64
             # the host's view of n_free: a lower bound (free_lb) from reads of n_free queued
             # without waiting (a pinned buffer and an event each) less the rows taken since
-            self._reads: list[list] = []
+            self._reads: list[_FreeCountRead] = []
             self._read_bufs = torch.zeros(2, dtype=torch.int64, pin_memory=dev.type == "cuda")
             self._read_seq = 0
             self._evictions = 0  # background evictions issued
@@ -310,11 +326,8 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         self._reserve(n_unique)
         score_vals, accumulate = self._score_values(u, scores)
         slots = self.ops.find(self.state, u.uniq, True, self.step, score_vals, accumulate)
-        miss = slots < 0
-        if self._padded_insert:  # padded to the distinct ids: no read of how many are missing
-            n_new = self._insert_padded(u, slots, score_vals, miss)
-        else:
-            n_new = self._insert_directory(u, slots, score_vals)[0]
+        miss = slots < 0  # (before the insert fills in the new keys' slots)
+        n_new = self._insert_missing(u, slots, score_vals)
         self._counters[0] += n_unique
         self._counters[1] += n_unique - n_new
         rows = self._place(u, slots, miss)
@@ -331,27 +344,6 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
     def _backward_done(self, step: int) -> None:
         if step in self._pending:
             self._pending.remove(step)
-
-    def _insert_directory(
-        self, u: UniqueIds, slots: torch.Tensor, score_vals: torch.Tensor | None
-    ) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Inserts the unique ids the directory lacks (``slots < 0``, filled in place), as the
-        all-HBM table does. Returns (how many were missing, positions in ``u.uniq`` of those that
-        got a slot, their slots)."""
-        idx = torch.nonzero(slots < 0).flatten()
-        n_new = idx.numel()
-        if n_new == 0:
-            return 0, idx, idx
-        keys = u.uniq[idx]
-        new_scores = torch.full_like(keys, self.step) if score_vals is None else score_vals[idx]
-        new_slots, n_evicted = self._insert_grouped(keys, new_scores, self.step)
-        slots[idx] = new_slots
-        ok = torch.nonzero(new_slots >= 0).flatten()
-        inserted = ok.numel()
-        self._counters[2] += inserted
-        self._counters[3] += n_evicted
-        self._counters[4] += n_new - inserted
-        return n_new, idx[ok], new_slots[ok]
 
     def _place_keys(
         self,
@@ -431,12 +423,11 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         """Applies the newest completed read of n_free: free_lb = the value read less the rows
         lookups may have taken since it was queued (rows freed since are not counted)."""
         done = None
-        while self._reads and (self._reads[0][1] is None or self._reads[0][1].query()):
+        while self._reads and self._reads[0].done():
             done = self._reads.pop(0)
         if done is not None:
-            slot, _, since, evictions = done
-            self.free_lb = int(self._read_bufs[slot]) - since
-            self._evictions_seen = evictions
+            self.free_lb = int(self._read_bufs[done.slot]) - done.since
+            self._evictions_seen = done.evictions
 
     def _queue_read(self) -> None:
         """Queues a copy of n_free to a pinned buffer (at most two in flight)."""
@@ -449,7 +440,7 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))  # the copy's stream
-        self._reads.append([slot, event, 0, self._evictions])
+        self._reads.append(_FreeCountRead(slot, event, self._evictions))
 
     def _reserve(self, n: int) -> None:
         """Makes sure ``n`` cache rows are free before a lookup of ``n`` distinct ids takes
@@ -469,16 +460,16 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
 
     def _after_lookup(self, n: int) -> None:
         """Counts the rows a lookup of ``n`` distinct ids may have taken; starts a background
-        eviction of max(evict_batch, 4n) rows when the bound falls under max(low_water, 4n), so
+        eviction of max(evict_batch, 4n) rows when the bound falls under that many, so
         that the next lookups find room without a read while the read of the eviction's result
         is under way (one eviction at a time: the next waits until a read shows the last one);
         queues the next read of n_free."""
         self.free_lb -= n
         for read in self._reads:
-            read[2] += n
-        ahead = max(self.low_water, 4 * n)
+            read.since += n
+        ahead = max(self.evict_batch, 4 * n)
         if self.free_lb < ahead and self._evictions_seen == self._evictions:
-            self._evict(max(self.evict_batch, ahead), needed=0)
+            self._evict(ahead, needed=0)
             self._evictions += 1
         self._queue_read()
 
@@ -537,9 +528,7 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         live = slots[slots >= 0]
         rows = self.slot_row[live].long()
         self._push_free(rows, rows >= 0)
-        self.slot_row[live] = -1
-        self._reads.clear()  # rows were freed: the next lookup reads n_free afresh
-        self.free_lb = self.n_free
+        self.slot_row[live] = -1  # (rows only freed: the host's lower bound stays valid)
         return super().erase(ids)
 
     def _read_rows(self, slots: torch.Tensor) -> torch.Tensor:

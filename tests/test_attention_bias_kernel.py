@@ -90,6 +90,16 @@ def _timestamps(lengths, gen):
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
+def _huge_shuffled_timestamps(lengths, gen):
+    """Gaps up to 2^54 (differences up to ~2^62: buckets up to ~143 of 256), tokens in any order."""
+    parts = []
+    for L in lengths:
+        gaps = torch.floor(2 ** (torch.rand(L, generator=gen) * 54.0)).long()
+        t = 1_600_000_000 + torch.cumsum(gaps, 0)
+        parts.append(t[torch.randperm(L, generator=gen)])
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
 def _run(
     lengths,
     d,
@@ -105,6 +115,7 @@ def _run(
     deterministic=False,
     last_query=False,
     seed=0,
+    huge_gaps=False,
     **kw,
 ):
     gen = torch.Generator().manual_seed(seed)
@@ -115,7 +126,7 @@ def _run(
     hw = heads if per_head else 1
     pos_w = (torch.randn(hw, 2 * max_pos + 1, generator=gen) * 0.5).cuda() if use_pos else None
     time_w = (torch.randn(hw, num_buckets + 1, generator=gen) * 0.5).cuda() if use_time else None
-    ts = _timestamps(lengths, gen).cuda()
+    ts = (_huge_shuffled_timestamps if huge_gaps else _timestamps)(lengths, gen).cuda()
     last_q = None
     if last_query and use_time:  # a request time after each sequence's last interaction
         ends = torch.tensor(
@@ -224,6 +235,13 @@ def test_last_query_time(d):
 
 def test_shared_weights_clamped_positions_few_buckets():
     _check(LENGTHS, 128, torch.bfloat16, per_head=False, max_pos=20, num_buckets=8, heads=3)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_huge_gaps_many_buckets_any_order(d):
+    """The backward keeps one byte per element's bucket: buckets past 127, gaps of both signs
+    (keys out of order, no causal mask) and rows whose buckets change at every key."""
+    _check(LENGTHS, d, torch.bfloat16, num_buckets=256, huge_gaps=True, causal=False)
 
 
 def test_alpha_one_paper_setting():

@@ -42,10 +42,20 @@ struct BiasSmem {
   static constexpr int kEdges = 0;                                   // int64 [NB + 1]
   static constexpr int kKeyTs = kEdges + 8 * (kMaxTimeBuckets + 8);  // int64 [bufs][kBlockN]
   static constexpr int kKeyRange = kKeyTs + 8 * kKeyBufs * kBlockN;  // int64 [bufs][2]
-  static constexpr int kTimeW = kKeyRange + 8 * 2 * kKeyBufs;        // float [NB + 1]
+  // The query rows' times (qt above): fixed for the forward's CTA, per tile in the backward.
+  static constexpr int kQueryBufs = kBwd ? 2 : 1;
+  static constexpr int kQueryTs = kKeyRange + 8 * 2 * kKeyBufs;      // int64 [bufs][kBlockM]
+  static constexpr int kTimeW = kQueryTs + 8 * kQueryBufs * kBlockM;  // float [NB + 1]
   static constexpr int kDiagW = kTimeW + 4 * (kMaxTimeBuckets + 4);  // float [2][kDiag]
   static constexpr int kTimeHist = kDiagW + 4 * 2 * kDiag;          // bwd: float [NB + 1]
-  static constexpr int kEnd = kTimeHist + (kBwd ? 4 * (kMaxTimeBuckets + 4) : 0);
+  // bwd: the tile's time buckets, written by the recomputed bias for the weight gradient: per
+  // row the bucket shared by the whole key tile, or -1 and then one byte per element (buckets
+  // of int64 gaps are <= 145: ln(2^63) / 0.301). The row stride keeps 8-byte reads aligned and
+  // puts the 8 rows of an MMA fragment's stores in different banks.
+  static constexpr int kBucketStride = kBlockN + 8;
+  static constexpr int kRowBucket = kTimeHist + (kBwd ? 4 * (kMaxTimeBuckets + 4) : 0);
+  static constexpr int kBuckets = kRowBucket + (kBwd ? 4 * kBlockM : 0);  // uint8 [kBlockM][stride]
+  static constexpr int kEnd = kBuckets + (kBwd ? kBlockM * kBucketStride : 0);
   static constexpr int kBytes = (kEnd + 127) / 128 * 128;
 };
 
@@ -125,6 +135,7 @@ __device__ __forceinline__ RowBuckets row_buckets(const int64_t* edges, int nb, 
 template <int kBlockM, int kBlockN, bool kBwd>
 struct BiasTables {
   using Layout = BiasSmem<kBlockM, kBlockN, kBwd>;
+  static constexpr bool kIsBwd = kBwd;
   char* base;
   bool has_pos, has_time;
   int nb;
@@ -138,6 +149,9 @@ struct BiasTables {
   __device__ __forceinline__ int64_t* key_range(int buf) const {
     return reinterpret_cast<int64_t*>(base + Layout::kKeyRange) + 2 * buf;
   }
+  __device__ __forceinline__ int64_t* query_ts(int buf) const {
+    return reinterpret_cast<int64_t*>(base + Layout::kQueryTs) + buf * kBlockM;
+  }
   __device__ __forceinline__ float* time_w() const {
     return reinterpret_cast<float*>(base + Layout::kTimeW);
   }
@@ -146,6 +160,12 @@ struct BiasTables {
   }
   __device__ __forceinline__ float* time_hist() const {
     return reinterpret_cast<float*>(base + Layout::kTimeHist);
+  }
+  __device__ __forceinline__ int* row_bucket() const {
+    return reinterpret_cast<int*>(base + Layout::kRowBucket);
+  }
+  __device__ __forceinline__ uint8_t* buckets() const {
+    return reinterpret_cast<uint8_t*>(base + Layout::kBuckets);
   }
 };
 
@@ -225,13 +245,23 @@ __device__ __forceinline__ void fill_key_timestamps(HstuParams const& p, Tables 
   }
 }
 
+// The query rows [m0, m0 + kBlockM)'s times into query_ts(buf).
+template <int kBlockM, int kNThreads, class Tables>
+__device__ __forceinline__ void fill_query_times(HstuParams const& p, Tables const& t, int buf,
+                                                 int bidb, int seq_start, int L, int m0,
+                                                 int tidx) {
+  if (!t.has_time) return;
+  for (int r = tidx; r < kBlockM; r += kNThreads) {
+    t.query_ts(buf)[r] = query_time(p, bidb, seq_start, L, m0 + r);
+  }
+}
+
 // acc(i, j) += rab(m0 + i, n0 + j) / alpha over an m16n8k16 accumulator fragment
 // (((2,2), MMA_M, MMA_N)); tScS holds each element's (row, col) in the tile. `diag_buf` /
-// `key_buf` select the tile's filled buffers.
+// `key_buf` / `query_buf` select the tile's filled buffers (diagonals, key and query times).
 template <int kBlockM, class Tables, class CoordT, class Acc>
-__device__ __forceinline__ void add_rel_bias(HstuParams const& p, Tables const& t, int diag_buf,
-                                             int key_buf, int bidb, int seq_start, int L,
-                                             CoordT const& tScS, int m0, Acc& acc) {
+__device__ __forceinline__ void add_rel_bias(Tables const& t, int diag_buf, int key_buf,
+                                             int query_buf, CoordT const& tScS, Acc& acc) {
   // Row by row (one row's keys at a time keeps few loaded values live: the fragments already
   // hold most registers), with the uniform choices (terms present, a row's bucket shared by the
   // tile) taken outside the element loops: a branch per element would split them into basic
@@ -245,19 +275,30 @@ __device__ __forceinline__ void add_rel_bias(HstuParams const& p, Tables const& 
   // time_mode: 0 no time term or one bucket per row (w_row), 1 thresholds, 2 per-key bucket.
   // The diagonal term is always added (zeros without a position term): each variant is a copy
   // of the unrolled loop, and fewer copies keep the main loop in the instruction cache.
+  // The backward keeps the buckets for the time gradient (row_bucket(), buckets()).
+  [[maybe_unused]] uint8_t* bkt = nullptr;
+  if constexpr (Tables::kIsBwd) bkt = t.buckets();
   auto row_pass = [&](int mi, int r, int row, auto time_mode, RowBuckets rbk, int64_t ti,
                       float w_row) {
     CUTE_UNROLL
     for (int ni = 0; ni < size<2>(acc); ++ni) {
+      // The pair's columns are adjacent, the first even (m16n8 accumulator layout).
+      int k[2] = {0, 0};
       CUTE_UNROLL
       for (int cc = 0; cc < 2; ++cc) {
         const int col = get<1>(tScS(make_coord(cc, r), mi, ni));
         float b = w_row + diag[col - row + kBlockM - 1];
-        if constexpr (decltype(time_mode)::value == 1) b += tw[rbk.bucket(kts[col])];
+        if constexpr (decltype(time_mode)::value == 1) k[cc] = rbk.bucket(kts[col]);
         if constexpr (decltype(time_mode)::value == 2) {
-          b += tw[time_bucket(edges, t.nb, ti - kts[col])];
+          k[cc] = time_bucket(edges, t.nb, ti - kts[col]);
         }
+        if constexpr (decltype(time_mode)::value != 0) b += tw[k[cc]];
         acc(make_coord(cc, r), mi, ni) += b;
+      }
+      if constexpr (Tables::kIsBwd && decltype(time_mode)::value != 0) {
+        const int col = get<1>(tScS(make_coord(0, r), mi, ni));
+        *reinterpret_cast<uint16_t*>(bkt + row * Tables::Layout::kBucketStride + col) =
+            uint16_t(k[0] | (k[1] << 8));
       }
     }
   };
@@ -273,9 +314,12 @@ __device__ __forceinline__ void add_rel_bias(HstuParams const& p, Tables const& 
       int64_t ti = 0;
       float w_row = 0.f;
       if (t.has_time) {
-        ti = query_time(p, bidb, seq_start, L, m0 + row);
+        ti = t.query_ts(query_buf)[row];
         rbk = row_buckets(edges, t.nb, ti, kmin, kmax);
         if (!rbk.general && rbk.n == 0) w_row = tw[rbk.k0];
+        if constexpr (Tables::kIsBwd) {
+          t.row_bucket()[row] = !rbk.general && rbk.n == 0 ? rbk.k0 : -1;
+        }
       }
       if (!t.has_time || (!rbk.general && rbk.n == 0)) {
         row_pass(mi, r, row, Uniform{}, rbk, ti, w_row);
@@ -290,79 +334,67 @@ __device__ __forceinline__ void add_rel_bias(HstuParams const& p, Tables const& 
 
 // Backward, time term: the tile's dS (staged in shared memory as Element, masked entries 0;
 // dS = alpha d rab) summed into time_hist()[bucket] (the whole CTA's; flushed once by
-// flush_time_hist). Each thread walks a segment of one row (16-byte reads; no fragment registers
-// held); a row with one bucket for the whole key tile adds its sum with one atomic, the others
-// one per run of equal buckets.
+// flush_time_hist). The buckets come from the recomputed bias (add_rel_bias): a row with one
+// bucket for the whole key tile, row_bucket()[row] >= 0, adds its sum with one atomic; the other
+// rows read one bucket byte per element and add one atomic per run of equal buckets. Each thread
+// walks a segment of one row (16-byte reads of dS, 8-byte reads of buckets).
 template <int kBlockM, int kBlockN, int kNThreads, class Tables, class SdS>
-__device__ __forceinline__ void accumulate_time_grad(HstuParams const& p, Tables const& t,
-                                                     SdS const& sdS, int bidb, int seq_start,
-                                                     int L, int m0, int n0, int tidx) {
+__device__ __forceinline__ void accumulate_time_grad(Tables const& t, SdS const& sdS, int L,
+                                                     int m0, int n0, int tidx) {
   if (!t.has_time) return;
   using Element = typename SdS::value_type;
   constexpr int kSegs = kNThreads >= kBlockM ? kNThreads / kBlockM : 1;
   constexpr int kRowsPerPass = kNThreads / kSegs;
   constexpr int kCols = kBlockN / kSegs;
+  constexpr int kStride = Tables::Layout::kBucketStride;
   static_assert(kNThreads % kSegs == 0 && kBlockN % kSegs == 0 && kCols % 8 == 0);
   float* s_time = t.time_hist();
-  const int64_t* kts = t.key_ts(0);
-  const int64_t* edges = t.edges();
-  const int64_t kmin = t.has_time ? t.key_range(0)[0] : 0;
-  const int64_t kmax = t.has_time ? t.key_range(0)[1] : 0;
+  const uint8_t* bkt = t.buckets();
   const int seg = tidx % kSegs;
+  const int c_begin = seg * kCols;
+  const int c_end = imin(c_begin + kCols, L - n0);
   for (int row = tidx / kSegs; row < kBlockM; row += kRowsPerPass) {
-    const int i = m0 + row;
-    if (i >= L) break;
-    const int64_t ti = query_time(p, bidb, seq_start, L, i);
-    const RowBuckets rbk = row_buckets(edges, t.nb, ti, kmin, kmax);
-    const int k_row = !rbk.general && rbk.n == 0 ? rbk.k0 : -1;
-    // one bucket: a plain sum; thresholds: one sum per bucket of the row's few; per-key
-    // buckets: one atomic per run of equal buckets
-    int run_k = k_row;
+    if (m0 + row >= L) break;
+    const int k_row = t.row_bucket()[row];
+    if (k_row >= 0) {
+      float sum = 0.f;
+      for (int c0 = c_begin; c0 < c_end; c0 += 8) {
+        cutlass::Array<Element, 8> raw;
+        *reinterpret_cast<uint4*>(&raw) = *reinterpret_cast<const uint4*>(&sdS(row, c0));
+        const auto vals = cutlass::NumericArrayConverter<float, Element, 8>{}(raw);
+        CUTE_UNROLL
+        for (int e = 0; e < 8; ++e) sum += vals[e];
+      }
+      if (sum != 0.f) atomicAdd(s_time + k_row, sum);
+      continue;
+    }
+    int run_k = -1;
     float run_sum = 0.f;
-    float part[kMaxRowThresholds + 1] = {};
-    const int c_begin = seg * kCols;
-    const int c_end = imin(c_begin + kCols, L - n0);
     for (int c0 = c_begin; c0 < c_end; c0 += 8) {
       cutlass::Array<Element, 8> raw;
       *reinterpret_cast<uint4*>(&raw) = *reinterpret_cast<const uint4*>(&sdS(row, c0));
-      const cutlass::Array<float, 8> vals = cutlass::NumericArrayConverter<float, Element, 8>{}(raw);
-      if (k_row >= 0) {
-        CUTE_UNROLL
-        for (int e = 0; e < 8; ++e) run_sum += vals[e];
-      } else if (!rbk.general) {
-        CUTE_UNROLL
-        for (int e = 0; e < 8; ++e) {
-          const int m = rbk.bucket(kts[c0 + e]) - rbk.k0;
-          CUTE_UNROLL
-          for (int q = 0; q <= kMaxRowThresholds; ++q) part[q] += m == q ? vals[e] : 0.f;
-        }
-      } else {
-        CUTE_UNROLL
-        for (int e = 0; e < 8; ++e) {
-          const int k = time_bucket(edges, t.nb, ti - kts[c0 + e]);
-          if (k != run_k) {
-            if (run_k >= 0 && run_sum != 0.f) atomicAdd(s_time + run_k, run_sum);
-            run_k = k;
-            run_sum = vals[e];
-          } else {
-            run_sum += vals[e];
-          }
+      const auto vals = cutlass::NumericArrayConverter<float, Element, 8>{}(raw);
+      const uint2 kb = *reinterpret_cast<const uint2*>(bkt + row * kStride + c0);
+      CUTE_UNROLL
+      for (int e = 0; e < 8; ++e) {
+        const int k = int(((e < 4 ? kb.x : kb.y) >> (8 * (e % 4))) & 0xffu);
+        if (k != run_k) {
+          if (run_k >= 0 && run_sum != 0.f) atomicAdd(s_time + run_k, run_sum);
+          run_k = k;
+          run_sum = vals[e];
+        } else {
+          run_sum += vals[e];
         }
       }
     }
     if (run_k >= 0 && run_sum != 0.f) atomicAdd(s_time + run_k, run_sum);
-    if (k_row < 0 && !rbk.general) {
-      CUTE_UNROLL
-      for (int q = 0; q <= kMaxRowThresholds; ++q) {
-        if (q <= rbk.n && part[q] != 0.f) atomicAdd(s_time + rbk.k0 + q, part[q]);
-      }
-    }
   }
 }
 
 // Backward, position term: d w_pos[clamp(j - i)] += the tile (m0, n0)'s dS summed along each
 // diagonal j - i, / alpha: one thread per diagonal walks it in shared memory (a warp reads
-// consecutive keys of one row: no bank conflicts) and adds its sum with one global atomic.
+// consecutive keys of one row: no bank conflicts), 8 independent loads per step into 4 partial
+// sums, and adds its sum with one global atomic.
 template <int kBlockM, int kBlockN, int kNThreads, class SdS>
 __device__ __forceinline__ void accumulate_pos_grad(HstuParams const& p, int bidh, SdS const& sdS,
                                                     int L, int m0, int n0, int tidx) {
@@ -373,9 +405,16 @@ __device__ __forceinline__ void accumulate_pos_grad(HstuParams const& p, int bid
   for (int d = tidx; d < kBlockM + kBlockN - 1; d += kNThreads) {
     const int off = d - (kBlockM - 1);  // col - row on this diagonal
     const int r_begin = imax(0, -off), r_end = imin(rows, cols - off);
-    float sum = 0.f;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    int r = r_begin;
 #pragma unroll 1
-    for (int r = r_begin; r < r_end; ++r) sum += float(sdS(r, r + off));
+    for (; r + 8 <= r_end; r += 8) {
+      CUTE_UNROLL
+      for (int u = 0; u < 8; ++u) s[u % 4] += float(sdS(r + u, r + u + off));
+    }
+#pragma unroll 1
+    for (; r < r_end; ++r) s[0] += float(sdS(r, r + off));
+    const float sum = (s[0] + s[1]) + (s[2] + s[3]);
     if (sum != 0.f) {
       const int rel = n0 - m0 + off;
       atomicAdd(dst + (rel < -P ? -P : (rel > P ? P : rel)) + P, sum * p.inv_alpha);

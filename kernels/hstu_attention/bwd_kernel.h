@@ -351,9 +351,10 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   const float c_ds = 0.5f * p.alpha * inv_scale;
 
   // Relative bias (bias.h): tables in shared memory past the tiles. Tile t (the t-th query block
-  // of the walk) reads diagonal buffer t % 2; after its first barrier, tile t + 1 fills the
-  // diagonals of tile t + 2 into buffer t % 2, so no extra barrier is needed. The key tile is
-  // fixed: its timestamps are loaded once. Weight gradients: the position sums go to global
+  // of the walk) reads diagonal and query-time buffer t % 2; after its first barrier, tile t + 1
+  // fills those of tile t + 2 into buffer t % 2, so no extra barrier is needed. The key tile is
+  // fixed: its timestamps are loaded once. The recomputed bias leaves the tile's time buckets in
+  // shared memory for the time gradient. Weight gradients: the position sums go to global
   // memory per tile, the time histogram sums the whole CTA and is flushed after the epilogue's
   // barrier.
   [[maybe_unused]] const auto bt = bias_tables<kBlockM, kBlockN, true>(p, smem_ + Kt::kSmemSize);
@@ -363,19 +364,20 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       if (next < m_hi) {
         fill_diagonals<kBlockM, kBlockN, Kt::kNThreads>(p, bidh, bt, tile_buf ^ 1,
                                                         next * kBlockM, n0, tidx);
+        fill_query_times<kBlockM, Kt::kNThreads>(p, bt, tile_buf ^ 1, bidb, seq_start, L,
+                                                 next * kBlockM, tidx);
       }
     }
   };
-  auto add_bias = [&](int m0, auto& acc) {
+  auto add_bias = [&](auto& acc) {
     if constexpr (kBias) {
-      add_rel_bias<kBlockM>(p, bt, tile_buf, 0, bidb, seq_start, L, tScS, m0, acc);
+      add_rel_bias<kBlockM>(bt, tile_buf, 0, tile_buf, tScS, acc);
     }
   };
   // After the barrier that makes the tile's sdS visible to every thread.
   auto accumulate_tile = [&](int m0) {
     if constexpr (kBias) {
-      accumulate_time_grad<kBlockM, kBlockN, Kt::kNThreads>(p, bt, sdS, bidb, seq_start, L, m0,
-                                                            n0, tidx);
+      accumulate_time_grad<kBlockM, kBlockN, Kt::kNThreads>(bt, sdS, L, m0, n0, tidx);
       accumulate_pos_grad<kBlockM, kBlockN, Kt::kNThreads>(p, bidh, sdS, L, m0, n0, tidx);
       tile_buf ^= 1;
     }
@@ -391,6 +393,8 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     if (m_block < m_hi) {
       fill_diagonals<kBlockM, kBlockN, Kt::kNThreads>(p, bidh, bt, 0, m_block * kBlockM, n0,
                                                       tidx);
+      fill_query_times<kBlockM, Kt::kNThreads>(p, bt, 0, bidb, seq_start, L, m_block * kBlockM,
+                                               tidx);
     }
   }
   {
@@ -423,7 +427,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       gemm_S(acc_s, 0);
-      add_bias(m0, acc_s);
+      add_bias(acc_s);
       // Masked elements: s = 0 gives P = 0, and dP = 0 gives dS = 0.
       if (!mk.tile_full(m0, m0 + kBlockM, n0, n1)) apply_mask(mk, tScS, m0, n0, acc_s, acc_dp);
       CUTE_UNROLL
@@ -493,7 +497,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       Tensor acc_s = partition_fragment_C(tiled_mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       gemm_S(acc_s, off);
-      add_bias(m0, acc_s);
+      add_bias(acc_s);
       // Masked elements: s = 0 gives P = 0, and their factor is zeroed, so dS = 0 too. The mask
       // is first taken as bits so that only one fp32 fragment is live while the rules are
       // evaluated.

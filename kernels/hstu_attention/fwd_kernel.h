@@ -157,6 +157,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   int tile_buf = 0;
   if constexpr (kBias) {  // covered by the loop's first barrier
     load_bias_constants<Kt::kNThreads>(p, bidh, bt, tidx, false);
+    fill_query_times<kBlockM, Kt::kNThreads>(p, bt, 0, bidb, seq_start, L, m0, tidx);
     if (n_block >= n_lo) {
       fill_diagonals<kBlockM, kBlockN, Kt::kNThreads>(p, bidh, bt, 0, m0, n_block * kBlockN, tidx);
       fill_key_timestamps<kBlockN, Kt::kNThreads>(p, bt, 0, seq_start, L, n_block * kBlockN, tidx);
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
             smem_thr_copy_Q, smem_thr_copy_K);
     if constexpr (kBias) {
-      add_rel_bias<kBlockM>(p, bt, tile_buf, tile_buf, bidb, seq_start, L, tScS, m0, acc_s);
+      add_rel_bias<kBlockM>(bt, tile_buf, tile_buf, 0, tScS, acc_s);
     }
     // P = SiLU(alpha s) / scale = h' (1 + tanh(h)), h = alpha s / 2, h' = h / scale.
     CUTE_UNROLL

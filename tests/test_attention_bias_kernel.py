@@ -244,6 +244,16 @@ def test_huge_gaps_many_buckets_any_order(d):
     _check(LENGTHS, d, torch.bfloat16, num_buckets=256, huge_gaps=True, causal=False)
 
 
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_a100_shared_memory_budget(d, monkeypatch):
+    """HSTU_ATTN_MAX_SMEM=166912 plans the A100's tiles (163 KB per block) here, and a kernel
+    whose tiles and bias tables exceed the budget is refused, not launched: d64's biased
+    backward falls back to single-buffered tiles there."""
+    monkeypatch.setenv("HSTU_ATTN_MAX_SMEM", "166912")
+    kw = _mask_kwargs(MASKS["all"], LENGTHS)
+    _check(LENGTHS, d, torch.bfloat16, **kw)
+
+
 def test_alpha_one_paper_setting():
     _check(LENGTHS, 64, torch.float16, alpha=1.0, per_head=False)
 

@@ -90,18 +90,30 @@ struct BwdConfig<T, 256> {
   using huge_smem = BwdTraits<T, 256, 128, 64, 8, 4, 2, 4, false, 4, false, true>;
 };
 
-// The biased backward's tiles where they differ from BwdConfig's. d128: the S-first schedule.
-// The dP-first one keeps the dP fragment live while the bias is added to S, and ptxas (sm_90)
-// spills 520 bytes where the S-first one spills 124; measured on the H100, the S-first biased
-// backward is 3-4% faster (docs/kernels.md, "Relative attention bias in the kernel").
+// The biased backward's tiles where they differ from BwdConfig's: `type` replaces BwdConfig's
+// choice when kOverride; `fallback` is used where BwdConfig's smallest tiles plus the bias tables
+// exceed the shared-memory budget.
 template <typename T, int D>
 struct BwdBiasConfig {
   static constexpr bool kOverride = false;
+  using fallback = typename BwdConfig<T, D>::type;
 };
+// d64: the 160 KB double-buffered tiles and the bias tables (27 KB) exceed the A100's 163 KB;
+// single-buffered (128 KB) there.
+template <typename T>
+struct BwdBiasConfig<T, 64> {
+  static constexpr bool kOverride = false;
+  using fallback = BwdTraits<T, 64, 128, 128, 8, 2, 4, 4, false, 1, true>;
+};
+// d128: the S-first schedule. The dP-first one keeps the dP fragment live while the bias is
+// added to S, and ptxas (sm_90) spills 520 bytes where the S-first one spills 136; measured on
+// the H100, the S-first biased backward is 3-4% faster (docs/kernels.md, "Relative attention
+// bias in the kernel").
 template <typename T>
 struct BwdBiasConfig<T, 128> {
   static constexpr bool kOverride = true;
   using type = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, false, 1, false, false>;
+  using fallback = type;
 };
 
 constexpr int kMaxDevices = 64;
@@ -226,6 +238,9 @@ cudaError_t launch_hstu_fwd_kernel(HstuParams& p, cudaStream_t stream) {
   auto kernel = &hstu_fwd_kernel<Kt, kBias>;
   constexpr int smem = fwd_smem_bytes<Kt, kBias>();
   static int slots[kMaxDevices] = {};
+  // The budget (or its HSTU_ATTN_MAX_SMEM cap) is what the tile choice planned with: a kernel
+  // past it is a planning error, reported rather than launched.
+  if (smem > smem_budget()) return cudaErrorInvalidConfiguration;
   cudaError_t err = prepare_kernel(kernel, Kt::kNThreads, smem, slots, kTwoPerSm);
   if (err != cudaSuccess) return err;
   // Each CTA streams its pair's K and V rows; one CTA per query block (of the cached-query
@@ -271,6 +286,9 @@ cudaError_t launch_hstu_bwd_kernel(HstuParams& p, cudaStream_t stream) {
   auto kernel = &hstu_bwd_kernel<Kt, kBias>;
   constexpr int smem = bwd_smem_bytes<Kt, kBias>();
   static int slots[kMaxDevices] = {};
+  // The budget (or its HSTU_ATTN_MAX_SMEM cap) is what the tile choice planned with: a kernel
+  // past it is a planning error, reported rather than launched.
+  if (smem > smem_budget()) return cudaErrorInvalidConfiguration;
   cudaError_t err = prepare_kernel(kernel, Kt::kNThreads, smem, slots);
   if (err != cudaSuccess) return err;
   // Each CTA streams its pair's Q and dO rows and reduces into its fp32 dQ accumulator rows.
@@ -293,10 +311,8 @@ cudaError_t launch_hstu_bwd_config(HstuParams& p, cudaStream_t stream) {
   static_assert(Small::kSmemSize <= Big::kSmemSize && Big::kSmemSize <= Huge::kSmemSize);
   if constexpr (kBias && BwdBiasConfig<T, D>::kOverride) {
     return launch_hstu_bwd_kernel<typename BwdBiasConfig<T, D>::type, kBias>(p, stream);
-  } else if constexpr (std::is_same_v<Small, Huge>) {
-    return launch_hstu_bwd_kernel<Small, kBias>(p, stream);
   } else {
-    const int budget = smem_budget();
+    [[maybe_unused]] const int budget = smem_budget();
     if constexpr (!std::is_same_v<Big, Huge>) {
       if (budget >= bwd_smem_bytes<Huge, kBias>()) {
         return launch_hstu_bwd_kernel<Huge, kBias>(p, stream);
@@ -305,6 +321,12 @@ cudaError_t launch_hstu_bwd_config(HstuParams& p, cudaStream_t stream) {
     if constexpr (!std::is_same_v<Small, Big>) {
       if (budget >= bwd_smem_bytes<Big, kBias>()) {
         return launch_hstu_bwd_kernel<Big, kBias>(p, stream);
+      }
+    }
+    using Fallback = typename BwdBiasConfig<T, D>::fallback;
+    if constexpr (kBias && !std::is_same_v<Small, Fallback>) {
+      if (budget < bwd_smem_bytes<Small, kBias>()) {
+        return launch_hstu_bwd_kernel<Fallback, kBias>(p, stream);
       }
     }
     return launch_hstu_bwd_kernel<Small, kBias>(p, stream);

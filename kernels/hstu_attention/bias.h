@@ -97,6 +97,13 @@ struct RowBuckets {
   bool negate = false;   // gaps <= 0: compare -t
   int64_t thr[kMaxRowThresholds] = {};
 
+  // thr[m] for the n thresholds above k0 (ti: the row's query time).
+  __device__ __forceinline__ void set_thresholds(const int64_t* edges, int64_t ti) {
+    const int64_t base = negate ? -ti : ti;
+    CUTE_UNROLL
+    for (int m = 0; m < kMaxRowThresholds; ++m) thr[m] = m < n ? base - edges[k0 + m + 1] : 0;
+  }
+
   __device__ __forceinline__ int bucket(int64_t t) const {
     const int64_t x = negate ? -t : t;
     int k = k0;
@@ -123,11 +130,7 @@ __device__ __forceinline__ RowBuckets row_buckets(const int64_t* edges, int nb, 
     rb.general = true;
     return rb;
   }
-  const int64_t base = rb.negate ? -ti : ti;
-  CUTE_UNROLL
-  for (int m = 0; m < kMaxRowThresholds; ++m) {
-    rb.thr[m] = m < rb.n ? base - edges[a + m + 1] : 0;
-  }
+  rb.set_thresholds(edges, ti);
   return rb;
 }
 
@@ -305,21 +308,49 @@ __device__ __forceinline__ void add_rel_bias(Tables const& t, int diag_buf, int 
   using Uniform = cute::C<0>;
   using Thresholds = cute::C<1>;
   using PerKey = cute::C<2>;
+  // A thread's rows: (mi, r) -> j = 2 mi + r. The 4 lanes of a quad hold the same rows (m16n8
+  // layout), so each lane classifies every 4th row (row_buckets: two buckets, each a MUFU log
+  // and edge compares) and the quad exchanges one code word per row; the thresholds are rebuilt
+  // from it with two edge loads.
+  constexpr int kRows = 2 * decltype(size<1>(acc))::value;
+  constexpr int kOwn = (kRows + 3) / 4;
+  const int quad_lane = threadIdx.x % 4;
+  const int quad_base = (threadIdx.x % 32) & ~3;
+  uint32_t own_code[kOwn];
+  if (t.has_time) {
+    CUTE_UNROLL
+    for (int o = 0; o < kOwn; ++o) {
+      own_code[o] = 0;
+      const int j = 4 * o + quad_lane;
+      if (j < kRows) {
+        const int row = get<0>(tScS(make_coord(0, j % 2), j / 2, 0));
+        const RowBuckets rb = row_buckets(edges, t.nb, t.query_ts(query_buf)[row], kmin, kmax);
+        own_code[o] = uint32_t(rb.k0) | uint32_t(rb.n < 3 ? rb.n : 3) << 16 |
+                      uint32_t(rb.general) << 20 | uint32_t(rb.negate) << 21;
+        if constexpr (Tables::kIsBwd) {
+          t.row_bucket()[row] = !rb.general && rb.n == 0 ? rb.k0 : -1;
+        }
+      }
+    }
+  }
   CUTE_UNROLL
   for (int mi = 0; mi < size<1>(acc); ++mi) {
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
+      const int j = 2 * mi + r;
       const int row = get<0>(tScS(make_coord(0, r), mi, 0));
       RowBuckets rbk;
       int64_t ti = 0;
       float w_row = 0.f;
       if (t.has_time) {
-        ti = t.query_ts(query_buf)[row];
-        rbk = row_buckets(edges, t.nb, ti, kmin, kmax);
+        const uint32_t code = __shfl_sync(0xffffffffu, own_code[j / 4], quad_base | (j % 4));
+        rbk.k0 = int(code & 0xffffu);
+        rbk.n = int((code >> 16) & 0xfu);
+        rbk.general = (code >> 20) & 1u;
+        rbk.negate = (code >> 21) & 1u;
+        if (rbk.general || rbk.n > 0) ti = t.query_ts(query_buf)[row];
+        if (!rbk.general && rbk.n > 0) rbk.set_thresholds(edges, ti);
         if (!rbk.general && rbk.n == 0) w_row = tw[rbk.k0];
-        if constexpr (Tables::kIsBwd) {
-          t.row_bucket()[row] = !rbk.general && rbk.n == 0 ? rbk.k0 : -1;
-        }
       }
       if (!t.has_time || (!rbk.general && rbk.n == 0)) {
         row_pass(mi, r, row, Uniform{}, rbk, ti, w_row);

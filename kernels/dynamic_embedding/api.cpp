@@ -7,8 +7,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <string>
-#include <type_traits>
 
 #include "../common/error_message.h"
 #include "launch.h"

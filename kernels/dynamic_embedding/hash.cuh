@@ -69,6 +69,16 @@ __device__ __forceinline__ float init_value(const InitParams& p, int64_t key, in
       return static_cast<float>(p.p0);
   }
 }
+
+// A key's initial row (columns past dim, the optimizer-state padding, are zeros), written by the
+// 32 lanes of a warp together (coalesced): the insert and the hybrid placement kernels share it,
+// so both give bit-equal rows.
+__device__ __forceinline__ void write_initial_row(float* row, int64_t width, int dim,
+                                                  const InitParams& p, int64_t key, int lane) {
+  for (int64_t c = lane; c < width; c += 32) {
+    row[c] = c < dim ? init_value(p, key, static_cast<int>(c)) : 0.f;
+  }
+}
 #endif  // __CUDACC__
 
 }  // namespace dynemb

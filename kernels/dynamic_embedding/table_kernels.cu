@@ -107,10 +107,7 @@ __global__ void __launch_bounds__(kThreads) insert_kernel(
       const int l = __ffs(taken) - 1;
       taken &= taken - 1;
       const int64_t key = __shfl_sync(kFull, nk, l);
-      float* row = values + (b * kBucket + l) * width;
-      for (int64_t c = lane; c < width; c += 32) {
-        row[c] = c < dim ? init_value(init, key, static_cast<int>(c)) : 0.f;
-      }
+      write_initial_row(values + (b * kBucket + l) * width, width, dim, init, key, lane);
     }
   }
 }
@@ -248,11 +245,7 @@ __global__ void __launch_bounds__(kThreads) place_rows_kernel(
       const int64_t src = __shfl_sync(kFull, s, 0) * words;
       for (int64_t w = lane; w < words; w += 32) dst[w] = host[src + w];
     } else if (mode == 2) {
-      const int64_t key = uniq[i];
-      float* dst = cache + row * width;
-      for (int64_t c = lane; c < width; c += 32) {
-        dst[c] = c < dim ? init_value(init, key, static_cast<int>(c)) : 0.f;
-      }
+      write_initial_row(cache + row * width, width, dim, init, uniq[i], lane);
     }
   }
   if (lane == 0 && live) {

@@ -51,6 +51,8 @@ from bench_common import base_parser, emit_json, resolve_device  # noqa: E402
 
 logger = logging.getLogger("bench_e2e")
 
+GRAPH_SETTLE_STEPS = 20  # graph warm-up goes on until this many steps in a row replayed graphs
+
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = base_parser(
@@ -102,14 +104,31 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument(
+        "--graph-warmup",
+        type=int,
+        default=400,
+        help="with NetworkArgs.cuda_graphs: up to this many warm-up steps more, until "
+        f"{GRAPH_SETTLE_STEPS} steps in a row replayed a captured graph (the steady state of a "
+        "long run; the row gives warmup_steps)",
+    )
+    p.add_argument(
+        "--issue-probes",
+        type=int,
+        default=7,
+        help="after the timed steps, this many more steps each issued into an idle GPU's empty "
+        "queue: the median host time to issue one is host_issue_alone_ms (the host's own cost; "
+        "the timed loop's host_issue_ms_per_step reaches the step time whenever the launch "
+        "queue is full, host-bound or not); 0 = skip",
+    )
+    p.add_argument(
         "--profile-stack",
         action="store_true",
         help="with --profile: also record Python call stacks (python_function events in the "
         "trace: which Python code issues the host work; slows the profiled steps)",
     )
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.profile_steps < 1:
-        p.error("--steps and --profile-steps must be >= 1, --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.profile_steps < 1 or args.issue_probes < 0:
+        p.error("--steps and --profile-steps must be >= 1, --warmup and --issue-probes >= 0")
     if args.profile_stack and not args.profile:
         p.error("--profile-stack needs --profile DIR (it adds Python stacks to that trace)")
     return args
@@ -378,12 +397,55 @@ def _sync(trainer) -> None:
         torch.cuda.synchronize(trainer.device)
 
 
+def _warm_graphs(trainer, graphs, cap: int) -> int:
+    """With CUDA graphs of the encoder, more warm-up steps (at most ``cap``) until
+    `GRAPH_SETTLE_STEPS` steps in a row replayed a graph: each token bucket is captured the second
+    time it is seen, so a long run's steady state replays nearly every step, while a fixed short
+    warm-up would leave captures and first-seen buckets in the timed steps. Returns the steps
+    added."""
+    if graphs is None or graphs.disabled:
+        return 0
+    streak = added = 0
+    while streak < GRAPH_SETTLE_STEPS and added < cap and not graphs.disabled:
+        replays, eager, captures = graphs.replays, graphs.eager, graphs.captures
+        trainer.train_step()
+        added += 1
+        replayed = graphs.replays > replays and graphs.eager == eager
+        streak = streak + 1 if replayed and graphs.captures == captures else 0
+    return added
+
+
+def _issue_alone(trainer, probes: int, graphs) -> dict:
+    """Median host time to issue one training step with the GPU idle and its queue empty
+    (synchronised before each): the host's own cost per step, whichever of the two bounds the
+    step. With CUDA graphs only the probes that replayed a graph count (a capture or an eager
+    step is not the steady state)."""
+    if probes < 1:
+        return {}
+    times = []
+    for _ in range(probes):
+        _sync(trainer)
+        replays = graphs.replays if graphs is not None else 0
+        t0 = time.perf_counter()
+        pending = trainer._train_step_async()
+        took = time.perf_counter() - t0
+        trainer._resolve([pending])
+        if graphs is None or graphs.disabled or graphs.replays > replays:
+            times.append(took)
+    _sync(trainer)
+    if not times:
+        return {"host_issue_alone_ms": None}
+    times.sort()
+    return {"host_issue_alone_ms": 1e3 * times[len(times) // 2], "issue_probes": len(times)}
+
+
 def _time_trainer(trainer, args: argparse.Namespace) -> dict:
     # the garbage-collection policy of Trainer.fit (TrainerArgs.gc_interval) applies here too
     graphs = trainer.graph_stats()
     with trainer.gc:
         for _ in range(args.warmup):
             trainer.train_step()
+        warmup = args.warmup + _warm_graphs(trainer, graphs, args.graph_warmup)
         _sync(trainer)
         g0 = dataclasses.replace(graphs) if graphs is not None else None
         if trainer.device.type == "cuda":
@@ -402,20 +464,22 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
             samples += stats["samples"]
         _sync(trainer)
         elapsed = time.perf_counter() - start
+        g1 = dataclasses.replace(graphs) if graphs is not None else None
+        alone = _issue_alone(trainer, args.issue_probes, graphs)
     world = trainer.info.world_size
     tflops = flops / world / elapsed / 1e12
     graph_row = {}
     if graphs is not None and not graphs.disabled and trainer.device.type == "cuda":
         # CUDA graph captures are one-time costs: counted apart, and the throughput without the
         # seconds they took inside the timed steps given next to the measured one
-        timed_capture_s = graphs.capture_seconds - g0.capture_seconds
+        timed_capture_s = g1.capture_seconds - g0.capture_seconds
         graph_row = {
             "graph_captures_warmup": g0.captures,
             "graph_capture_s_warmup": round(g0.capture_seconds, 3),
-            "graph_captures_timed": graphs.captures - g0.captures,
+            "graph_captures_timed": g1.captures - g0.captures,
             "graph_capture_s_timed": round(timed_capture_s, 3),
-            "graph_replays_timed": graphs.replays - g0.replays,
-            "graph_eager_timed": graphs.eager - g0.eager,
+            "graph_replays_timed": g1.replays - g0.replays,
+            "graph_eager_timed": g1.eager - g0.eager,
             "tflops_per_gpu_excl_capture": flops
             / world
             / max(elapsed - timed_capture_s, 1e-9)
@@ -427,6 +491,7 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
         "config": args.config,
         "world_size": world,
         "steps": args.steps,
+        "warmup_steps": warmup,
         "steps_per_s": args.steps / elapsed,
         "samples_per_s": samples / elapsed,
         "tokens_per_s": tokens / elapsed,
@@ -434,6 +499,7 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
         "tflops_per_gpu": tflops,
         "step_ms": 1e3 * elapsed / args.steps,
         "host_issue_ms_per_step": 1e3 * issued / args.steps,
+        **alone,
         "mfu": tflops / trainer.peak_tflops if trainer.peak_tflops else None,
         "peak_tflops": trainer.peak_tflops,
         **graph_row,
@@ -441,6 +507,8 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
         if trainer.device.type == "cuda"
         else "cpu",
     }
+    if row.get("host_issue_alone_ms") is not None:
+        row["host_issue_share"] = row["host_issue_alone_ms"] / row["step_ms"]
     if trainer.device.type == "cuda":
         peak = torch.tensor(
             [torch.cuda.max_memory_allocated(trainer.device) / 2**30], device=trainer.device

@@ -298,6 +298,37 @@ def test_graphed_encoder_equals_eager(fused, bias):
 
 
 @gpu
+def test_captures_of_several_keys_share_one_pool():
+    """Every key's capture reuses the memory that the captures before it freed: four keys of the
+    same token rows (different length bounds) reserve about what the first one alone did, not
+    four steps' activations (captures on streams of their own could not share freed blocks)."""
+    _needs_kernels()
+    torch.manual_seed(0)
+    enc = HSTUEncoder(2, 256, num_heads=2, head_dim=128, fused=True, cuda_graphs=True).cuda()
+    enc.graphs.min_uses = 1
+    rows = 8192
+    x = torch.randn(rows, 256, device="cuda", requires_grad=True)
+    reserved = []
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    for longest in (64, 100, 200, 400):  # length bounds 64, 128, 256, 512: four keys
+        n = rows // longest
+        lengths = [longest] * n + ([rows - n * longest] if rows > n * longest else [])
+        attn = _attn(lengths, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = enc(x, attn)
+        y.float().sum().backward()
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved() - base)
+    stats = enc.graphs.stats
+    assert stats.captures == 4 and stats.graphs == 4 and stats.disabled == "", stats
+    first, later = reserved[0], reserved[-1] - reserved[0]
+    assert first > 0
+    assert later < 0.25 * first, f"reserved after each capture: {reserved}"
+
+
+@gpu
 @pytest.mark.parametrize("failures", [1, 2])
 def test_capture_out_of_memory_is_retried_once_then_runs_eagerly(monkeypatch, failures):
     """A capture that runs out of memory is tried once more after the cached blocks are released;

@@ -12,6 +12,7 @@ from hstu.config.args import NetworkArgs
 from hstu.data.batch import ITEM_FEATURE, Batch
 from hstu.data.features import FeatureInfo, require_timestamps
 from hstu.embeddings.stack import EXTRA_ITEM_FEATURE, EmbeddingStack, SparseInput
+from hstu.modules.graphed_encoder import GRAPH_PAD_SIZES_PER_OCTAVE
 from hstu.modules.hstu_layer import AttentionInputs, HSTUEncoder
 from hstu.modules.preprocessor import SequenceLayout, SequencePreprocessor
 
@@ -64,6 +65,8 @@ class GenerativeRecommender(nn.Module):
             scale_item_embeddings=net.scale_item_embeddings,
             position_init_std=net.position_init_std,
             pad_tokens=net.pad_tokens,
+            # CUDA graphs of the encoder: one pair per token count, so fewer, coarser counts
+            pad_sizes_per_octave=GRAPH_PAD_SIZES_PER_OCTAVE if net.cuda_graphs else 32,
             timestamps=uses_time,
         )
         # longest token sequence: contextual tokens + history/candidate positions + candidates

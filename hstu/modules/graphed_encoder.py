@@ -45,10 +45,21 @@ from torch import nn
 
 from hstu.modules.attention_inputs import AttentionInputs
 
-__all__ = ["EncoderGraphs", "GraphKey", "GraphStats", "SEQ_GRAIN", "seqlen_bound"]
+__all__ = [
+    "GRAPH_PAD_SIZES_PER_OCTAVE",
+    "EncoderGraphs",
+    "GraphKey",
+    "GraphStats",
+    "SEQ_GRAIN",
+    "seqlen_bound",
+]
 
 logger = logging.getLogger(__name__)
 
+# token counts per power of two that the preprocessor pads to when the encoder is graphed (one
+# graph pair per count; 32 without graphs): the benchmark model's batches, ~28k tokens, met 60+
+# of the finer counts in 500 steps, so most steps captured or ran eagerly
+GRAPH_PAD_SIZES_PER_OCTAVE = 8
 SEQ_GRAIN = 8  # sequences per key rounded up to a multiple of this (empty sequences fill up)
 MIN_SEQLEN_BOUND = 64  # the attention kernels' smallest query tile
 BUFFER_HEADROOM = 1.25  # shared buffers grow to this multiple of the rows that outgrew them
@@ -164,6 +175,7 @@ class EncoderGraphs:
         self.params: list[nn.Parameter] = []
         self.param_grads: list[torch.Tensor] = []
         self._param_ptrs: tuple[int, ...] = ()
+        self._stream: torch.cuda.Stream | None = None
 
     # ---- state ---------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -311,6 +323,16 @@ class EncoderGraphs:
         self._param_ptrs = tuple(p.data_ptr() for p in self.params)
         self._pool = torch.cuda.graph_pool_handle()
 
+    def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The one stream every capture (and its warm-up) runs on. The caching allocator hands a
+        freed block only to allocations on the stream it was made on, in the graphs' pool as in
+        the ordinary one: captures on streams of their own (torch's stream pool gives each new
+        stream object the next of its streams) could not reuse each other's freed memory, and
+        every token bucket kept a step's activations of its own."""
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
+
     def _new_entry(self, key: GraphKey, x: torch.Tensor) -> _Entry:
         dev = x.device
         s = key.num_seqs
@@ -409,6 +431,8 @@ class EncoderGraphs:
     def _capture_once(
         self, encoder: nn.Module, key: GraphKey, x: torch.Tensor, attn: AttentionInputs
     ) -> _Entry:
+        # the queued steps finish first, so that the seconds counted are the capture's own
+        torch.cuda.synchronize(x.device)
         start = time.perf_counter()
         self._ensure_capacity(encoder, key, x)
         entry = self._new_entry(key, x)
@@ -416,7 +440,7 @@ class EncoderGraphs:
         entry.x.copy_(x)
         x_leaf = entry.x.detach().requires_grad_(key.input_grad)
         current = torch.cuda.current_stream()
-        side = torch.cuda.Stream(device=x.device)
+        side = self._capture_stream(x.device)
         side.wait_stream(current)
         try:
             with torch.cuda.stream(side):

@@ -95,17 +95,23 @@ def segment_ranges(starts: torch.Tensor, counts: torch.Tensor, total: int) -> to
     return starts[seg] + (torch.arange(total, device=dev) - first[seg])
 
 
-def padded_token_count(t: int) -> int:
-    """``t`` rounded up to a multiple of 2**(bit_length(t) - 6), at least 128: at most ~1/32 more
-    rows (1024 extra at most for 32k-64k tokens) and at most 32 sizes per power of two.
+def padded_token_count(t: int, sizes_per_octave: int = 32) -> int:
+    """``t`` rounded up to a multiple of 2**(bit_length(t) - 1) / ``sizes_per_octave``, at least
+    128: with the default 32, at most ~1/32 more rows (1024 extra at most for 32k-64k tokens) and
+    at most 32 sizes per power of two.
 
     Why: each batch has a different number of jagged tokens T, and cuBLAS picks its kernel for
     every new [T, K] x [K, N] shape on the host (measured on the H100: ~150-230 us per matmul for
     a new T, ~25 us for a repeated one; ~50 matmuls per step). Rounding T makes the shapes repeat.
+    CUDA graphs of the encoder (one pair per size) use 8 sizes per power of two (at most 1/8 more
+    rows): a large batch's token count spreads over dozens of the finer sizes.
     """
+    if sizes_per_octave < 1 or sizes_per_octave & (sizes_per_octave - 1):
+        raise ValueError(f"sizes_per_octave must be a power of two; got {sizes_per_octave}")
     if t <= 0:
         return t
-    grain = max(128, 1 << max(0, t.bit_length() - 6))
+    shift = t.bit_length() - 1 - (sizes_per_octave.bit_length() - 1)
+    grain = max(128, 1 << max(0, shift))
     return -(-t // grain) * grain
 
 
@@ -126,6 +132,7 @@ class SequencePreprocessor(nn.Module):
         scale_item_embeddings: bool = False,
         position_init_std: float = 0.02,
         pad_tokens: str = "auto",
+        pad_sizes_per_octave: int = 32,
         timestamps: bool = False,
     ) -> None:
         super().__init__()
@@ -136,6 +143,8 @@ class SequencePreprocessor(nn.Module):
                 f"NetworkArgs.pad_tokens={pad_tokens!r} is not supported: one of {list(PAD_TOKENS)}"
             )
         self.pad_tokens = pad_tokens
+        padded_token_count(1, pad_sizes_per_octave)  # checks the value
+        self.pad_sizes_per_octave = int(pad_sizes_per_octave)
         self.hidden_size = hidden_size
         self.num_action_bits = max(1, num_action_bits)
         self.num_contextual = num_contextual
@@ -234,7 +243,7 @@ class SequencePreprocessor(nn.Module):
         tok = tok.index_put((hist_index,), action_tok, accumulate=True)
 
         pad = self.pad_tokens == "on" or (self.pad_tokens == "auto" and device.type == "cuda")
-        rows = padded_token_count(num_tokens) if pad else num_tokens
+        rows = padded_token_count(num_tokens, self.pad_sizes_per_octave) if pad else num_tokens
         x = values.new_zeros((rows, self.hidden_size))
         x = x.index_copy(0, dest, tok)
         for i, ctx in enumerate(contextual):

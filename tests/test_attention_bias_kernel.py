@@ -80,23 +80,19 @@ def dense_bias(lengths, max_seqlen, heads, ts, pos_w, time_w, max_pos, last_quer
     return out
 
 
-def _timestamps(lengths, gen):
-    """Non-decreasing per sequence; gaps spread over 0 .. 10^7 on a log scale (many buckets)."""
+def _timestamps(lengths, gen, huge=False):
+    """Per sequence, non-decreasing with gaps spread over 0 .. 10^7 on a log scale (many buckets,
+    10% ties); ``huge``: gaps up to 2^54 (differences up to ~2^62: buckets up to ~143 of 256) and
+    the tokens in any order."""
     parts = []
     for L in lengths:
-        gaps = torch.floor(10 ** (torch.rand(L, generator=gen) * 7.0)).long()
-        gaps[torch.rand(L, generator=gen) < 0.1] = 0  # ties
-        parts.append(1_600_000_000 + torch.cumsum(gaps, 0))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-
-
-def _huge_shuffled_timestamps(lengths, gen):
-    """Gaps up to 2^54 (differences up to ~2^62: buckets up to ~143 of 256), tokens in any order."""
-    parts = []
-    for L in lengths:
-        gaps = torch.floor(2 ** (torch.rand(L, generator=gen) * 54.0)).long()
+        if huge:
+            gaps = torch.floor(2 ** (torch.rand(L, generator=gen) * 54.0)).long()
+        else:
+            gaps = torch.floor(10 ** (torch.rand(L, generator=gen) * 7.0)).long()
+            gaps[torch.rand(L, generator=gen) < 0.1] = 0  # ties
         t = 1_600_000_000 + torch.cumsum(gaps, 0)
-        parts.append(t[torch.randperm(L, generator=gen)])
+        parts.append(t[torch.randperm(L, generator=gen)] if huge else t)
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
@@ -126,7 +122,7 @@ def _run(
     hw = heads if per_head else 1
     pos_w = (torch.randn(hw, 2 * max_pos + 1, generator=gen) * 0.5).cuda() if use_pos else None
     time_w = (torch.randn(hw, num_buckets + 1, generator=gen) * 0.5).cuda() if use_time else None
-    ts = (_huge_shuffled_timestamps if huge_gaps else _timestamps)(lengths, gen).cuda()
+    ts = _timestamps(lengths, gen, huge=huge_gaps).cuda()
     last_q = None
     if last_query and use_time:  # a request time after each sequence's last interaction
         ends = torch.tensor(
@@ -252,6 +248,14 @@ def test_a100_shared_memory_budget(d, monkeypatch):
     monkeypatch.setenv("HSTU_ATTN_MAX_SMEM", "166912")
     kw = _mask_kwargs(MASKS["all"], LENGTHS)
     _check(LENGTHS, d, torch.bfloat16, **kw)
+
+
+def test_kernel_past_the_shared_memory_cap_is_refused_with_its_reason(monkeypatch):
+    """A cap below every configuration: the launch is refused with an error that names the
+    shared memory and HSTU_ATTN_MAX_SMEM, never attempted."""
+    monkeypatch.setenv("HSTU_ATTN_MAX_SMEM", "4096")
+    with pytest.raises(RuntimeError, match="shared memory exceeds .* HSTU_ATTN_MAX_SMEM=4096"):
+        _check(LENGTHS, 64, torch.bfloat16)
 
 
 def test_alpha_one_paper_setting():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from model_helpers import small_model
 
-from hstu.modules.preprocessor import padded_token_count
+from hstu.modules.preprocessor import PAD_SEQUENCE_TOKENS, _attention_inputs, padded_token_count
 
 
 def test_padded_token_count_bounds():
@@ -21,6 +21,38 @@ def test_padded_token_count_bounds():
         if 32768 <= t < 65536:
             seen.add(p)
     assert len(seen) <= 33  # few distinct shapes per power of two
+
+
+@pytest.mark.parametrize("per_octave", [8, 16])
+def test_coarser_padding_for_graphs(per_octave):
+    seen = set()
+    for t in range(30000, 70000, 13):
+        p = padded_token_count(t, per_octave)
+        assert p >= t and p % 128 == 0 and p - t < t / per_octave + 1
+        assert p >= padded_token_count(t)
+        if 32768 <= t < 65536:
+            seen.add(p)
+    assert len(seen) <= per_octave + 1
+    with pytest.raises(ValueError, match="power of two"):
+        padded_token_count(100, 12)
+
+
+def test_padding_rows_go_into_short_sequences():
+    """2000 padding rows after two sequences: 8 padding sequences of at most 256 tokens (not one
+    of 2000: the attention's cost grows with the square of the length), the same on both sides."""
+    offs = torch.tensor([0, 3000, 4000])
+    attn = _attention_inputs(
+        offs.clone(), offs.clone(), 4096, 0, torch.tensor([0, 0]), torch.tensor([0, 0]), False, 6000
+    )
+    lengths = attn.host_seq_offsets.diff().tolist()
+    assert lengths == [3000, 1000] + [PAD_SEQUENCE_TOKENS] * 7 + [2000 - 7 * PAD_SEQUENCE_TOKENS]
+    assert attn.padding_sequences == 8 and torch.equal(attn.seq_offsets, attn.host_seq_offsets)
+    # a short max_seqlen bounds them further
+    offs = torch.tensor([0, 80, 100])
+    attn = _attention_inputs(
+        offs.clone(), offs.clone(), 100, 0, torch.tensor([0, 0]), torch.tensor([0, 0]), False, 350
+    )
+    assert attn.host_seq_offsets.diff().tolist() == [80, 20, 100, 100, 50]
 
 
 def _model(task: str, pad: str, *extra: str):
@@ -57,7 +89,9 @@ def test_padding_changes_no_output_or_gradient(task, extra):
     assert int(outs[1]["num_tokens"]) == t  # the real token count, not the padded one
     assert attn.padding_sequences > 0 and int(attn.seq_offsets[-1]) == padded_token_count(t)
     lengths = attn.seq_offsets.diff()
-    assert int(lengths[-attn.padding_sequences :].max()) <= attn.max_seqlen
+    assert int(lengths[-attn.padding_sequences :].max()) <= min(
+        attn.max_seqlen, PAD_SEQUENCE_TOKENS
+    )
     assert int(attn.real_lengths().sum()) == t
     torch.testing.assert_close(outs[1]["loss"], outs[0]["loss"], rtol=1e-5, atol=1e-6)
     assert grads[0].keys() == grads[1].keys() and grads[0]

@@ -498,6 +498,20 @@ void launch(hstu::Direction dir, hstu::HstuParams& p) {
                 "); rebuild it for this GPU: HSTU_CUDA_ARCH_LIST=\"8.0;", prop->major, ".",
                 prop->minor, "\" pip install --no-build-isolation -e .");
   }
+  if (err == cudaErrorInvalidConfiguration) {
+    // the launchers refuse a kernel whose shared memory exceeds the budget they planned with
+    // (the device's opt-in limit, or HSTU_ATTN_MAX_SMEM below it), and a grid past 2^31 CTAs
+    (void)cudaGetLastError();
+    const char* cap = std::getenv("HSTU_ATTN_MAX_SMEM");
+    HSTU_CHECK(false, "hstu_attention: the ", dir == hstu::Direction::kFwd ? "fwd" : "bwd",
+                bias ? " (relative bias)" : "", " kernel for ", dt, " head dim ", p.head_dim,
+                " cannot be launched: its shared memory exceeds the per-block budget",
+                cap ? " set by HSTU_ATTN_MAX_SMEM=" : " of this GPU", cap ? cap : "",
+                " (raise or unset HSTU_ATTN_MAX_SMEM; every head dim fits 166912 bytes, the "
+                "A100's limit), or its grid exceeds 2^31 blocks (", p.batch, " sequences x ",
+                p.heads, " heads x query blocks of max_seqlen ", p.max_seqlen,
+                "; split the batch)");
+  }
   HSTU_CHECK(err == cudaSuccess, "hstu_attention: kernel launch failed: ",
               cudaGetErrorString(err));
 }

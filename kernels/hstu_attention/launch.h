@@ -113,7 +113,6 @@ template <typename T>
 struct BwdBiasConfig<T, 128> {
   static constexpr bool kOverride = true;
   using type = BwdTraits<T, 128, 64, 128, 8, 2, 4, 2, false, 1, false, false>;
-  using fallback = type;
 };
 
 constexpr int kMaxDevices = 64;
@@ -323,10 +322,12 @@ cudaError_t launch_hstu_bwd_config(HstuParams& p, cudaStream_t stream) {
         return launch_hstu_bwd_kernel<Big, kBias>(p, stream);
       }
     }
-    using Fallback = typename BwdBiasConfig<T, D>::fallback;
-    if constexpr (kBias && !std::is_same_v<Small, Fallback>) {
-      if (budget < bwd_smem_bytes<Small, kBias>()) {
-        return launch_hstu_bwd_kernel<Fallback, kBias>(p, stream);
+    if constexpr (kBias) {
+      using Fallback = typename BwdBiasConfig<T, D>::fallback;
+      if constexpr (!std::is_same_v<Small, Fallback>) {
+        if (budget < bwd_smem_bytes<Small, kBias>()) {
+          return launch_hstu_bwd_kernel<Fallback, kBias>(p, stream);
+        }
       }
     }
     return launch_hstu_bwd_kernel<Small, kBias>(p, stream);

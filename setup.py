@@ -15,6 +15,7 @@ Knobs (environment):
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import sys
@@ -119,7 +120,26 @@ def _extensions():
         )
     if not exts:
         return [], {}
-    return exts, {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+    class ParallelBuildExtension(BuildExtension):
+        """Builds the extensions at the same time, each in its own temporary folder: torch
+        writes one build.ninja into the folder it is given, so extensions sharing the default
+        one could not run together. Building them one after the other left the cores idle while
+        the small extensions compiled their few files (the attention extension alone takes most
+        of the build)."""
+
+        def finalize_options(self):
+            super().finalize_options()
+            if not self.parallel:
+                self.parallel = len(self.extensions)
+
+        def build_extension(self, ext):
+            own = copy.copy(self)  # the shared command object keeps the shared folder
+            own.build_temp = os.path.join(self.build_temp, ext.name.rsplit(".", 1)[-1])
+            os.makedirs(own.build_temp, exist_ok=True)
+            BuildExtension.build_extension(own, ext)
+
+    return exts, {"build_ext": ParallelBuildExtension.with_options(use_ninja=True)}
 
 
 ext_modules, cmdclass = _extensions()

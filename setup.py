@@ -9,7 +9,8 @@ Knobs (environment):
   HSTU_KERNELS          comma list of kernel families to build (default: all), e.g. "hstu_attention"
                         or "layer_norm_mul_dropout" (the fused layer's LayerNorm*u*dropout step).
   HSTU_SKIP_KERNELS=1   never build kernels.
-  MAX_JOBS              parallel compile jobs (torch's ninja build).
+  MAX_JOBS              parallel compile jobs of each extension (torch's ninja build); the
+                        extensions build at the same time, so the small ones add a few jobs.
   CUTLASS_INCLUDE_DIR   CUTLASS/CuTe headers; default: the nvidia-cutlass package's copy.
 """
 

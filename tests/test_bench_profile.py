@@ -64,6 +64,10 @@ def test_bench_e2e_profile_writes_trace_and_summary(tmp_path):
     assert any(
         e.get("cat") == "python_function" and "trainer.py" in str(e.get("name")) for e in events
     )
+    # the host's issue time per step into an empty queue, and its share of the step
+    row = rows[-1]
+    assert row["issue_probes"] == 7 and row["host_issue_alone_ms"] > 0
+    assert row["host_issue_share"] == pytest.approx(row["host_issue_alone_ms"] / row["step_ms"])
     # host summary: top-level operators per step, their time, the largest first
     assert prof["host_ops_per_step"] > 10 and prof["host_op_ms_per_step"] > 0
     top = prof["top_host_ops_ms_per_step"]
@@ -89,6 +93,64 @@ def test_host_ops_counts_top_level_operators_per_thread(load_script):
     host = _host_ops(events)
     assert host["count"] == 4 and host["total_us"] == 23
     assert host["top"][0] == ("aten::linear", (16, 2))
+
+
+class _FakeGraphs:
+    """GraphStats as the warm-up and the probes read it; the steps it is handed say which steps
+    replay ("r"), capture ("c") or run eagerly ("e")."""
+
+    def __init__(self, steps: str):
+        self.replays = self.eager = self.captures = 0
+        self.disabled = ""
+        self.steps = iter(steps)
+
+    def step(self):
+        kind = next(self.steps)
+        if kind == "r":
+            self.replays += 1
+        elif kind == "c":
+            self.captures += 1
+            self.replays += 1  # a capture's step replays the graph it captured
+        else:
+            self.eager += 1
+
+
+class _FakeTrainer:
+    def __init__(self, graphs):
+        self.graphs, self.device = graphs, type("D", (), {"type": "cpu"})()
+        self.steps = 0
+
+    def train_step(self):
+        self.steps += 1
+        self.graphs.step()
+
+    def _train_step_async(self):
+        self.train_step()
+        return None
+
+    def _resolve(self, pending):
+        return []
+
+
+def test_graph_warmup_runs_until_steps_in_a_row_replayed(load_script, monkeypatch):
+    bench = load_script("bench_e2e")
+    monkeypatch.setattr(bench, "GRAPH_SETTLE_STEPS", 3)
+    graphs = _FakeGraphs("ercrrerrrrrrr")
+    trainer = _FakeTrainer(graphs)
+    assert bench._warm_graphs(trainer, graphs, cap=100) == 9  # "ercrre" then "rrr"
+    graphs = _FakeGraphs("e" * 20)
+    assert bench._warm_graphs(_FakeTrainer(graphs), graphs, cap=5) == 5  # the cap
+    assert bench._warm_graphs(_FakeTrainer(graphs), None, cap=5) == 0  # graphs off
+
+
+def test_issue_probes_keep_only_replayed_steps_with_graphs(load_script):
+    bench = load_script("bench_e2e")
+    graphs = _FakeGraphs("rere")
+    row = bench._issue_alone(_FakeTrainer(graphs), 4, graphs)
+    assert row["issue_probes"] == 2 and row["host_issue_alone_ms"] >= 0
+    graphs = _FakeGraphs("ee")
+    assert bench._issue_alone(_FakeTrainer(graphs), 2, graphs) == {"host_issue_alone_ms": None}
+    assert bench._issue_alone(_FakeTrainer(_FakeGraphs("")), 0, None) == {}
 
 
 def test_bench_e2e_profile_stack_needs_profile():

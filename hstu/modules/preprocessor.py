@@ -330,8 +330,9 @@ def _attention_inputs(
     """The attention layout of the batch's sequences plus, when ``rows`` exceeds their token
     count, trailing padding sequences of at most min(max_seqlen, `PAD_SEQUENCE_TOKENS`) tokens
     covering the extra rows (no contextual tokens, no targets; the attention scaling unchanged).
-    Short ones: the attention's work grows with the square of a sequence's length, and 2048
-    padding rows in one sequence cost the benchmark model's attention ~6% more. Built on both
+    Short ones: the attention's work grows with the square of a sequence's length; 2048 padding
+    rows in one sequence would add ~6% to the attention work of the benchmark model's batches
+    (estimated from the squares of their lengths, not timed). Built on both
     sides without copies: no host<->GPU sync."""
     b = offsets.numel() - 1
     pad = rows - int(offsets_host[-1])

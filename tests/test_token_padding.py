@@ -8,6 +8,7 @@ import pytest
 import torch
 from model_helpers import small_model
 
+from hstu.modules.graphed_encoder import GRAPH_PAD_SIZES_PER_OCTAVE
 from hstu.modules.preprocessor import PAD_SEQUENCE_TOKENS, _attention_inputs, padded_token_count
 
 
@@ -97,6 +98,26 @@ def test_padding_changes_no_output_or_gradient(task, extra):
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_only_a_call_that_may_replay_graphs_pads_coarsely(monkeypatch):
+    """The model rounds the token count to 8 sizes per power of two only for a call its encoder
+    may replay from CUDA graphs (training on CUDA, graphs on: `HSTUEncoder.graphed`); otherwise
+    (evaluation, CPU, several processes) to 32."""
+    splits, model = _model("ranking", "on", "NetworkArgs.cuda_graphs=True")
+    batch = splits.train.collate(list(range(200)))  # ~6k tokens: the two roundings differ
+    assert not model.encoder.graphed(torch.device("cpu"))
+    rows = {}
+    for graphed in (False, True):
+        # the encoder runs eagerly here; only the padding choice follows `graphed`
+        monkeypatch.setattr(model.encoder, "graphed", lambda device, g=graphed: g)
+        model(batch)
+        attn = model.last_attention_inputs
+        t = int(attn.real_lengths().sum())
+        rows[graphed] = (int(attn.seq_offsets[-1]), t)
+    assert rows[False][0] == padded_token_count(rows[False][1])
+    assert rows[True][0] == padded_token_count(rows[True][1], GRAPH_PAD_SIZES_PER_OCTAVE)
+    assert rows[True][0] > rows[False][0]
 
 
 def test_bad_pad_tokens_value_names_the_binding():

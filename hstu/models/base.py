@@ -14,7 +14,11 @@ from hstu.data.features import FeatureInfo, require_timestamps
 from hstu.embeddings.stack import EXTRA_ITEM_FEATURE, EmbeddingStack, SparseInput
 from hstu.modules.graphed_encoder import GRAPH_PAD_SIZES_PER_OCTAVE
 from hstu.modules.hstu_layer import AttentionInputs, HSTUEncoder
-from hstu.modules.preprocessor import SequenceLayout, SequencePreprocessor
+from hstu.modules.preprocessor import (
+    PAD_SIZES_PER_OCTAVE,
+    SequenceLayout,
+    SequencePreprocessor,
+)
 
 __all__ = ["FeatureInfo", "GenerativeRecommender", "gather_outputs"]
 
@@ -65,8 +69,6 @@ class GenerativeRecommender(nn.Module):
             scale_item_embeddings=net.scale_item_embeddings,
             position_init_std=net.position_init_std,
             pad_tokens=net.pad_tokens,
-            # CUDA graphs of the encoder: one pair per token count, so fewer, coarser counts
-            pad_sizes_per_octave=GRAPH_PAD_SIZES_PER_OCTAVE if net.cuda_graphs else 32,
             timestamps=uses_time,
         )
         # longest token sequence: contextual tokens + history/candidate positions + candidates
@@ -96,8 +98,12 @@ class GenerativeRecommender(nn.Module):
             emb = self.embeddings(batch, extra_ids, sparse_input)
         contextual = [emb[name].values() for name in self.contextual_names]
         items = emb[ITEM_FEATURE]
+        # a call the encoder may replay from CUDA graphs (one pair per token count) rounds the
+        # token count more coarsely, so that fewer counts occur
+        graphed = self.encoder.graphed(items.values().device)
+        sizes = GRAPH_PAD_SIZES_PER_OCTAVE if graphed else PAD_SIZES_PER_OCTAVE
         with record_function("hstu/preprocess"):
-            x, layout = self.preprocessor(batch, contextual, items)
+            x, layout = self.preprocessor(batch, contextual, items, pad_sizes_per_octave=sizes)
         self.last_attention_inputs = layout.attn
         with record_function("hstu/encoder"):
             y = self.encoder(x, layout.attn)

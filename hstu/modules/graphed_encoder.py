@@ -56,9 +56,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# token counts per power of two that the preprocessor pads to when the encoder is graphed (one
-# graph pair per count; 32 without graphs): the benchmark model's batches, ~28k tokens, met 60+
-# of the finer counts in 500 steps, so most steps captured or ran eagerly
+# token counts per power of two that the preprocessor pads to for a call the encoder may replay
+# (one graph pair per count; `PAD_SIZES_PER_OCTAVE` otherwise): the benchmark model's batches,
+# ~28k tokens, met 60+ of the finer counts in 500 steps, so most steps captured or ran eagerly
 GRAPH_PAD_SIZES_PER_OCTAVE = 8
 SEQ_GRAIN = 8  # sequences per key rounded up to a multiple of this (empty sequences fill up)
 MIN_SEQLEN_BOUND = 64  # the attention kernels' smallest query tile
@@ -208,9 +208,10 @@ class EncoderGraphs:
         self.reset()
 
     # ---- dispatch ------------------------------------------------------------------------------
-    def applies(self, encoder: nn.Module, x: torch.Tensor) -> bool:
-        """Whether this call may use graphs: CUDA, training with gradients, one process."""
-        if self.stats.disabled or not x.is_cuda:
+    def applies(self, encoder: nn.Module, device: torch.device) -> bool:
+        """Whether a call on ``device`` may use graphs: CUDA, training with gradients, one
+        process."""
+        if self.stats.disabled or torch.device(device).type != "cuda":
             return False
         if not (encoder.training and torch.is_grad_enabled()):
             return False

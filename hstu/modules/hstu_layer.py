@@ -171,12 +171,16 @@ class HSTUEncoder(nn.Module):
             return {"layer": "none (num_layers=0)"}
         return self.layers[0].kernel_choices(device)
 
-    def forward(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
-        if (
+    def graphed(self, device: torch.device) -> bool:
+        """Whether a call on ``device`` may replay CUDA graphs (NetworkArgs.cuda_graphs)."""
+        return (
             self.graphs is not None
-            and self.graphs.applies(self, x)
-            and attention_path(x.device) == "cutlass"
-        ):
+            and self.graphs.applies(self, device)
+            and attention_path(device) == "cutlass"
+        )
+
+    def forward(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
+        if self.graphed(x.device):
             return self.graphs.run(self, x, attn)
         return self.forward_eager(x, attn)
 

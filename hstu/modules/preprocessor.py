@@ -95,7 +95,11 @@ def segment_ranges(starts: torch.Tensor, counts: torch.Tensor, total: int) -> to
     return starts[seg] + (torch.arange(total, device=dev) - first[seg])
 
 
-def padded_token_count(t: int, sizes_per_octave: int = 32) -> int:
+# Token counts per power of two that `padded_token_count` rounds to by default.
+PAD_SIZES_PER_OCTAVE = 32
+
+
+def padded_token_count(t: int, sizes_per_octave: int = PAD_SIZES_PER_OCTAVE) -> int:
     """``t`` rounded up to a multiple of 2**(bit_length(t) - 1) / ``sizes_per_octave``, at least
     128: with the default 32, at most ~1/32 more rows (1024 extra at most for 32k-64k tokens) and
     at most 32 sizes per power of two.
@@ -135,7 +139,6 @@ class SequencePreprocessor(nn.Module):
         scale_item_embeddings: bool = False,
         position_init_std: float = 0.02,
         pad_tokens: str = "auto",
-        pad_sizes_per_octave: int = 32,
         timestamps: bool = False,
     ) -> None:
         super().__init__()
@@ -146,8 +149,6 @@ class SequencePreprocessor(nn.Module):
                 f"NetworkArgs.pad_tokens={pad_tokens!r} is not supported: one of {list(PAD_TOKENS)}"
             )
         self.pad_tokens = pad_tokens
-        padded_token_count(1, pad_sizes_per_octave)  # checks the value
-        self.pad_sizes_per_octave = int(pad_sizes_per_octave)
         self.hidden_size = hidden_size
         self.num_action_bits = max(1, num_action_bits)
         self.num_contextual = num_contextual
@@ -184,8 +185,10 @@ class SequencePreprocessor(nn.Module):
         batch: Batch,
         contextual: list[torch.Tensor],
         items: JaggedTensor,
+        pad_sizes_per_octave: int = PAD_SIZES_PER_OCTAVE,
     ) -> tuple[torch.Tensor, SequenceLayout]:
-        """contextual: F tensors [B, D]; items: jagged item embeddings (history + candidates).
+        """contextual: F tensors [B, D]; items: jagged item embeddings (history + candidates);
+        ``pad_sizes_per_octave``: how finely token padding rounds (`padded_token_count`).
 
         Sizes, maxima and the jagged offsets handed to the attention kernel come from the batch's
         CPU twin; the device tensors are derived from the device lengths with those sizes given,
@@ -196,7 +199,8 @@ class SequencePreprocessor(nn.Module):
         min(max_seqlen, PAD_SEQUENCE_TOKENS) tokens (the attention scaling is unchanged) with no
         contextual tokens or targets. They never mix with the batch's rows (LayerNorm and the
         linears are per row, the attention per sequence), nothing reads their outputs, so their
-        gradients are exactly zero and add nothing to the weight gradients. `AttentionInputs.padding_sequences` counts them."""
+        gradients are exactly zero and add nothing to the weight gradients.
+        `AttentionInputs.padding_sequences` counts them."""
         device = items.values().device
         b = batch.batch_size
         f = self.num_contextual
@@ -246,7 +250,7 @@ class SequencePreprocessor(nn.Module):
         tok = tok.index_put((hist_index,), action_tok, accumulate=True)
 
         pad = self.pad_tokens == "on" or (self.pad_tokens == "auto" and device.type == "cuda")
-        rows = padded_token_count(num_tokens, self.pad_sizes_per_octave) if pad else num_tokens
+        rows = padded_token_count(num_tokens, pad_sizes_per_octave) if pad else num_tokens
         x = values.new_zeros((rows, self.hidden_size))
         x = x.index_copy(0, dest, tok)
         for i, ctx in enumerate(contextual):
@@ -332,8 +336,8 @@ def _attention_inputs(
     covering the extra rows (no contextual tokens, no targets; the attention scaling unchanged).
     Short ones: the attention's work grows with the square of a sequence's length; 2048 padding
     rows in one sequence would add ~6% to the attention work of the benchmark model's batches
-    (estimated from the squares of their lengths, not timed). Built on both
-    sides without copies: no host<->GPU sync."""
+    (estimated from the squares of their lengths, not timed). Built on both sides without
+    copies: no host<->GPU sync."""
     b = offsets.numel() - 1
     pad = rows - int(offsets_host[-1])
     chunk = max(1, min(max_seqlen, PAD_SEQUENCE_TOKENS))

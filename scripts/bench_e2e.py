@@ -127,8 +127,11 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         "trace: which Python code issues the host work; slows the profiled steps)",
     )
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.profile_steps < 1 or args.issue_probes < 0:
-        p.error("--steps and --profile-steps must be >= 1, --warmup and --issue-probes >= 0")
+    if args.steps < 1 or args.profile_steps < 1:
+        p.error("--steps and --profile-steps must be >= 1")
+    for name in ("warmup", "graph_warmup", "issue_probes"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.profile_stack and not args.profile:
         p.error("--profile-stack needs --profile DIR (it adds Python stacks to that trace)")
     return args

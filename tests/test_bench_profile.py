@@ -164,15 +164,23 @@ def test_bench_e2e_profile_stack_needs_profile():
     assert proc.returncode == 2 and "--profile-stack needs --profile" in proc.stderr
 
 
-def test_bench_e2e_rejects_bad_step_counts():
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--profile-steps", "0", "--profile-steps must be >= 1"),
+        ("--issue-probes", "-1", "--issue-probes must be >= 0"),
+        ("--graph-warmup", "-2", "--graph-warmup must be >= 0"),
+    ],
+)
+def test_bench_e2e_rejects_bad_step_counts(flag, value, message):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--profile-steps", "0"],
+        [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), flag, value],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 2 and "--profile-steps must be >= 1" in proc.stderr
+    assert proc.returncode == 2 and message in proc.stderr
 
 
 def test_bench_e2e_profile_two_processes_trace_every_rank(tmp_path):

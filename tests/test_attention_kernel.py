@@ -263,6 +263,27 @@ def test_meta_shapes() -> None:
         max_pos=8,
     )
     assert grads[3].shape == (1, 17) and grads[4].shape == (2, 129)
+    dq32 = torch.ops.hstu_attention.bwd(
+        q, q, q, q, offs, 8, None, None, 1, 0, 0.1, 0.1, True, False, dq_fp32=True
+    )[0]
+    assert dq32.shape == (2, 10, 64) and dq32.dtype == torch.float32
+
+
+@pytest.mark.parametrize("d", [64, 256])
+def test_dq_fp32_is_the_unconverted_accumulator(d) -> None:
+    """bwd(..., dq_fp32=True) returns dQ as the fp32 head-major [H, T, D] accumulator: in
+    deterministic mode (a fixed reduction order) it rounds to exactly the dq of the default call;
+    dk, dv are unchanged; outside deterministic mode it matches within the fp32 sum order."""
+    lengths = [300, 1, 129, 700]
+    q, k, v, do, offsets = _batch(lengths, 2, d, torch.bfloat16, seed=d)
+    args = (offsets, max(lengths), None, None, 1, 0, 0.2, 1 / 700, True)
+    ref = torch.ops.hstu_attention.bwd(do, q, k, v, *args, True)
+    got = torch.ops.hstu_attention.bwd(do, q, k, v, *args, True, dq_fp32=True)
+    assert got[0].shape == (2, q.shape[0], d) and got[0].dtype == torch.float32
+    assert torch.equal(got[0].transpose(0, 1).to(q.dtype), ref[0])
+    assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
+    fast = torch.ops.hstu_attention.bwd(do, q, k, v, *args, False, dq_fp32=True)[0]
+    assert _max_rel_err(fast.transpose(0, 1), ref[0].float()) < 1e-2
 
 
 # --- error paths: bad input raises before any launch -------------------------------------------

@@ -209,18 +209,28 @@ def test_preprocessor_bitwise_equal_to_device_reading(num_ctx, max_cand, zero_hi
         assert torch.equal(x_self, x_old)
 
 
-def test_preprocessor_gradients_equal_to_device_reading():
+@pytest.mark.parametrize("num_ctx,pad", [(2, "off"), (0, "off"), (3, "on")])
+def test_preprocessor_gradients_equal_to_device_reading(num_ctx, pad):
+    """Parameter, item-embedding and contextual gradients bitwise equal to the reference's (zeros
+    + one out-of-place index_copy per source); padding rows (pad_tokens="on") get no gradient."""
     torch.manual_seed(1)
-    pre = SequencePreprocessor(8, 4, 12, 2)
-    batch = _random_batch(3, 6, ["a", "b"])
-    ctx = [torch.randn(6, 8) for _ in range(2)]
-    items = _item_embeddings(batch, 8, 3)
+    names = [f"f{i}" for i in range(num_ctx)]
+    pre = SequencePreprocessor(8, 4, 12, num_ctx, pad_tokens=pad)
+    batch = _random_batch(3, 6, names)
+    ctx0 = [torch.randn(6, 8) for _ in names]
+    items0 = _item_embeddings(batch, 8, 3)
     grads = []
     for fn in (_old_preprocess, lambda p, *a: p(*a)):
         pre.zero_grad()
-        x, _ = fn(pre, batch, ctx, items)
+        ctx = [c.clone().requires_grad_() for c in ctx0]
+        values = items0.values().clone().requires_grad_()
+        items = JaggedTensor(values=values, lengths=items0.lengths())
+        x, layout = fn(pre, batch, ctx, items)
+        if pad == "on":
+            assert x.shape[0] >= layout.num_tokens and not x[layout.num_tokens :].any()
+        x = x[: layout.num_tokens]
         (x * torch.arange(x.numel()).view_as(x).sin()).sum().backward()
-        grads.append([p.grad.clone() for p in pre.parameters()])
+        grads.append([p.grad.clone() for p in pre.parameters()] + [values.grad] + [c.grad for c in ctx])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
 

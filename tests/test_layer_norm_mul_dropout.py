@@ -332,6 +332,47 @@ def test_silu_kernels_match_twins_cuda(dtype, t, hd, z_cols, strided):
     assert none.numel() == 0 and torch.equal(dz2, dz)
 
 
+def test_silu_twin_takes_the_attention_fp32_dq_accumulator():
+    """The twin with dq as the attention's fp32 head-major [H, T, D] accumulator equals the twin
+    given the same values as [T, hd] fp32 rows (so no rounding of dq before SiLU'), and names a
+    malformed accumulator."""
+    t, heads, d = 29, 3, 8
+    z, (du, dv, _, dk) = _silu_inputs(t, heads * d, torch.bfloat16, seed=3)
+    acc = torch.randn(heads, t, d)
+    dz, dbias = lnmd.reference_silu_chunk_major_backward(du, dv, acc, dk, z, True)
+    rows = acc.transpose(0, 1).reshape(t, heads * d)
+    dz_r, dbias_r = lnmd.reference_silu_chunk_major_backward(du, dv, rows, dk, z, True)
+    assert torch.equal(dz, dz_r) and torch.equal(dbias, dbias_r)
+    with pytest.raises(ValueError, match="head-major"):
+        lnmd.reference_silu_chunk_major_backward(du, dv, acc[:, :5], dk, z, True)
+
+
+@pytest.mark.parametrize("t,heads,d", [(1, 1, 8), (1000, 4, 256), (4099, 2, 64), (777, 3, 32)])
+@pytest.mark.gpu
+@needs_kernel
+def test_silu_backward_with_fp32_dq_accumulator_cuda(t, heads, d):
+    """The kernel reading dq from the attention's fp32 head-major accumulator: dz within one
+    rounding step of the twin (which uses the same unrounded dq), dbias within 1e-3 relative L2;
+    u, v, k blocks bit-equal to the call with a 16-bit dq; a malformed accumulator is refused."""
+    hd = heads * d
+    z, (du, dv, dq16, dk) = _silu_inputs(t, hd, torch.bfloat16, "cuda", seed=t + d, strided=True)
+    acc = torch.randn(heads, t, d, device="cuda")
+    dz, dbias = torch.ops.hstu_lnmd.silu_chunk_major_backward(du, dv, acc, dk, z, True)
+    dz_r, dbias_r = lnmd.reference_silu_chunk_major_backward(du, dv, acc, dk, z, True)
+    torch.testing.assert_close(dz.float(), dz_r.float(), atol=1e-2, rtol=1.6e-2)
+    assert _rel(dbias, dbias_r) < 1e-3, _rel(dbias, dbias_r)
+    dz16, _ = torch.ops.hstu_lnmd.silu_chunk_major_backward(du, dv, dq16, dk, z, True)
+    for blk in (0, 1, 3):
+        cols = slice(blk * hd, (blk + 1) * hd)
+        assert torch.equal(dz[:, cols], dz16[:, cols]), blk
+    with pytest.raises(ValueError, match="head-major"):
+        torch.ops.hstu_lnmd.silu_chunk_major_backward(du, dv, acc[:, :, : d // 2], dk, z, True)
+    if t * heads > 1:  # [H, T, D] rows 2D apart
+        strided = torch.randn(heads, t, 2 * d, device="cuda")[:, :, :d]
+        with pytest.raises(ValueError, match="contiguous"):
+            torch.ops.hstu_lnmd.silu_chunk_major_backward(du, dv, strided, dk, z, True)
+
+
 @pytest.mark.gpu
 @needs_kernel
 def test_silu_kernels_extreme_values_and_aten_agreement_cuda():

@@ -268,12 +268,18 @@ def _silu_backward(spec: _LayerSpec, grads, z: torch.Tensor, hd: int, dt_bias: t
     pass when the SiLU kernels run, else aten.silu_backward per block and dz.sum(0)."""
     t = z.shape[0]
     if spec.silu_ops is not None:
-        rows = [_kernel_rows(g, t, hd, z.dtype) for g in grads]
+        # dq may come as the attention kernel's fp32 head-major accumulator (read as it is)
+        rows = [g if _is_dq_accum(g) else _kernel_rows(g, t, hd, z.dtype) for g in grads]
         dz, d_bias = spec.silu_ops[1](*rows, z, True)
         return dz, d_bias.to(dt_bias)
     dz = torch.empty_like(z)
     _silu_backward_into(dz, grads, z, hd)
     return dz, dz.sum(0, dtype=torch.float32).to(dt_bias)
+
+
+def _is_dq_accum(g: torch.Tensor) -> bool:
+    """Whether ``g`` is the attention kernel's fp32 dQ accumulator [H, T, D] (`dq_fp32=True`)."""
+    return g.dim() == 3 and g.dtype == torch.float32 and g.is_cuda
 
 
 def _output_grad(spec: _LayerSpec, dout: torch.Tensor, cdtype: torch.dtype, dt_bias: torch.dtype):
@@ -499,6 +505,9 @@ def _attention_backward(
     if spec.attn_ops is not None:
         kw = spec.attn_kwargs
         offsets, contexts, targets = a.kernel_metadata(q.device)
+        # with the SiLU kernels, dq stays the kernel's fp32 accumulator: the SiLU backward
+        # reads it directly, so no convert kernel runs
+        extra = {"dq_fp32": True} if spec.silu_ops is not None and _has_dq_fp32(spec) else {}
         dq, dk, dv, d_pos, d_time = spec.attn_ops[1](
             dout.contiguous(),
             q,
@@ -516,6 +525,7 @@ def _attention_backward(
             False,
             **_kernel_bias_args(spec, q, pos_weight, time_weight),
             inv_scale_tensor=kw["inv_scale_tensor"],
+            **extra,
         )
         # fp32 from the kernel (empty for an absent weight); back to the parameters' dtype
         d_w = [None if w is None else g.to(w.dtype) for w, g in zip(weights, (d_pos, d_time))]
@@ -530,6 +540,14 @@ def _attention_backward(
     dq, dk, dv = grads[:3]
     rest = iter(grads[3:])
     return dq, dk, dv, *(None if w is None else next(rest) for w in w_leaves)
+
+
+def _has_dq_fp32(spec: _LayerSpec) -> bool:
+    """Whether the attention backward op takes ``dq_fp32`` (an op without it, e.g. a build older
+    than its SiLU counterpart, returns dq converted, as before)."""
+    op = spec.attn_ops[1]
+    schema = getattr(getattr(op, "default", None), "_schema", None)
+    return schema is not None and any(a.name == "dq_fp32" for a in schema.arguments)
 
 
 def _seed_offset_kwarg(seed_offset: torch.Tensor | None) -> dict:

@@ -243,9 +243,18 @@ def reference_silu_chunk_major_backward(
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch twin of torch.ops.hstu_lnmd.silu_chunk_major_backward: dz = [du | dv | dq | dk] *
-    SiLU'(z) in fp32, rounded to z's dtype, and (bias_grad) its fp32 column sums, else empty."""
+    SiLU'(z) in fp32, rounded to z's dtype, and (bias_grad) its fp32 column sums, else empty.
+    dq may also be the attention backward's fp32 accumulator, head-major [H, T, D] with H * D =
+    hd (`torch.ops.hstu_attention.bwd(..., dq_fp32=True)`), used unrounded."""
     hd = _check_chunk_major(z)
     t = z.shape[0]
+    if dq.dtype == torch.float32 and dq.dim() == 3:
+        if dq.shape[1] != t or dq.shape[0] * dq.shape[2] != hd:
+            raise ValueError(
+                f"an fp32 dq must be the attention's head-major [H, T, D] accumulator with "
+                f"H * D = hd = {hd}, T = {t}; got shape {tuple(dq.shape)}"
+            )
+        dq = dq.transpose(0, 1).reshape(t, hd)
     for name, g in (("du", du), ("dv", dv), ("dq", dq), ("dk", dk)):
         if tuple(g.shape) != (t, hd):
             raise ValueError(

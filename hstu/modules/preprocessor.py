@@ -247,14 +247,16 @@ class SequencePreprocessor(nn.Module):
         tok = scaled + self.position_embedding(pos_ids)
         actions = batch.features[ACTION_FEATURE].values().to(device)
         action_tok = self.action_tokens(actions, values.dtype) + self.history_embedding
-        tok = tok.index_put((hist_index,), action_tok, accumulate=True)
+        # in place: tok is this call's own sum (an out-of-place index_put copies all of it)
+        tok.index_put_((hist_index,), action_tok, accumulate=True)
 
         pad = self.pad_tokens == "on" or (self.pad_tokens == "auto" and device.type == "cuda")
         rows = padded_token_count(num_tokens, pad_sizes_per_octave) if pad else num_tokens
-        x = values.new_zeros((rows, self.hidden_size))
-        x = x.index_copy(0, dest, tok)
-        for i, ctx in enumerate(contextual):
-            x = x.index_copy(0, offsets[:-1] + i, ctx)
+        if contextual:
+            ctx_rows = (offsets[:-1].view(b, 1) + torch.arange(f, device=device)).view(-1)
+            x = _AssembleTokens.apply(rows, num_tokens, dest, ctx_rows, tok, *contextual)
+        else:
+            x = _AssembleTokens.apply(rows, num_tokens, dest, None, tok)
         x = self.dropout(x)
         attn = _attention_inputs(
             offsets, offsets_host, max_seqlen, f, num_cand, host.candidates, has_targets, rows
@@ -319,6 +321,37 @@ class SequencePreprocessor(nn.Module):
             ctx_rows = (offsets[:-1].view(b, 1) + torch.arange(f, device=device)).view(-1)
             ts = ts.index_copy(0, ctx_rows, first.repeat_interleave(f, output_size=b * f))
         return ts
+
+
+class _AssembleTokens(torch.autograd.Function):
+    """x [rows, D] from the item tokens and the contextual tokens in one pass: x[dest] = tok,
+    x[ctx_rows[s * F + i]] = contextual[i][s], rows from num_tokens on (padding) zero. dest and
+    ctx_rows together cover rows [0, num_tokens) once each. Backward gathers each source's rows
+    of the gradient. Same values and gradients as zeros + one out-of-place `index_copy` per
+    source, without their copies of the whole [rows, D] tensor (one per source, forward and
+    backward)."""
+
+    @staticmethod
+    def forward(ctx, rows, num_tokens, dest, ctx_rows, tok, *contextual):  # type: ignore[override]
+        x = tok.new_empty((rows, tok.shape[1]))
+        x[num_tokens:].zero_()
+        x.index_copy_(0, dest, tok)
+        if contextual:
+            x.index_copy_(0, ctx_rows, torch.stack(contextual, 1).view(-1, tok.shape[1]))
+        ctx.save_for_backward(dest, ctx_rows)
+        ctx.num_contextual = len(contextual)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        dest, ctx_rows = ctx.saved_tensors
+        f = ctx.num_contextual
+        d_tok = grad.index_select(0, dest) if ctx.needs_input_grad[4] else None
+        d_ctx: list = [None] * f
+        if f and any(ctx.needs_input_grad[5:]):
+            g = grad.index_select(0, ctx_rows).view(-1, f, grad.shape[1])
+            d_ctx = [g[:, i] for i in range(f)]
+        return (None, None, None, None, d_tok, *d_ctx)
 
 
 def _attention_inputs(

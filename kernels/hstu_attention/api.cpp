@@ -10,8 +10,10 @@
 //                                num_targets, target_group_size, window_size, alpha, inv_scale,
 //                                causal, deterministic, timestamps=None, pos_weight=None,
 //                                time_weight=None, time_edges=None, max_pos=0,
-//                                last_query_time=None, inv_scale_tensor=None)
+//                                last_query_time=None, inv_scale_tensor=None, dq_fp32=False)
 //                                -> (dq, dk, dv, d_pos_weight, d_time_weight)
+//     dq_fp32: dq is returned as the kernel's fp32 accumulator, head-major [H, T, D], unconverted
+//     (the fused layer's SiLU backward reads it; saves the convert kernel's pass).
 //   torch.ops.hstu_attention.fwd_cached(q, k, v, q_offsets, kv_offsets, kv_lengths,
 //                                num_contexts, num_targets, target_group_size, window_size,
 //                                alpha, inv_scale, timestamps=None, pos_weight=None,
@@ -785,7 +787,7 @@ BwdResult bwd_cuda(
     const std::optional<Tensor>& timestamps, const std::optional<Tensor>& pos_weight,
     const std::optional<Tensor>& time_weight, const std::optional<Tensor>& time_edges,
     int64_t max_pos, const std::optional<Tensor>& last_query_time,
-    const std::optional<Tensor>& inv_scale_tensor) {
+    const std::optional<Tensor>& inv_scale_tensor, bool dq_fp32) {
   Checked c = check_inputs(q, k, v, seq_offsets, max_seqlen, num_contexts, num_targets,
                            target_group_size, window_size, alpha, inv_scale, causal);
   const BiasArgs bias{timestamps, pos_weight, time_weight, time_edges, max_pos, last_query_time};
@@ -794,7 +796,10 @@ BwdResult bwd_cuda(
   HSTU_CHECK_VALUE(dout.sizes() == v.sizes(), "hstu_attention: dout must have the output's shape ",
               shape_str(v), "; got ", shape_str(dout));
   c10::cuda::CUDAGuard guard(q.device());
-  Tensor dq = at::empty_like(q);
+  // Head-major [H, T, D]: the kernel's dQ reductions then use compile-time row offsets. With
+  // dq_fp32 it is the returned dq itself (no conversion): the fused layer's SiLU backward reads it.
+  Tensor dq_accum = at::zeros({q.size(1), q.size(0), q.size(2)}, q.options().dtype(at::kFloat));
+  Tensor dq = dq_fp32 ? dq_accum : at::empty_like(q);
   Tensor dk = at::empty_like(k);
   Tensor dv = at::empty_like(v);
   Tensor dpos = weight_grad(pos_weight, q);
@@ -802,10 +807,8 @@ BwdResult bwd_cuda(
   if (q.size(0) == 0) return {dq, dk, dv, dpos, dtime};
   hstu::HstuParams p = make_params(q, c, max_seqlen, target_group_size, window_size, alpha,
                                    inv_scale, causal);
-  // Head-major [H, T, D]: the kernel's dQ reductions then use compile-time row offsets.
-  Tensor dq_accum = at::zeros({q.size(1), q.size(0), q.size(2)}, q.options().dtype(at::kFloat));
   Tensor sem;
-  if (deterministic || dq_convert_in_bwd_requested()) {
+  if (deterministic || (!dq_fp32 && dq_convert_in_bwd_requested())) {
     // One int32 per (head, sequence, query block): the deterministic mode's semaphores, or the
     // arrival counters with which the backward kernel converts dq_accum to dq itself.
     const int64_t m_blocks = (int64_t(p.max_seqlen) + kMinBlockM - 1) / kMinBlockM;
@@ -816,7 +819,7 @@ BwdResult bwd_cuda(
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.dout = dout.data_ptr();
-  p.dq = dq.data_ptr();
+  p.dq = dq_fp32 ? nullptr : dq.data_ptr();  // nullptr: dQ stays in dq_accum
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
   p.dq_accum = dq_accum.data_ptr<float>();
@@ -849,12 +852,14 @@ BwdResult bwd_meta(
     const std::optional<Tensor>& timestamps, const std::optional<Tensor>& pos_weight,
     const std::optional<Tensor>& time_weight, const std::optional<Tensor>& time_edges,
     int64_t max_pos, const std::optional<Tensor>& last_query_time,
-    const std::optional<Tensor>& inv_scale_tensor) {
+    const std::optional<Tensor>& inv_scale_tensor, bool dq_fp32) {
   auto grad = [&](const std::optional<Tensor>& w) {
     return w.has_value() ? at::empty_like(*w) : at::empty({0}, q.options().dtype(at::kFloat));
   };
-  return {at::empty_like(q), at::empty_like(k), at::empty_like(v), grad(pos_weight),
-          grad(time_weight)};
+  Tensor dq = dq_fp32 ? at::empty_symint({q.sym_size(1), q.sym_size(0), q.sym_size(2)},
+                                         q.options().dtype(at::kFloat))
+                      : at::empty_like(q);
+  return {dq, at::empty_like(k), at::empty_like(v), grad(pos_weight), grad(time_weight)};
 }
 
 }  // namespace
@@ -871,8 +876,8 @@ TORCH_LIBRARY(hstu_attention, m) {
       "Tensor? num_contexts, Tensor? num_targets, int target_group_size, int window_size, "
       "float alpha, float inv_scale, bool causal, bool deterministic, Tensor? timestamps=None, "
       "Tensor? pos_weight=None, Tensor? time_weight=None, Tensor? time_edges=None, "
-      "int max_pos=0, Tensor? last_query_time=None, Tensor? inv_scale_tensor=None) -> "
-      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "int max_pos=0, Tensor? last_query_time=None, Tensor? inv_scale_tensor=None, "
+      "bool dq_fp32=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "fwd_cached(Tensor q, Tensor k, Tensor v, Tensor q_offsets, Tensor kv_offsets, "
       "Tensor? kv_lengths, Tensor? num_contexts, Tensor? num_targets, int target_group_size, "

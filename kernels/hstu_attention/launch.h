@@ -342,9 +342,10 @@ cudaError_t run_hstu_bwd(HstuParams& p, cudaStream_t stream) {
   cudaError_t err = launch_hstu_bwd_config<T, D, kBias>(p, stream);
   if (err != cudaSuccess) return err;
   const int64_t per_head = int64_t(p.total) * D;
-  // With dq_counter the backward kernel has converted dQ itself.
+  // With dq_counter the backward kernel has converted dQ itself; without p.dq the caller takes
+  // dq_accum as it is.
   const bool converted = p.dq_counter != nullptr && !p.deterministic;
-  if (!converted && per_head > 0 && p.heads > 0) {
+  if (!converted && p.dq != nullptr && per_head > 0 && p.heads > 0) {
     const int threads = 256;
     const int64_t blocks = (per_head / 4 + threads - 1) / threads;
     hstu_convert_dq_kernel<T, D><<<dim3(unsigned(blocks), unsigned(p.heads)), threads, 0, stream>>>(

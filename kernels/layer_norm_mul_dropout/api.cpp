@@ -16,6 +16,7 @@
 //
 //   silu_chunk_major(z) -> act
 //   silu_chunk_major_backward(du, dv, dq, dk, z, bias_grad) -> (dz, dbias)
+//     (dq either [T, hd] in z's dtype or the attention backward's fp32 accumulator [H, T, D])
 //
 // z: [T, 4*hd] bf16/fp16, hd a multiple of 8; act: [4, T, hd] = SiLU of the (u | v | q | k)
 // column blocks, each a contiguous [T, hd]. du, dv, dq, dk: [T, hd] in z's dtype (any row
@@ -415,7 +416,22 @@ std::tuple<Tensor, Tensor> silu_bwd_cuda(const Tensor& du, const Tensor& dv, con
   const int64_t t = z.size(0);
   const Tensor* grads[4] = {&du, &dv, &dq, &dk};
   const char* names[4] = {"du", "dv", "dq", "dk"};
+  // dq may be the attention backward's fp32 accumulator, head-major [H, T, D] with H * D = hd
+  const bool dq_f32 = dq.scalar_type() == at::kFloat;
+  if (dq_f32) {
+    LNMD_VALUE(dq.is_cuda() && dq.device() == z.device(),
+               "dq must be on z's device " + z.device().str() + "; got " + dq.device().str());
+    LNMD_VALUE(dq.dim() == 3 && dq.size(1) == t && dq.size(0) * dq.size(2) == hd &&
+                   dq.size(2) % 8 == 0,
+               "an fp32 dq must be the attention's head-major [H, T, D] accumulator with H * D = "
+               "hd = " + std::to_string(hd) + ", T = " + std::to_string(t) +
+                   " and D a multiple of 8; got shape " + shape_of(dq) +
+                   " (or pass dq as [T, hd] in z's dtype)");
+    LNMD_VALUE(dq.is_contiguous() && reinterpret_cast<uintptr_t>(dq.data_ptr()) % 16 == 0,
+               "an fp32 dq must be contiguous and 16-byte aligned (call .contiguous())");
+  }
   for (int i = 0; i < 4; ++i) {
+    if (i == 2 && dq_f32) continue;
     check_silu_rows(*grads[i], names[i], z);
     LNMD_VALUE(grads[i]->size(0) == t && grads[i]->size(1) == hd,
                std::string(names[i]) + " must be [T, hd] = [" + std::to_string(t) + ", " +
@@ -427,16 +443,18 @@ std::tuple<Tensor, Tensor> silu_bwd_cuda(const Tensor& du, const Tensor& dv, con
   const auto fopts = z.options().dtype(at::kFloat);
   if (t == 0) return {dz, bias_grad ? at::zeros({4 * hd}, fopts) : at::empty({0}, fopts)};
   const lnmd::DType dt = dtype_enum(z);
-  const int grid_y = lnmd::silu_bwd_grid(dt, static_cast<int>(hd), t, num_sms(z));
+  const int grid_y = lnmd::silu_bwd_grid(dt, static_cast<int>(hd), t, num_sms(z), dq_f32);
   Tensor partials = bias_grad ? at::empty({grid_y, 4 * hd}, fopts) : Tensor();
   lnmd::SiluBwdParams prm;
   prm.grad0 = du.data_ptr();
   prm.grad1 = dv.data_ptr();
-  prm.grad2 = dq.data_ptr();
+  prm.grad2 = dq_f32 ? nullptr : dq.data_ptr();
   prm.grad3 = dk.data_ptr();
+  prm.grad2_f32 = dq_f32 ? dq.data_ptr<float>() : nullptr;
+  prm.head_dim = dq_f32 ? static_cast<int>(dq.size(2)) : 0;
   prm.grad_stride0 = du.stride(0);
   prm.grad_stride1 = dv.stride(0);
-  prm.grad_stride2 = dq.stride(0);
+  prm.grad_stride2 = dq_f32 ? 0 : dq.stride(0);
   prm.grad_stride3 = dk.stride(0);
   prm.z = z.data_ptr();
   prm.z_stride = z.stride(0);

@@ -39,7 +39,7 @@ void launch_ln_bwd(DType dtype, const LnBwdParams& p, int grid, cudaStream_t str
 
 // Chunk-major SiLU of the uvqk projection and its backward (silu.cu). silu_bwd_grid: the
 // number of block rows the backward launches (api.cpp sizes the bias partials [grid, 4 * hd]).
-int silu_bwd_grid(DType dtype, int hd, int64_t rows, int num_sms);
+int silu_bwd_grid(DType dtype, int hd, int64_t rows, int num_sms, bool dq_f32 = false);
 void launch_silu_fwd(DType dtype, const SiluFwdParams& p, int num_sms, cudaStream_t stream);
 void launch_silu_bwd(DType dtype, const SiluBwdParams& p, int grid_y, cudaStream_t stream);
 

@@ -111,6 +111,10 @@ struct SiluBwdParams {
   const void* grad1 = nullptr;  // dv
   const void* grad2 = nullptr;  // dq
   const void* grad3 = nullptr;  // dk
+  // dq as the attention backward's fp32 accumulator, head-major [hd / head_dim, rows, head_dim]
+  // (read in place of grad2 when set; silu_bwd_kernel<T, true>)
+  const float* grad2_f32 = nullptr;
+  int head_dim = 0;
   int64_t grad_stride0 = 0;
   int64_t grad_stride1 = 0;
   int64_t grad_stride2 = 0;

@@ -9,10 +9,15 @@
 namespace lnmd {
 namespace {
 
-template <typename T>
+template <typename T, bool kDqF32>
 int silu_bwd_per_sm() {
-  static const int per_sm = column_blocks_per_sm(silu_bwd_kernel<T>);
+  static const int per_sm = column_blocks_per_sm(silu_bwd_kernel<T, kDqF32>);
   return per_sm;
+}
+
+template <typename T>
+int silu_bwd_per_sm(bool dq_f32) {
+  return dq_f32 ? silu_bwd_per_sm<T, true>() : silu_bwd_per_sm<T, false>();
 }
 
 template <typename T>
@@ -28,15 +33,20 @@ template <typename T>
 void run_silu_bwd(const SiluBwdParams& p, int grid_y, cudaStream_t stream) {
   if (p.rows == 0 || grid_y == 0) return;
   const int nchunks = p.hd / 2;
-  silu_bwd_kernel<T><<<dim3(column_grid_x(nchunks), grid_y), column_block(nchunks), 0, stream>>>(p);
+  const dim3 grid(column_grid_x(nchunks), grid_y);
+  if (p.grad2_f32 != nullptr) {
+    silu_bwd_kernel<T, true><<<grid, column_block(nchunks), 0, stream>>>(p);
+  } else {
+    silu_bwd_kernel<T, false><<<grid, column_block(nchunks), 0, stream>>>(p);
+  }
 }
 
 }  // namespace
 
-int silu_bwd_grid(DType dtype, int hd, int64_t rows, int num_sms) {
+int silu_bwd_grid(DType dtype, int hd, int64_t rows, int num_sms, bool dq_f32) {
   if (rows == 0) return 0;
-  const int per_sm = dtype == DType::kBF16 ? silu_bwd_per_sm<__nv_bfloat16>()
-                                           : silu_bwd_per_sm<__half>();
+  const int per_sm = dtype == DType::kBF16 ? silu_bwd_per_sm<__nv_bfloat16>(dq_f32)
+                                           : silu_bwd_per_sm<__half>(dq_f32);
   return column_grid_y(hd / 2, rows, per_sm, num_sms);
 }
 

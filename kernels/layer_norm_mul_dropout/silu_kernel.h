@@ -2,7 +2,8 @@
 //
 //   forward:  act[b, r, :] = SiLU(z[r, b*hd:(b+1)*hd])           b = 0..3 (u, v, q, k)
 //   backward: dz[r, b*hd:(b+1)*hd] = grad_b[r, :] * SiLU'(z[r, b*hd:(b+1)*hd])
-//             (+ optionally the column sums of dz as rounded to T: the uvqk bias gradient)
+//             (+ optionally the column sums of dz as rounded to T: the uvqk bias gradient);
+//             grad_2 (dq) either T or the attention's fp32 head-major accumulator
 //
 // SiLU(x) = x * s, SiLU'(x) = s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x)); math in fp32.
 //
@@ -64,7 +65,9 @@ __global__ void __launch_bounds__(kSiluThreads) silu_fwd_kernel(const SiluFwdPar
   }
 }
 
-template <typename T>
+// kDqF32: the q block's gradient is p.grad2_f32 (fp32, head-major); its columns load two
+// 16-byte fp32 vectors per row, the other blocks' columns are unchanged.
+template <typename T, bool kDqF32 = false>
 __global__ void __launch_bounds__(kSiluThreads) silu_bwd_kernel(const SiluBwdParams p) {
   __shared__ float red[kSiluThreads][8];  // bias-gradient partials of the block's row lanes
   const int hdc = p.hd / 8;
@@ -81,6 +84,15 @@ __global__ void __launch_bounds__(kSiluThreads) silu_bwd_kernel(const SiluBwdPar
   const char* zcol = static_cast<const char*>(p.z) + static_cast<int64_t>(c) * 16;
   char* dcol = static_cast<char*>(p.dz) + static_cast<int64_t>(c) * 16;
   const int64_t gs = gstride * tsize, zs = p.z_stride * tsize, ds = p.dz_stride * tsize;
+  // fp32 q-block column: head h = e / head_dim of the column's first element e, rows head_dim
+  // floats apart inside the head's [rows, head_dim] slab
+  const bool f32 = kDqF32 && b == 2;
+  const float* fcol = nullptr;
+  if (f32) {
+    const int e = ci * 8;
+    const int h = e / p.head_dim;
+    fcol = p.grad2_f32 + static_cast<int64_t>(h) * p.rows * p.head_dim + (e - h * p.head_dim);
+  }
   const bool bias = p.partials != nullptr;
   const int64_t step = static_cast<int64_t>(gridDim.y) * blockDim.y;
 
@@ -90,13 +102,23 @@ __global__ void __launch_bounds__(kSiluThreads) silu_bwd_kernel(const SiluBwdPar
   if (col_ok) {
     for (int64_t r0 = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r0 < p.rows;
          r0 += kSiluUnroll * step) {
-      uint4 zraw[kSiluUnroll], graw[kSiluUnroll];
+      // graw[k][0] holds 8 16-bit gradients, or with graw[k][1] 8 fp32 ones (fp32 dq column)
+      uint4 zraw[kSiluUnroll], graw[kSiluUnroll][kDqF32 ? 2 : 1];
 #pragma unroll
       for (int k = 0; k < kSiluUnroll; ++k) {
         const int64_t r = r0 + k * step;
         const bool in = r < p.rows;
-        zraw[k] = in ? *reinterpret_cast<const uint4*>(zcol + r * zs) : make_uint4(0, 0, 0, 0);
-        graw[k] = in ? *reinterpret_cast<const uint4*>(gcol + r * gs) : make_uint4(0, 0, 0, 0);
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        zraw[k] = in ? *reinterpret_cast<const uint4*>(zcol + r * zs) : zero;
+        if constexpr (kDqF32) {
+          if (f32) {
+            const uint4* src = reinterpret_cast<const uint4*>(fcol + r * p.head_dim);
+            graw[k][0] = in ? src[0] : zero;
+            graw[k][1] = in ? src[1] : zero;
+            continue;
+          }
+        }
+        graw[k][0] = in ? *reinterpret_cast<const uint4*>(gcol + r * gs) : zero;
       }
 #pragma unroll
       for (int k = 0; k < kSiluUnroll; ++k) {
@@ -104,7 +126,16 @@ __global__ void __launch_bounds__(kSiluThreads) silu_bwd_kernel(const SiluBwdPar
         if (r >= p.rows) break;
         float zv[8], gv[8];
         Vec<T>::load(&zraw[k], zv);
-        Vec<T>::load(&graw[k], gv);
+        bool loaded = false;
+        if constexpr (kDqF32) {
+          if (f32) {
+            const float* f = reinterpret_cast<const float*>(graw[k]);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) gv[j] = f[j];
+            loaded = true;
+          }
+        }
+        if (!loaded) Vec<T>::load(&graw[k][0], gv);
 #pragma unroll
         for (int j = 0; j < 8; ++j) gv[j] *= silu_grad_f32(zv[j]);
         uint4 out;

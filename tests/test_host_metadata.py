@@ -230,7 +230,9 @@ def test_preprocessor_gradients_equal_to_device_reading(num_ctx, pad):
             assert x.shape[0] >= layout.num_tokens and not x[layout.num_tokens :].any()
         x = x[: layout.num_tokens]
         (x * torch.arange(x.numel()).view_as(x).sin()).sum().backward()
-        grads.append([p.grad.clone() for p in pre.parameters()] + [values.grad] + [c.grad for c in ctx])
+        grads.append(
+            [p.grad.clone() for p in pre.parameters()] + [values.grad] + [c.grad for c in ctx]
+        )
     for a, b in zip(*grads):
         assert torch.equal(a, b)
 

@@ -245,8 +245,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
   lnmd::launch_bwd(dt, prm, grid, at::cuda::getCurrentCUDAStream());
   check_launch();
   // separate tensors (not views of one [2, D] sum): op outputs must not alias each other
-  const Tensor sums = partials.sum(0);  // [2, D] in one reduction
-  return {dx, du, sums[0], sums[1], y};
+  return {dx, du, partials.select(1, 0).sum(0), partials.select(1, 1).sum(0), y};
 }
 
 // A [T, D] fp32 tensor of the input LayerNorm (x or dres), shaped like x.
@@ -343,8 +342,7 @@ std::tuple<Tensor, Tensor, Tensor> ln_bwd_cuda(const Tensor& dn, const Tensor& x
   prm.cols = cols;
   lnmd::launch_ln_bwd(dt, prm, grid, at::cuda::getCurrentCUDAStream());
   check_launch();
-  const Tensor sums = partials.sum(0);  // [2, D] in one reduction
-  return {dx, sums[0], sums[1]};
+  return {dx, partials.select(1, 0).sum(0), partials.select(1, 1).sum(0)};
 }
 
 std::tuple<Tensor, Tensor, Tensor> ln_fwd_meta(const Tensor& x, const Tensor& weight,

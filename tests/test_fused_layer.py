@@ -393,6 +393,81 @@ def test_fused_gate_cuda_dropout_matches_unfused_with_its_mask_cuda(monkeypatch)
         assert err < 3e-2, (name, float(err))
 
 
+def test_u_silu_in_the_gate_kernels_matches_unfused_cpu(monkeypatch):
+    """With both the SiLU and the gate kernels (their PyTorch twins on CPU) and an
+    extension that has silu_chunk_major_backward_into, u's SiLU moves into the gating ops: the
+    SiLU op computes v, q, k only (first_block=1), the gating ops get z's u block with
+    u_silu=True, the gating backward writes dz's u block (du_out) and the SiLU backward fills
+    the rest. Matches the unfused layer for every recompute option, and an empty batch."""
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+
+    calls = {"first_block": [], "u_silu": [], "into": 0}
+
+    def silu_fwd(z, first_block=0):
+        calls["first_block"].append(first_block)
+        return lnmd.reference_silu_chunk_major(z, first_block)
+
+    def gate_fwd(*args, u_silu=False, **kw):
+        calls["u_silu"].append(u_silu)
+        return lnmd.reference_fwd(*args, u_silu=u_silu, **kw)
+
+    def into(dv, dq, dk, z, dz, bias_grad):
+        calls["into"] += 1
+        return lnmd.reference_silu_chunk_major_backward_into(dv, dq, dk, z, dz, bias_grad)
+
+    monkeypatch.setattr(
+        fused_mod,
+        "_silu_ops",
+        lambda x, inner: (silu_fwd, lnmd.reference_silu_chunk_major_backward),
+    )
+    monkeypatch.setattr(
+        fused_mod, "_gate_ops", lambda mode, x, inner: (gate_fwd, lnmd.reference_bwd)
+    )
+    monkeypatch.setattr(
+        fused_mod,
+        "_elementwise_ops",
+        lambda x, name: into if name == "silu_chunk_major_backward_into" else None,
+    )
+    _match_every_recompute_option(seed=6)
+    assert calls["into"] == len(RECOMPUTE)
+    assert set(calls["first_block"]) == {1} and set(calls["u_silu"]) == {True}
+    _, fused = _pair(recompute=(True, True))
+    empty = torch.zeros(0, HIDDEN)
+    out_f, g_f = _run(fused, empty, _layout([0, 0]), empty)
+    assert out_f.shape == (0, HIDDEN) and torch.count_nonzero(g_f["uvqk.bias"]) == 0
+
+
+def test_u_silu_twins_equal_the_unfused_kernels_path():
+    """The twins with u before its SiLU (u_silu) give the same y, dx, dweight, dbias as with u =
+    SiLU(z_u) rounded, and write exactly the u block the SiLU backward twin writes from du; the
+    _into twin fills the other blocks and sums all four."""
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+
+    torch.manual_seed(0)
+    t, hd = 13, 16
+    z = (torch.randn(t, 4 * hd) * 3).to(torch.bfloat16)
+    x = torch.randn(t, hd).to(torch.bfloat16)
+    dy = torch.randn(t, hd).to(torch.bfloat16)
+    w, b = torch.randn(hd), torch.randn(hd)
+    act = lnmd.reference_silu_chunk_major(z)
+    assert torch.equal(lnmd.reference_silu_chunk_major(z, 1), act[1:])
+    y, mean, rstd = lnmd.reference_fwd(x, act[0], w, b, 1e-5, 0.25, 3, 4)
+    y2, mean2, rstd2 = lnmd.reference_fwd(x, z[:, :hd], w, b, 1e-5, 0.25, 3, 4, u_silu=True)
+    assert torch.equal(y, y2) and torch.equal(mean, mean2) and torch.equal(rstd, rstd2)
+    ref = lnmd.reference_bwd(dy, x, act[0], w, b, mean, rstd, 0.25, 3, 4, True)
+    dz = torch.full_like(z, float("nan"))
+    got = lnmd.reference_bwd(
+        dy, x, z[:, :hd], w, b, mean, rstd, 0.25, 3, 4, True, u_silu=True, du_out=dz[:, :hd]
+    )
+    for i in (0, 2, 3, 4):
+        assert torch.equal(got[i], ref[i]), i
+    assert got[1].numel() == 0
+    grads = [torch.randn(t, hd).to(torch.bfloat16) for _ in range(3)]
+    dz_ref, dbias_ref = lnmd.reference_silu_chunk_major_backward(ref[1], *grads, z, True)
+    dbias = lnmd.reference_silu_chunk_major_backward_into(*grads, z, dz, True)
+    assert torch.equal(dz, dz_ref) and torch.equal(dbias, dbias_ref)
+
+
 def test_fused_silu_kernel_path_matches_unfused_cpu(monkeypatch):
     """The SiLU-kernel code path of the Function (chunk-major forward, one backward pass that
     also returns the uvqk bias gradient), run on CPU with the kernels' PyTorch twins in place of

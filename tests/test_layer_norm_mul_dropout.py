@@ -373,6 +373,66 @@ def test_silu_backward_with_fp32_dq_accumulator_cuda(t, heads, d):
             torch.ops.hstu_lnmd.silu_chunk_major_backward(du, dv, strided, dk, z, True)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,heads,d,p", [(1, 1, 8, 0.0), (777, 4, 256, 0.1), (4099, 2, 64, 0.0)])
+@pytest.mark.gpu
+@needs_kernel
+def test_u_silu_in_the_gate_kernels_equals_the_unfused_kernels_cuda(dtype, t, heads, d, p):
+    """The fused layer's path with u's SiLU inside the gating kernels against the kernels
+    without it (same math and roundings, so equal up to the compiler's instruction choices:
+    checked within one rounding step, fp32 sums within 1e-5): silu_chunk_major(z, 1) = the v,
+    q, k blocks of silu_chunk_major(z) (bit for bit: the same kernel); fwd(u_silu) on z's u
+    block = fwd on SiLU(z)'s u block; bwd(u_silu, du_out=dz[:, :hd]) gives the same dx,
+    dweight, dbias, y and writes the u block silu_chunk_major_backward writes;
+    silu_chunk_major_backward_into then writes the other blocks and the same bias sums (dq as a
+    16-bit tensor and as the attention's fp32 accumulator)."""
+    hd = heads * d
+    z, (_, dv, dq, dk) = _silu_inputs(t, hd, dtype, "cuda", seed=t + d, z_cols=4 * hd + 8)
+    x, _, w, b, dy = _inputs(t, hd, dtype, "cuda", seed=t)
+    seed, off, eps = 77, 4, 1e-6
+    step = 8e-3 if dtype == torch.bfloat16 else 1e-3
+
+    def same(a, b):
+        if a.dtype == torch.float32:
+            assert _rel(a, b) < 1e-5, _rel(a, b)
+        else:
+            torch.testing.assert_close(a.float(), b.float(), rtol=step, atol=1e-4)
+
+    act = torch.ops.hstu_lnmd.silu_chunk_major(z)
+    act3 = torch.ops.hstu_lnmd.silu_chunk_major(z, 1)
+    assert act3.shape == (3, t, hd) and torch.equal(act3, act[1:])
+    zu = z[:, :hd]
+    ref_f = torch.ops.hstu_lnmd.fwd(x, act[0], w, b, eps, p, seed, off)
+    got_f = torch.ops.hstu_lnmd.fwd(x, zu, w, b, eps, p, seed, off, u_silu=True)
+    for a, g in zip(ref_f, got_f):
+        same(g, a)
+    mean, rstd = ref_f[1], ref_f[2]
+    ref_b = torch.ops.hstu_lnmd.bwd(dy, x, act[0], w, b, mean, rstd, p, seed, off, True)
+    for dq_in in (dq, torch.randn(heads, t, d, device="cuda")):
+        dz = torch.full((t, 4 * hd), float("nan"), device="cuda", dtype=dtype)
+        got_b = torch.ops.hstu_lnmd.bwd(
+            dy, x, zu, w, b, mean, rstd, p, seed, off, True, u_silu=True, du_out=dz[:, :hd]
+        )
+        assert got_b[1].numel() == 0
+        for i in (0, 2, 3, 4):
+            same(got_b[i], ref_b[i])
+        dz_r, dbias_r = torch.ops.hstu_lnmd.silu_chunk_major_backward(
+            ref_b[1], dv, dq_in, dk, z, True
+        )
+        dbias = torch.ops.hstu_lnmd.silu_chunk_major_backward_into(dv, dq_in, dk, z, dz, True)
+        assert not dz.isnan().any()
+        same(dz, dz_r)
+        same(dbias, dbias_r)
+        # the v, q, k blocks come from the same kernel code: bit for bit
+        assert torch.equal(dz[:, hd:], dz_r[:, hd:])
+        none = torch.ops.hstu_lnmd.silu_chunk_major_backward_into(dv, dq_in, dk, z, dz, False)
+        assert none.numel() == 0
+    with pytest.raises(ValueError, match="first_block"):
+        torch.ops.hstu_lnmd.silu_chunk_major(z, 2)
+    with pytest.raises(ValueError, match="dz"):
+        torch.ops.hstu_lnmd.silu_chunk_major_backward_into(dv, dq, dk, z, dz[:, :-8], True)
+
+
 @pytest.mark.gpu
 @needs_kernel
 def test_silu_kernels_extreme_values_and_aten_agreement_cuda():

@@ -65,6 +65,7 @@ one fallback: a stage that fails to compile switches every layer to the eager st
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 from collections.abc import Callable
@@ -135,6 +136,9 @@ class _LayerSpec:
     gate_ops: tuple[Callable, Callable] | None
     # (silu_chunk_major, silu_chunk_major_backward) ops when the SiLU kernels run, else None
     silu_ops: tuple[Callable, Callable] | None = None
+    # silu_chunk_major_backward_into when u's SiLU runs inside the gating kernels, else None:
+    # act is then [3, T, hd] (v, q, k) and u is z's first column block (`_silu_into_op`)
+    silu_into: Callable | None = None
     # cast_colsum op for the incoming fp32 gradient (cast + output bias gradient), else None
     cast_op: Callable | None = None
     # (ln_fwd, ln_bwd) ops of the input LayerNorm kernels (fp32 residual stream), else None
@@ -277,6 +281,39 @@ def _silu_backward(spec: _LayerSpec, grads, z: torch.Tensor, hd: int, dt_bias: t
     return dz, dz.sum(0, dtype=torch.float32).to(dt_bias)
 
 
+def _activations(spec: _LayerSpec, z: torch.Tensor, hd: int):
+    """(act as saved, u for the gating step, (v, q, k)) from z [T, 4*hd]: the SiLU kernel's
+    [4, T, hd] blocks, or with `silu_into` its [3, T, hd] v, q, k and z's u block itself (the
+    gating kernels apply SiLU to it)."""
+    if spec.silu_into is not None:
+        act = spec.silu_ops[0](z, 1)
+    elif spec.silu_ops is not None:
+        act = spec.silu_ops[0](z)
+    else:
+        act = _silu_chunk_major(z, hd)
+    return (act, *_split_activations(spec, act, z, hd))
+
+
+def _split_activations(spec: _LayerSpec, act: torch.Tensor, z: torch.Tensor, hd: int):
+    """(u, (v, q, k)) of a saved ``act`` (see `_activations`)."""
+    if spec.silu_into is not None:
+        return z[:, :hd], (act[0], act[1], act[2])
+    return act[0], (act[1], act[2], act[3])
+
+
+def _u_silu_kwarg(spec: _LayerSpec) -> dict:
+    """The gating ops' ``u_silu`` keyword when they take u before its SiLU."""
+    return {"u_silu": True} if spec.silu_into is not None else {}
+
+
+def _silu_backward_vqk(spec: _LayerSpec, dz, grads, z: torch.Tensor, hd: int, dt_bias):
+    """dz's v, q, k blocks from dv, dq, dk (its u block is written already) and the uvqk bias
+    gradient in dt_bias: one `silu_chunk_major_backward_into` pass."""
+    t = z.shape[0]
+    rows = [g if _is_dq_accum(g) else _kernel_rows(g, t, hd, z.dtype) for g in grads]
+    return spec.silu_into(*rows, z, dz, True).to(dt_bias)
+
+
 def _is_dq_accum(g: torch.Tensor) -> bool:
     """Whether ``g`` is the attention kernel's fp32 dQ accumulator [H, T, D] (`dq_fp32=True`)."""
     return g.dim() == 3 and g.dtype == torch.float32 and g.is_cuda
@@ -340,6 +377,29 @@ def _silu_ops(x: torch.Tensor, inner: int):
     fwd = None if inner % 8 else _elementwise_ops(x, "silu_chunk_major")
     bwd = None if fwd is None else _elementwise_ops(x, "silu_chunk_major_backward")
     return None if bwd is None else (fwd, bwd)
+
+
+def _takes(op: Callable, arg: str) -> bool:
+    """Whether the op's schema has the argument ``arg`` (an op built from older sources may
+    not); a Python function (the twins) by its signature."""
+    schema = getattr(getattr(op, "default", None), "_schema", None)
+    if schema is not None:
+        return any(a.name == arg for a in schema.arguments)
+    return arg in inspect.signature(op).parameters
+
+
+def _silu_into_op(x: torch.Tensor, silu_ops, gate_ops):
+    """silu_chunk_major_backward_into when the SiLU of u moves into the gating kernels (both
+    the SiLU and the gate kernels run this call, and the build has the u_silu / first_block
+    arguments), else None. Then the SiLU kernel computes v, q, k only, the gating kernels read
+    z's u block and apply SiLU themselves, and the gating backward writes dz's u block."""
+    if silu_ops is None or gate_ops is None:
+        return None
+    if not (_takes(gate_ops[0], "u_silu") and _takes(gate_ops[1], "du_out")):
+        return None
+    if not _takes(silu_ops[0], "first_block"):
+        return None
+    return _elementwise_ops(x, "silu_chunk_major_backward_into")
 
 
 def _cast_op(x: torch.Tensor, hidden: int):
@@ -584,11 +644,10 @@ class _FusedHSTUFunction(torch.autograd.Function):
             # cast once; backward reuses the casts (no-ops when the weights are already cdtype)
             w_uvqk_c, w_out_c = w_uvqk.to(cdtype), w_out.to(cdtype)
             z = F.linear(n_c, w_uvqk_c, b_uvqk.to(cdtype))
-            act = spec.silu_ops[0](z) if spec.silu_ops is not None else _silu_chunk_major(z, hd)
-            u = act[0]
+            act, u, (v_, q_, k_) = _activations(spec, z, hd)
             if t > 0:
                 attn = _attention_forward(
-                    spec, act[2].view(shape), act[3].view(shape), act[1].view(shape), w_pos, w_time
+                    spec, q_.view(shape), k_.view(shape), v_.view(shape), w_pos, w_time
                 )
                 attn = attn.reshape(t, hd).to(cdtype)
             else:
@@ -605,7 +664,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
                     seed = lnmd.draw_seed(dev)
                 y_c, mean2, rstd2 = spec.gate_ops[0](
                     attn, u, w_attn.float(), b_attn.float(), spec.eps, p, *seed,
-                    **_seed_offset_kwarg(seed_offset),
+                    **_seed_offset_kwarg(seed_offset), **_u_silu_kwarg(spec),
                 )  # fmt: skip
             else:
                 if p > 0.0:
@@ -645,8 +704,11 @@ class _FusedHSTUFunction(torch.autograd.Function):
             hd = spec.num_heads * spec.head_dim
             shape = (t, spec.num_heads, spec.head_dim)
             if act is None:  # recompute_uvqk_silu
-                act = spec.silu_ops[0](z) if spec.silu_ops is not None else _silu_chunk_major(z, hd)
-            u = act[0]
+                act, u, vqk = _activations(spec, z, hd)
+            else:
+                u, vqk = _split_activations(spec, act, z, hd)
+            # with u's SiLU in the gating kernels, the gating backward writes dz's u block
+            dz = torch.empty_like(z) if spec.silu_into is not None else None
 
             # output projection: proj = y @ W_o^T + b_o
             dproj, d_b_out = _output_grad(spec, dout, cdtype, dt_b_out)
@@ -654,9 +716,10 @@ class _FusedHSTUFunction(torch.autograd.Function):
 
             # dropout (the forward's mask), gating, LayerNorm(attn); y recomputed for dW_o
             if spec.gate_ops is not None:
+                into = {} if dz is None else {"du_out": dz[:, :hd], **_u_silu_kwarg(spec)}
                 d_attn, du, d_w_attn, d_b_attn, y_c = spec.gate_ops[1](
                     dy, attn, u, w_attn.float(), b_attn.float(), mean2, rstd2, ctx.p, *ctx.seed,
-                    True, **_seed_offset_kwarg(ctx.seed_offset),
+                    True, **_seed_offset_kwarg(ctx.seed_offset), **into,
                 )  # fmt: skip
             else:
                 y_c = _stage(
@@ -673,7 +736,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
 
             # attention (q, k, v: contiguous views of the chunk-major SiLU output)
             if t > 0:
-                q3, k3, v3 = act[2].view(shape), act[3].view(shape), act[1].view(shape)
+                q3, k3, v3 = vqk[1].view(shape), vqk[2].view(shape), vqk[0].view(shape)
                 dq, dk, dv, d_pos, d_time = _attention_backward(
                     spec, d_attn.view(shape), q3, k3, v3, w_pos, w_time
                 )
@@ -686,7 +749,10 @@ class _FusedHSTUFunction(torch.autograd.Function):
 
             # SiLU, straight into the column blocks of dz (+ the uvqk bias gradient), then the
             # uvqk projection
-            dz, d_b_uvqk = _silu_backward(spec, (du, dv, dq, dk), z, hd, dt_b_uvqk)
+            if dz is not None:
+                d_b_uvqk = _silu_backward_vqk(spec, dz, (dv, dq, dk), z, hd, dt_b_uvqk)
+            else:
+                dz, d_b_uvqk = _silu_backward(spec, (du, dv, dq, dk), z, hd, dt_b_uvqk)
             del du, dv, dq, dk
             if n_c is None:  # recompute_input_layernorm
                 n_c = _stage(
@@ -780,6 +846,8 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
         )
     elementwise = layer.elementwise_kernels
     use_ln_kernel = elementwise and layer.layernorm_kernel
+    gate_ops = _gate_ops(layer.gate_kernel, x, inner)
+    silu_ops = _silu_ops(x, inner) if elementwise else None
     spec = _LayerSpec(
         num_heads=layer.num_heads,
         head_dim=layer.head_dim,
@@ -802,8 +870,9 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
         },
         attn_ops=attn_ops,
         stage_compile=layer.stage_compile,
-        gate_ops=_gate_ops(layer.gate_kernel, x, inner),
-        silu_ops=_silu_ops(x, inner) if elementwise else None,
+        gate_ops=gate_ops,
+        silu_ops=silu_ops,
+        silu_into=_silu_into_op(x, silu_ops, gate_ops),
         cast_op=_cast_op(x, layer.hidden_size) if elementwise else None,
         ln_ops=_ln_ops(x, layer.hidden_size) if use_ln_kernel else None,
         rel_bias=layer.relative_bias,

@@ -2,10 +2,16 @@
 
 The compiled ops live in `hstu._layer_norm_mul_dropout_C` (kernels/layer_norm_mul_dropout/):
 
-    torch.ops.hstu_lnmd.fwd(x, u, weight, bias, eps, p, seed, offset, seed_offset=None)
-        -> (y, mean, rstd)
+    torch.ops.hstu_lnmd.fwd(x, u, weight, bias, eps, p, seed, offset, seed_offset=None,
+                            u_silu=False) -> (y, mean, rstd)
     torch.ops.hstu_lnmd.bwd(dy, x, u, weight, bias, mean, rstd, p, seed, offset, recompute_y,
-                            seed_offset=None) -> (dx, du, dweight, dbias, y or empty)
+                            seed_offset=None, u_silu=False, du_out=None)
+        -> (dx, du, dweight, dbias, y or empty)
+
+``u_silu``: u is the pre-activation z_u and the kernels use SiLU(z_u) rounded to u's dtype; the
+backward then returns du * SiLU'(z_u) (du rounded first), i.e. the u block of the SiLU
+backward's dz. ``du_out``: du is written into that tensor (e.g. a column block of dz) and comes
+back empty.
 
 x, u, dy: [T, D] bf16/fp16 on CUDA (last dim contiguous, row stride a multiple of 8: u may be a
 column slice of a wider tensor); weight, bias: fp32 [D]; D a multiple of 8 up to 8192. Math in
@@ -28,14 +34,18 @@ mask (`keep_mask` computes it with NumPy): the test oracle.
 The same extension holds the fused layer's uvqk SiLU, written chunk-major (vectorised, fp32
 math; aten's SiLU runs its slow strided path on the transposed write):
 
-    torch.ops.hstu_lnmd.silu_chunk_major(z) -> act
+    torch.ops.hstu_lnmd.silu_chunk_major(z, first_block=0) -> act
     torch.ops.hstu_lnmd.silu_chunk_major_backward(du, dv, dq, dk, z, bias_grad) -> (dz, dbias)
+    torch.ops.hstu_lnmd.silu_chunk_major_backward_into(dv, dq, dk, z, dz, bias_grad) -> dbias
 
-z: [T, 4*hd] bf16/fp16 on CUDA, hd a multiple of 8; act: [4, T, hd] (u, v, q, k blocks). The
+z: [T, 4*hd] bf16/fp16 on CUDA, hd a multiple of 8; act: [4, T, hd] (u, v, q, k blocks), or
+[3, T, hd] (v, q, k) with first_block=1. `_into` takes dz with its u block already written (the
+gating backward with u_silu and du_out), writes the other three and sums all four. The
 backward takes the four [T, hd] gradients as separate tensors (any row stride that is a multiple
 of 8) and returns dz [T, 4*hd] plus, when bias_grad, the fp32 column sums of dz (the uvqk bias
-gradient, from the same pass). Twins: `reference_silu_chunk_major`,
-`reference_silu_chunk_major_backward`.
+gradient, from the same pass); dq may also be the attention backward's fp32 accumulator
+[H, T, D]. Twins: `reference_silu_chunk_major`, `reference_silu_chunk_major_backward`,
+`reference_silu_chunk_major_backward_into`.
 
     torch.ops.hstu_lnmd.cast_colsum(x, dtype) -> (y, colsum)
 
@@ -65,6 +75,7 @@ __all__ = [
     "reference_ln_fwd",
     "reference_silu_chunk_major",
     "reference_silu_chunk_major_backward",
+    "reference_silu_chunk_major_backward_into",
     "supports",
 ]
 
@@ -180,8 +191,24 @@ def keep_mask(seed: int, offset: int, rows: int, cols: int, p: float, device=Non
     return torch.from_numpy(r16 >= t).reshape(rows, cols).to(device)
 
 
-def reference_fwd(x, u, weight, bias, eps: float, p: float, seed: int, offset: int):
-    """PyTorch twin of torch.ops.hstu_lnmd.fwd: (y in x's dtype, mean fp32 [T], rstd fp32 [T])."""
+def _silu_rounded(z: torch.Tensor) -> torch.Tensor:
+    """SiLU(z) in fp32, rounded to z's dtype (what silu_chunk_major stores), as fp32."""
+    return torch.nn.functional.silu(z.float()).to(z.dtype).float()
+
+
+def _silu_grad(z: torch.Tensor) -> torch.Tensor:
+    zf = z.float()
+    s = torch.sigmoid(zf)
+    return s * (1.0 + zf * (1.0 - s))
+
+
+def reference_fwd(
+    x, u, weight, bias, eps: float, p: float, seed: int, offset: int, u_silu: bool = False
+):
+    """PyTorch twin of torch.ops.hstu_lnmd.fwd: (y in x's dtype, mean fp32 [T], rstd fp32 [T]).
+    ``u_silu``: u is the pre-activation; SiLU(u) rounded to u's dtype is used."""
+    if u_silu:
+        u = _silu_rounded(u)
     xf = x.float()
     mean = xf.mean(-1)
     rstd = torch.rsqrt((xf - mean[:, None]).square().mean(-1) + eps)
@@ -194,9 +221,26 @@ def reference_fwd(x, u, weight, bias, eps: float, p: float, seed: int, offset: i
 
 
 def reference_bwd(
-    dy, x, u, weight, bias, mean, rstd, p: float, seed: int, offset: int, recompute_y: bool
+    dy,
+    x,
+    u,
+    weight,
+    bias,
+    mean,
+    rstd,
+    p: float,
+    seed: int,
+    offset: int,
+    recompute_y: bool,
+    u_silu: bool = False,
+    du_out: torch.Tensor | None = None,
 ):
-    """PyTorch twin of torch.ops.hstu_lnmd.bwd: (dx, du, dweight, dbias, y or empty)."""
+    """PyTorch twin of torch.ops.hstu_lnmd.bwd: (dx, du, dweight, dbias, y or empty).
+    ``u_silu``: u is the pre-activation z_u; SiLU(z_u) rounded is used and du comes back as
+    du (rounded) * SiLU'(z_u). ``du_out``: du is written there and returned empty."""
+    z_u = u
+    if u_silu:
+        u = _silu_rounded(z_u)
     xhat = (x.float() - mean[:, None]) * rstd[:, None]
     ln = xhat * weight.float() + bias.float()
     t, scale = dropout_threshold(p)
@@ -215,7 +259,13 @@ def reference_bwd(
         y = (g if keep is None else torch.where(keep, g * scale, 0.0)).to(x.dtype)
     else:
         y = x.new_empty((0,))
-    return dx.to(x.dtype), du.to(x.dtype), dweight, dbias, y
+    du = du.to(x.dtype)
+    if u_silu:
+        du = (du.float() * _silu_grad(z_u)).to(x.dtype)
+    if du_out is not None:
+        du_out.copy_(du)
+        du = x.new_empty((0,))
+    return dx.to(x.dtype), du, dweight, dbias, y
 
 
 def _check_chunk_major(z: torch.Tensor) -> int:
@@ -226,12 +276,35 @@ def _check_chunk_major(z: torch.Tensor) -> int:
     return z.shape[1] // 4
 
 
-def reference_silu_chunk_major(z: torch.Tensor) -> torch.Tensor:
+def reference_silu_chunk_major(z: torch.Tensor, first_block: int = 0) -> torch.Tensor:
     """PyTorch twin of torch.ops.hstu_lnmd.silu_chunk_major: SiLU(z) in fp32, rounded to z's
-    dtype, as [4, T, hd] (block b = columns b*hd:(b+1)*hd of z)."""
+    dtype, as [4 - first_block, T, hd] (blocks first_block..3, block b = columns
+    b*hd:(b+1)*hd of z; first_block=1: v, q, k only)."""
     hd = _check_chunk_major(z)
-    act = torch.nn.functional.silu(z.float()).to(z.dtype)
-    return act.view(z.shape[0], 4, hd).transpose(0, 1).contiguous()
+    if first_block not in (0, 1):
+        raise ValueError(f"first_block must be 0 (u, v, q, k) or 1 (v, q, k); got {first_block}")
+    act = torch.nn.functional.silu(z[:, first_block * hd :].float()).to(z.dtype)
+    return act.view(z.shape[0], 4 - first_block, hd).transpose(0, 1).contiguous()
+
+
+def reference_silu_chunk_major_backward_into(
+    dv: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    z: torch.Tensor,
+    dz: torch.Tensor,
+    bias_grad: bool,
+) -> torch.Tensor:
+    """PyTorch twin of torch.ops.hstu_lnmd.silu_chunk_major_backward_into: dz's u block is
+    given (the gating backward with u_silu wrote it); the v, q, k blocks are written as
+    `reference_silu_chunk_major_backward` writes them; returns the column sums of all of dz
+    (bias_grad), else an empty tensor."""
+    hd = _check_chunk_major(z)
+    if tuple(dz.shape) != tuple(z.shape):
+        raise ValueError(f"dz must have z's shape {tuple(z.shape)}; got {tuple(dz.shape)}")
+    rest, _ = reference_silu_chunk_major_backward(dz[:, :hd], dv, dq, dk, z, False)
+    dz[:, hd:] = rest[:, hd:]
+    return dz.float().sum(0) if bias_grad else z.new_empty((0,), dtype=torch.float32)
 
 
 def reference_silu_chunk_major_backward(

@@ -1,9 +1,12 @@
 // Torch face of the LayerNorm(x) * u * dropout kernels: input checks before any launch, the
 // TORCH_LIBRARY schema (namespace hstu_lnmd) with CUDA and Meta implementations.
 //
-//   fwd(x, u, weight, bias, eps, p, seed, offset, seed_offset=None) -> (y, mean, rstd)
-//   bwd(dy, x, u, weight, bias, mean, rstd, p, seed, offset, recompute_y, seed_offset=None)
-//       -> (dx, du, dweight, dbias, y)
+//   fwd(x, u, weight, bias, eps, p, seed, offset, seed_offset=None, u_silu=False)
+//       -> (y, mean, rstd)
+//   bwd(dy, x, u, weight, bias, mean, rstd, p, seed, offset, recompute_y, seed_offset=None,
+//       u_silu=False, du_out=None) -> (dx, du, dweight, dbias, y)
+//     (du_out: du is written there, e.g. a column block of a wider tensor, and du comes back
+//     empty)
 //
 // seed_offset: optional int64 [2] on x's device holding (seed, offset); the kernels then read
 // those two values from device memory instead of the seed/offset arguments, so that a CUDA graph
@@ -14,9 +17,17 @@
 // regenerated from `seed` and `offset`, see philox.h). bwd's y is the recomputed forward output when
 // recompute_y, else an empty tensor.
 //
-//   silu_chunk_major(z) -> act
+//   silu_chunk_major(z, first_block=0) -> act
 //   silu_chunk_major_backward(du, dv, dq, dk, z, bias_grad) -> (dz, dbias)
 //     (dq either [T, hd] in z's dtype or the attention backward's fp32 accumulator [H, T, D])
+//   silu_chunk_major_backward_into(dv, dq, dk, z, dz!, bias_grad) -> dbias
+//     (dz's u block already written by bwd(..., u_silu=True, du_out=dz[:, :hd]); dbias sums all
+//     four blocks)
+//
+// fwd/bwd with u_silu: u is the pre-activation z_u and the kernels use SiLU(z_u) rounded to the
+// input dtype (what silu_chunk_major stores); bwd then writes du * SiLU'(z_u), after rounding du,
+// i.e. exactly the u block silu_chunk_major_backward would write. The fused layer uses these with
+// silu_chunk_major(z, first_block=1) (act = [3, T, hd]: v, q, k).
 //
 // z: [T, 4*hd] bf16/fp16, hd a multiple of 8; act: [4, T, hd] = SiLU of the (u | v | q | k)
 // column blocks, each a contiguous [T, hd]. du, dv, dq, dk: [T, hd] in z's dtype (any row
@@ -163,7 +174,8 @@ void check_launch() {
 std::tuple<Tensor, Tensor, Tensor> fwd_cuda(const Tensor& x, const Tensor& u, const Tensor& weight,
                                             const Tensor& bias, double eps, double p,
                                             int64_t seed, int64_t offset,
-                                            const std::optional<Tensor>& seed_offset) {
+                                            const std::optional<Tensor>& seed_offset,
+                                            bool u_silu) {
   check_rows(x, "x", x);
   check_rows(u, "u", x);
   check_width(x);
@@ -193,6 +205,7 @@ std::tuple<Tensor, Tensor, Tensor> fwd_cuda(const Tensor& x, const Tensor& u, co
   prm.cols = static_cast<int>(x.size(1));
   prm.eps = static_cast<float>(eps);
   prm.dropout = drop;
+  prm.u_silu = u_silu;
   lnmd::launch_fwd(dtype_enum(x), prm, num_sms(x), at::cuda::getCurrentCUDAStream());
   check_launch();
   return {y, mean, rstd};
@@ -201,10 +214,12 @@ std::tuple<Tensor, Tensor, Tensor> fwd_cuda(const Tensor& x, const Tensor& u, co
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
     const Tensor& dy, const Tensor& x, const Tensor& u, const Tensor& weight, const Tensor& bias,
     const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset,
-    bool recompute_y, const std::optional<Tensor>& seed_offset) {
+    bool recompute_y, const std::optional<Tensor>& seed_offset, bool u_silu,
+    const std::optional<Tensor>& du_out) {
   check_rows(x, "x", x);
   check_rows(u, "u", x);
   check_rows(dy, "dy", x);
+  if (du_out.has_value()) check_rows(*du_out, "du_out", x);
   check_width(x);
   check_vec(weight, "weight", x.size(1), x);
   check_vec(bias, "bias", x.size(1), x);
@@ -216,7 +231,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
   const int64_t t = x.size(0);
   const int cols = static_cast<int>(x.size(1));
   auto dx = at::empty({t, cols}, x.options());
-  auto du = at::empty({t, cols}, x.options());
+  // du_out: du written there (e.g. the u block of the fused layer's dz); du returned empty
+  auto du = du_out.has_value() ? at::empty({0}, x.options()) : at::empty({t, cols}, x.options());
   auto y = recompute_y ? at::empty({t, cols}, x.options()) : at::empty({0}, x.options());
   if (t == 0) {
     return {dx, du, at::zeros({cols}, weight.options()), at::zeros({cols}, bias.options()), y};
@@ -236,7 +252,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
   prm.mean = mean.data_ptr<float>();
   prm.rstd = rstd.data_ptr<float>();
   prm.dx = dx.data_ptr();
-  prm.du = du.data_ptr();
+  prm.du = du_out.has_value() ? du_out->data_ptr() : du.data_ptr();
+  prm.du_stride = du_out.has_value() ? du_out->stride(0) : cols;
+  prm.u_silu = u_silu;
   prm.y = recompute_y ? y.data_ptr() : nullptr;
   prm.partials = partials.data_ptr<float>();
   prm.rows = t;
@@ -393,11 +411,18 @@ int64_t silu_hd(const Tensor& z) {
   return w / 4;
 }
 
-Tensor silu_fwd_cuda(const Tensor& z) {
+void check_first_block(int64_t first_block) {
+  LNMD_VALUE(first_block == 0 || first_block == 1,
+             "first_block must be 0 (u, v, q, k) or 1 (v, q, k); got " +
+                 std::to_string(first_block));
+}
+
+Tensor silu_fwd_cuda(const Tensor& z, int64_t first_block) {
   const int64_t hd = silu_hd(z);
+  check_first_block(first_block);
   const c10::cuda::CUDAGuard guard(z.device());
   const int64_t t = z.size(0);
-  auto act = at::empty({4, t, hd}, z.options());
+  auto act = at::empty({4 - first_block, t, hd}, z.options());
   if (t == 0) return act;
   lnmd::SiluFwdParams prm;
   prm.z = z.data_ptr();
@@ -405,15 +430,19 @@ Tensor silu_fwd_cuda(const Tensor& z) {
   prm.act = act.data_ptr();
   prm.rows = t;
   prm.hd = static_cast<int>(hd);
+  prm.first_block = static_cast<int>(first_block);
   lnmd::launch_silu_fwd(dtype_enum(z), prm, num_sms(z), at::cuda::getCurrentCUDAStream());
   check_launch();
   return act;
 }
 
-std::tuple<Tensor, Tensor> silu_bwd_cuda(const Tensor& du, const Tensor& dv, const Tensor& dq,
-                                         const Tensor& dk, const Tensor& z, bool bias_grad) {
-  const int64_t hd = silu_hd(z);
+// The SiLU backward into dz. du == nullptr: block 0 of dz already holds dz_u (the gating
+// backward with u_silu wrote it) and is only summed for the bias.
+Tensor silu_bwd_core(const Tensor* du_p, const Tensor& dv, const Tensor& dq, const Tensor& dk,
+                     const Tensor& z, const Tensor& dz, bool bias_grad) {
+  const int64_t hd = z.size(1) / 4;
   const int64_t t = z.size(0);
+  const Tensor& du = du_p != nullptr ? *du_p : dv;  // dv stands in (unchecked, unread)
   const Tensor* grads[4] = {&du, &dv, &dq, &dk};
   const char* names[4] = {"du", "dv", "dq", "dk"};
   // dq may be the attention backward's fp32 accumulator, head-major [H, T, D] with H * D = hd
@@ -431,22 +460,21 @@ std::tuple<Tensor, Tensor> silu_bwd_cuda(const Tensor& du, const Tensor& dv, con
                "an fp32 dq must be contiguous and 16-byte aligned (call .contiguous())");
   }
   for (int i = 0; i < 4; ++i) {
-    if (i == 2 && dq_f32) continue;
+    if ((i == 2 && dq_f32) || (i == 0 && du_p == nullptr)) continue;
     check_silu_rows(*grads[i], names[i], z);
     LNMD_VALUE(grads[i]->size(0) == t && grads[i]->size(1) == hd,
                std::string(names[i]) + " must be [T, hd] = [" + std::to_string(t) + ", " +
                    std::to_string(hd) + "] for z of shape " + shape_of(z) + "; got " +
                    shape_of(*grads[i]));
   }
-  const c10::cuda::CUDAGuard guard(z.device());
-  auto dz = at::empty({t, 4 * hd}, z.options());
   const auto fopts = z.options().dtype(at::kFloat);
-  if (t == 0) return {dz, bias_grad ? at::zeros({4 * hd}, fopts) : at::empty({0}, fopts)};
+  if (t == 0) return bias_grad ? at::zeros({4 * hd}, fopts) : at::empty({0}, fopts);
   const lnmd::DType dt = dtype_enum(z);
   const int grid_y = lnmd::silu_bwd_grid(dt, static_cast<int>(hd), t, num_sms(z), dq_f32);
   Tensor partials = bias_grad ? at::empty({grid_y, 4 * hd}, fopts) : Tensor();
   lnmd::SiluBwdParams prm;
-  prm.grad0 = du.data_ptr();
+  prm.grad0 = du_p != nullptr ? du.data_ptr() : nullptr;
+  prm.u_prefilled = du_p == nullptr;
   prm.grad1 = dv.data_ptr();
   prm.grad2 = dq_f32 ? nullptr : dq.data_ptr();
   prm.grad3 = dk.data_ptr();
@@ -465,7 +493,28 @@ std::tuple<Tensor, Tensor> silu_bwd_cuda(const Tensor& du, const Tensor& dv, con
   prm.hd = static_cast<int>(hd);
   lnmd::launch_silu_bwd(dt, prm, grid_y, at::cuda::getCurrentCUDAStream());
   check_launch();
-  return {dz, bias_grad ? partials.sum(0) : at::empty({0}, fopts)};
+  return bias_grad ? partials.sum(0) : at::empty({0}, fopts);
+}
+
+std::tuple<Tensor, Tensor> silu_bwd_cuda(const Tensor& du, const Tensor& dv, const Tensor& dq,
+                                         const Tensor& dk, const Tensor& z, bool bias_grad) {
+  const int64_t hd = silu_hd(z);
+  const c10::cuda::CUDAGuard guard(z.device());
+  auto dz = at::empty({z.size(0), 4 * hd}, z.options());
+  Tensor dbias = silu_bwd_core(&du, dv, dq, dk, z, dz, bias_grad);
+  return {dz, dbias};
+}
+
+// dz (given, [T, 4 * hd] in z's dtype) with its u block already written: the v, q, k blocks
+// are written here, the bias gradient sums all four.
+Tensor silu_bwd_into_cuda(const Tensor& dv, const Tensor& dq, const Tensor& dk, const Tensor& z,
+                          const Tensor& dz, bool bias_grad) {
+  const int64_t hd = silu_hd(z);
+  check_silu_rows(dz, "dz", z);
+  LNMD_VALUE(dz.size(0) == z.size(0) && dz.size(1) == 4 * hd,
+             "dz must have z's shape " + shape_of(z) + "; got " + shape_of(dz));
+  const c10::cuda::CUDAGuard guard(z.device());
+  return silu_bwd_core(nullptr, dv, dq, dk, z, dz, bias_grad);
 }
 
 std::tuple<Tensor, Tensor> cast_colsum_cuda(const Tensor& x, c10::ScalarType dtype) {
@@ -511,8 +560,15 @@ std::tuple<Tensor, Tensor> cast_colsum_meta(const Tensor& x, c10::ScalarType dty
           at::empty_symint({x.sym_size(1)}, x.options().dtype(at::kFloat))};
 }
 
-Tensor silu_fwd_meta(const Tensor& z) {
-  return at::empty_symint({4, z.sym_size(0), z.sym_size(1) / 4}, z.options());
+Tensor silu_fwd_meta(const Tensor& z, int64_t first_block) {
+  check_first_block(first_block);
+  return at::empty_symint({4 - first_block, z.sym_size(0), z.sym_size(1) / 4}, z.options());
+}
+
+Tensor silu_bwd_into_meta(const Tensor& dv, const Tensor& dq, const Tensor& dk, const Tensor& z,
+                          const Tensor& dz, bool bias_grad) {
+  const auto fopts = z.options().dtype(at::kFloat);
+  return bias_grad ? at::empty_symint({z.sym_size(1)}, fopts) : at::empty({0}, fopts);
 }
 
 std::tuple<Tensor, Tensor> silu_bwd_meta(const Tensor& du, const Tensor& dv, const Tensor& dq,
@@ -525,7 +581,8 @@ std::tuple<Tensor, Tensor> silu_bwd_meta(const Tensor& du, const Tensor& dv, con
 std::tuple<Tensor, Tensor, Tensor> fwd_meta(const Tensor& x, const Tensor& u, const Tensor& weight,
                                             const Tensor& bias, double eps, double p,
                                             int64_t seed, int64_t offset,
-                                            const std::optional<Tensor>& seed_offset) {
+                                            const std::optional<Tensor>& seed_offset,
+                                            bool u_silu) {
   const auto t = x.sym_size(0);
   return {at::empty_symint({t, x.sym_size(1)}, x.options()),
           at::empty_symint({t}, x.options().dtype(at::kFloat)),
@@ -535,9 +592,11 @@ std::tuple<Tensor, Tensor, Tensor> fwd_meta(const Tensor& x, const Tensor& u, co
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_meta(
     const Tensor& dy, const Tensor& x, const Tensor& u, const Tensor& weight, const Tensor& bias,
     const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset,
-    bool recompute_y, const std::optional<Tensor>& seed_offset) {
+    bool recompute_y, const std::optional<Tensor>& seed_offset, bool u_silu,
+    const std::optional<Tensor>& du_out) {
   auto shape = x.sym_sizes();
-  return {at::empty_symint(shape, x.options()), at::empty_symint(shape, x.options()),
+  return {at::empty_symint(shape, x.options()),
+          du_out.has_value() ? at::empty({0}, x.options()) : at::empty_symint(shape, x.options()),
           at::empty_like(weight), at::empty_like(bias),
           recompute_y ? at::empty_symint(shape, x.options()) : at::empty({0}, x.options())};
 }
@@ -546,14 +605,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_meta(
 
 TORCH_LIBRARY(hstu_lnmd, m) {
   m.def("fwd(Tensor x, Tensor u, Tensor weight, Tensor bias, float eps, float p, int seed, "
-        "int offset, Tensor? seed_offset=None) -> (Tensor, Tensor, Tensor)");
+        "int offset, Tensor? seed_offset=None, bool u_silu=False) -> (Tensor, Tensor, Tensor)");
   m.def("bwd(Tensor dy, Tensor x, Tensor u, Tensor weight, Tensor bias, Tensor mean, "
         "Tensor rstd, float p, int seed, int offset, bool recompute_y, "
-        "Tensor? seed_offset=None) -> "
+        "Tensor? seed_offset=None, bool u_silu=False, Tensor(a!)? du_out=None) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("silu_chunk_major(Tensor z) -> Tensor");
+  m.def("silu_chunk_major(Tensor z, int first_block=0) -> Tensor");
   m.def("silu_chunk_major_backward(Tensor du, Tensor dv, Tensor dq, Tensor dk, Tensor z, "
         "bool bias_grad) -> (Tensor, Tensor)");
+  m.def("silu_chunk_major_backward_into(Tensor dv, Tensor dq, Tensor dk, Tensor z, "
+        "Tensor(a!) dz, bool bias_grad) -> Tensor");
   m.def("cast_colsum(Tensor x, ScalarType dtype) -> (Tensor, Tensor)");
   m.def("ln_fwd(Tensor x, Tensor weight, Tensor bias, float eps, ScalarType dtype) -> "
         "(Tensor, Tensor, Tensor)");
@@ -566,6 +627,7 @@ TORCH_LIBRARY_IMPL(hstu_lnmd, CUDA, m) {
   m.impl("bwd", &bwd_cuda);
   m.impl("silu_chunk_major", &silu_fwd_cuda);
   m.impl("silu_chunk_major_backward", &silu_bwd_cuda);
+  m.impl("silu_chunk_major_backward_into", &silu_bwd_into_cuda);
   m.impl("cast_colsum", &cast_colsum_cuda);
   m.impl("ln_fwd", &ln_fwd_cuda);
   m.impl("ln_bwd", &ln_bwd_cuda);
@@ -576,6 +638,7 @@ TORCH_LIBRARY_IMPL(hstu_lnmd, Meta, m) {
   m.impl("bwd", &bwd_meta);
   m.impl("silu_chunk_major", &silu_fwd_meta);
   m.impl("silu_chunk_major_backward", &silu_bwd_meta);
+  m.impl("silu_chunk_major_backward_into", &silu_bwd_into_meta);
   m.impl("cast_colsum", &cast_colsum_meta);
   m.impl("ln_fwd", &ln_fwd_meta);
   m.impl("ln_bwd", &ln_bwd_meta);

@@ -2,7 +2,9 @@
 // seed): with ln = xhat * w + b, xhat = (x - mean) * rstd, dg = keep * scale * dy,
 //   du = dg * ln,   dln = dg * u,   d weight = sum_rows dln * xhat,   d bias = sum_rows dln,
 //   dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),  dxhat = dln * w.
-// Optionally re-emits y (the output projection's weight gradient needs it). Each block sums
+// Optionally re-emits y (the output projection's weight gradient needs it). With u_silu, u is
+// the pre-activation z_u (u = SiLU(z_u) rounded to T) and du is written as du * SiLU'(z_u),
+// straight into the u block of the fused layer's dz. Each block sums
 // d weight / d bias over its rows in registers and writes one [2, cols] partial; api.cpp adds
 // the partials of all blocks.
 #pragma once
@@ -46,6 +48,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p) {
       const char* urow = row_ptr<T>(p.u, row, p.u_stride);
       const char* dyrow = row_ptr<T>(p.dy, row, p.dy_stride);
       const int64_t out_off = row * static_cast<int64_t>(p.cols) * sizeof(T);
+      const int64_t du_off = row * p.du_stride * static_cast<int64_t>(sizeof(T));
 #pragma unroll
       for (int i = 0; i < Tr::ITERS; ++i) {
         const int c = tid + i * Tr::TPR;
@@ -57,6 +60,15 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p) {
         float xv[8], uv[8], g[8], w[8], b[8], du[8], y[8];
         Vec<T>::load(xrow + c * 16, xv);
         Vec<T>::load(urow + c * 16, uv);
+        float zu[8];  // the pre-activation when u_silu
+        if (p.u_silu) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            zu[j] = uv[j];
+            uv[j] = silu_f32(zu[j]);
+          }
+          round8<T>(uv);
+        }
         Vec<T>::load(dyrow + c * 16, g);
         load_f32x8(p.weight + c * 8, w);
         load_f32x8(p.bias + c * 8, b);
@@ -81,7 +93,12 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const BwdParams p) {
           s.x += dxh[i][j];
           s.y += dxh[i][j] * xh;
         }
-        Vec<T>::store(static_cast<char*>(p.du) + out_off + c * 16, du);
+        if (p.u_silu) {  // dz_u = du (as the unfused path stores it) * SiLU'(z_u)
+          round8<T>(du);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) du[j] *= silu_grad_f32(zu[j]);
+        }
+        Vec<T>::store(static_cast<char*>(p.du) + du_off + c * 16, du);
         if (p.y != nullptr) Vec<T>::store(static_cast<char*>(p.y) + out_off + c * 16, y);
       }
     }

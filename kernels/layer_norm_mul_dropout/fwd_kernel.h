@@ -70,6 +70,11 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const FwdParams p) {
       if (c >= nchunks) continue;
       float uv[8], w[8], b[8], out[8];
       Vec<T>::load(&uraw[i], uv);
+      if (p.u_silu) {  // u = SiLU(z_u) as the SiLU kernel would have stored it
+#pragma unroll
+        for (int j = 0; j < 8; ++j) uv[j] = silu_f32(uv[j]);
+        round8<T>(uv);
+      }
       load_f32x8(p.weight + c * 8, w);
       load_f32x8(p.bias + c * 8, b);
       uint32_t keep = 0xFFu;

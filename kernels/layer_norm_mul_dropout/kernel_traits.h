@@ -71,6 +71,23 @@ struct Vec<__half> {
   }
 };
 
+// v rounded to T and back (what a store and a load of T would give).
+template <typename T>
+__device__ __forceinline__ void round8(float (&v)[8]) {
+  uint4 raw;
+  Vec<T>::store(&raw, v);
+  Vec<T>::load(&raw, v);
+}
+
+// SiLU(x) = x * s, SiLU'(x) = s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x)) (silu_kernel.h, and
+// the gating kernels when they take u before its SiLU).
+__device__ __forceinline__ float silu_f32(float x) { return x / (1.0f + __expf(-x)); }
+
+__device__ __forceinline__ float silu_grad_f32(float x) {
+  const float s = 1.0f / (1.0f + __expf(-x));
+  return s * (1.0f + x * (1.0f - s));
+}
+
 __device__ __forceinline__ void load_f32x8(const float* p, float (&out)[8]) {
   const float4 a = __ldg(reinterpret_cast<const float4*>(p));
   const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);

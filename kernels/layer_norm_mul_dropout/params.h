@@ -40,6 +40,7 @@ struct FwdParams {
   int cols = 0;
   float eps = 1e-6f;
   Dropout dropout;
+  bool u_silu = false;     // u holds the pre-activation: the kernel uses SiLU(u) rounded to T
 };
 
 struct BwdParams {
@@ -54,12 +55,16 @@ struct BwdParams {
   const float* mean = nullptr;
   const float* rstd = nullptr;
   void* dx = nullptr;          // [rows, cols]
-  void* du = nullptr;          // [rows, cols]
+  void* du = nullptr;          // [rows, cols], row stride du_stride
+  int64_t du_stride = 0;
   void* y = nullptr;           // [rows, cols] recomputed forward output, or nullptr
   float* partials = nullptr;   // [grid, 2, cols]: per-block d weight (row 0) and d bias (row 1)
   int64_t rows = 0;
   int cols = 0;
   Dropout dropout;
+  // u holds the pre-activation z_u: the kernel uses SiLU(z_u) rounded to T as u and writes
+  // du * SiLU'(z_u) (du rounded to T first: the unfused SiLU backward's input) in place of du
+  bool u_silu = false;
 };
 
 // The input LayerNorm on the fp32 residual stream (ln_kernel.h). x, dres: fp32 [rows, cols],
@@ -99,9 +104,10 @@ struct LnBwdParams {
 struct SiluFwdParams {
   const void* z = nullptr;
   int64_t z_stride = 0;
-  void* act = nullptr;  // [4, rows, hd] contiguous: (u, v, q, k) blocks
+  void* act = nullptr;  // [4 - first_block, rows, hd] contiguous: (u, v, q, k) from first_block
   int64_t rows = 0;
   int hd = 0;
+  int first_block = 0;  // 1: v, q, k only
 };
 
 // dz[:, b*hd:(b+1)*hd] = grad[b] * SiLU'(z[:, b*hd:(b+1)*hd]) for b = 0..3 (du, dv, dq, dk), and
@@ -115,6 +121,9 @@ struct SiluBwdParams {
   // (read in place of grad2 when set; silu_bwd_kernel<T, true>)
   const float* grad2_f32 = nullptr;
   int head_dim = 0;
+  // block 0 of dz holds dz_u already (written by the gating backward with u_silu): its columns
+  // read it for the bias sums and write nothing; grad0 unused
+  bool u_prefilled = false;
   int64_t grad_stride0 = 0;
   int64_t grad_stride1 = 0;
   int64_t grad_stride2 = 0;

@@ -24,7 +24,7 @@ template <typename T>
 void run_silu_fwd(const SiluFwdParams& p, int num_sms, cudaStream_t stream) {
   if (p.rows == 0) return;
   static const int per_sm = column_blocks_per_sm(silu_fwd_kernel<T>);
-  const int nchunks = p.hd / 2;  // 4 * hd / 8
+  const int nchunks = (4 - p.first_block) * (p.hd / 8);
   const dim3 grid(column_grid_x(nchunks), column_grid_y(nchunks, p.rows, per_sm, num_sms));
   silu_fwd_kernel<T><<<grid, column_block(nchunks), 0, stream>>>(p);
 }

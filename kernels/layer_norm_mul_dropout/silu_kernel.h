@@ -3,7 +3,9 @@
 //   forward:  act[b, r, :] = SiLU(z[r, b*hd:(b+1)*hd])           b = 0..3 (u, v, q, k)
 //   backward: dz[r, b*hd:(b+1)*hd] = grad_b[r, :] * SiLU'(z[r, b*hd:(b+1)*hd])
 //             (+ optionally the column sums of dz as rounded to T: the uvqk bias gradient);
-//             grad_2 (dq) either T or the attention's fp32 head-major accumulator
+//             grad_2 (dq) either T or the attention's fp32 head-major accumulator; with
+//             u_prefilled, block 0 of dz is given (the gating kernel wrote it) and only summed
+//   forward with first_block = 1: SiLU of v, q, k only (the gating kernel applies u's itself)
 //
 // SiLU(x) = x * s, SiLU'(x) = s * (1 + x * (1 - s)), s = 1 / (1 + exp(-x)); math in fp32.
 //
@@ -23,24 +25,18 @@ namespace lnmd {
 constexpr int kSiluThreads = kColumnThreads;
 constexpr int kSiluUnroll = kColumnUnroll;
 
-__device__ __forceinline__ float silu_f32(float x) { return x / (1.0f + __expf(-x)); }
-
-__device__ __forceinline__ float silu_grad_f32(float x) {
-  const float s = 1.0f / (1.0f + __expf(-x));
-  return s * (1.0f + x * (1.0f - s));
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kSiluThreads) silu_fwd_kernel(const SiluFwdParams p) {
   const int hdc = p.hd / 8;  // chunks per (u | v | q | k) block
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  // blocks first_block..3 only: act holds 4 - first_block of them
+  const int c = blockIdx.x * blockDim.x + threadIdx.x + p.first_block * hdc;
   if (c >= 4 * hdc) return;
   const int b = c / hdc;
   const int ci = c - b * hdc;
   const char* zcol = static_cast<const char*>(p.z) + static_cast<int64_t>(c) * 16;
-  char* acol = static_cast<char*>(p.act) +
-               (static_cast<int64_t>(b) * p.rows * p.hd + static_cast<int64_t>(ci) * 8) *
-                   static_cast<int64_t>(sizeof(T));
+  char* acol = static_cast<char*>(p.act) + (static_cast<int64_t>(b - p.first_block) * p.rows *
+                                                p.hd + static_cast<int64_t>(ci) * 8) *
+                                               static_cast<int64_t>(sizeof(T));
   const int64_t zs = p.z_stride * static_cast<int64_t>(sizeof(T));
   const int64_t as = static_cast<int64_t>(p.hd) * static_cast<int64_t>(sizeof(T));
   const int64_t step = static_cast<int64_t>(gridDim.y) * blockDim.y;
@@ -94,6 +90,8 @@ __global__ void __launch_bounds__(kSiluThreads) silu_bwd_kernel(const SiluBwdPar
     fcol = p.grad2_f32 + static_cast<int64_t>(h) * p.rows * p.head_dim + (e - h * p.head_dim);
   }
   const bool bias = p.partials != nullptr;
+  // block 0 of dz already written (the gating kernel's dz_u): its columns only add to the bias
+  const bool prefilled = p.u_prefilled && b == 0;
   const int64_t step = static_cast<int64_t>(gridDim.y) * blockDim.y;
 
   float acc[8];
@@ -109,6 +107,10 @@ __global__ void __launch_bounds__(kSiluThreads) silu_bwd_kernel(const SiluBwdPar
         const int64_t r = r0 + k * step;
         const bool in = r < p.rows;
         const uint4 zero = make_uint4(0, 0, 0, 0);
+        if (prefilled) {
+          graw[k][0] = in ? *reinterpret_cast<const uint4*>(dcol + r * ds) : zero;
+          continue;
+        }
         zraw[k] = in ? *reinterpret_cast<const uint4*>(zcol + r * zs) : zero;
         if constexpr (kDqF32) {
           if (f32) {
@@ -125,6 +127,14 @@ __global__ void __launch_bounds__(kSiluThreads) silu_bwd_kernel(const SiluBwdPar
         const int64_t r = r0 + k * step;
         if (r >= p.rows) break;
         float zv[8], gv[8];
+        if (prefilled) {
+          if (bias) {
+            Vec<T>::load(&graw[k][0], gv);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[j] += gv[j];
+          }
+          continue;
+        }
         Vec<T>::load(&zraw[k], zv);
         bool loaded = false;
         if constexpr (kDqF32) {

@@ -379,9 +379,10 @@ def _silu_ops(x: torch.Tensor, inner: int):
     return None if bwd is None else (fwd, bwd)
 
 
+@functools.cache
 def _takes(op: Callable, arg: str) -> bool:
     """Whether the op's schema has the argument ``arg`` (an op built from older sources may
-    not); a Python function (the twins) by its signature."""
+    not); a Python function (the twins) by its signature. Cached: asked at every layer call."""
     schema = getattr(getattr(op, "default", None), "_schema", None)
     if schema is not None:
         return any(a.name == arg for a in schema.arguments)
@@ -567,7 +568,9 @@ def _attention_backward(
         offsets, contexts, targets = a.kernel_metadata(q.device)
         # with the SiLU kernels, dq stays the kernel's fp32 accumulator: the SiLU backward
         # reads it directly, so no convert kernel runs
-        extra = {"dq_fp32": True} if spec.silu_ops is not None and _has_dq_fp32(spec) else {}
+        # (an op without dq_fp32, built from older sources, returns dq converted, as before)
+        dq_fp32 = spec.silu_ops is not None and _takes(spec.attn_ops[1], "dq_fp32")
+        extra = {"dq_fp32": True} if dq_fp32 else {}
         dq, dk, dv, d_pos, d_time = spec.attn_ops[1](
             dout.contiguous(),
             q,
@@ -600,14 +603,6 @@ def _attention_backward(
     dq, dk, dv = grads[:3]
     rest = iter(grads[3:])
     return dq, dk, dv, *(None if w is None else next(rest) for w in w_leaves)
-
-
-def _has_dq_fp32(spec: _LayerSpec) -> bool:
-    """Whether the attention backward op takes ``dq_fp32`` (an op without it, e.g. a build older
-    than its SiLU counterpart, returns dq converted, as before)."""
-    op = spec.attn_ops[1]
-    schema = getattr(getattr(op, "default", None), "_schema", None)
-    return schema is not None and any(a.name == "dq_fp32" for a in schema.arguments)
 
 
 def _seed_offset_kwarg(seed_offset: torch.Tensor | None) -> dict:

@@ -11,7 +11,8 @@
 # Beauty, ML-100K from data/raw), inference (scripts/bench_inference.py), small
 # (scripts/bench_small.py, eager vs CUDA graphs), small-profile (the same with a profile),
 # hybrid-e2e (the e2e model with a 20M-row hybrid item table against 2M rows in HBM), e2e-graphs
-# (the e2e step eager and with CUDA graphs of the encoder), attn-bias (the relative bias's cost), hybrid
+# (the e2e step eager and with CUDA graphs of the encoder), e2e-ab (the e2e step against another
+# tree's, E2E_BASE=<dir>), attn-bias (the relative bias's cost), hybrid
 # (scripts/bench_embedding.py --hybrid); A/B runs of one build (no
 # reference): attn-ab (dispatch order), attn-fwd256 (d256 forward tiles), dq-convert-ab (where dQ
 # is converted); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute);
@@ -22,6 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_logs}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: some steps run from another directory
 export PYTHONUNBUFFERED=1 HSTU_ALLOW_NON_A100=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 failed=0
@@ -126,6 +128,26 @@ step() {
     dq-convert-ab)  # dQ converted by the separate kernel (default) vs inside the backward
       for c in kernel bwd; do
         HSTU_ATTN_DQ_CONVERT=$c bench_ab dq_convert_ab --iters 20 --shapes long_d128,long_d256
+      done ;;
+    e2e-ab)  # the e2e step of this tree against another tree's (E2E_BASE: a copy of the
+      # sources at some commit, e.g. `git archive <ref> hstu scripts configs kernels setup.py
+      # pyproject.toml | tar -x -C <dir>`, made where git is), alternating, E2E_ROUNDS rounds
+      # (default 2); the base builds its own bf16 d256 attention and gating kernels into a copy
+      # in /tmp and borrows this tree's dynamic-embedding extension (run `build` first)
+      [ -d "${E2E_BASE:-}" ] || { echo "e2e-ab needs E2E_BASE=<dir with the base sources>"; false; } &&
+      rm -rf /tmp/hstu_e2e_base && cp -r "$E2E_BASE" /tmp/hstu_e2e_base &&
+      (cd /tmp/hstu_e2e_base && HSTU_KERNELS=hstu_attention,layer_norm_mul_dropout \
+        HSTU_KERNEL_DIMS=bf16_hdim256 HSTU_CUDA_ARCH_LIST=${HSTU_CUDA_ARCH_LIST:-"9.0"} \
+        MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace > "$out/e2e_ab_build.log" 2>&1) &&
+      cp hstu/_dynamic_embedding_C*.so /tmp/hstu_e2e_base/hstu/ &&
+      for r in $(seq "${E2E_ROUNDS:-2}"); do
+        for tree in /tmp/hstu_e2e_base "$PWD"; do
+          (cd "$tree" && PYTHONPATH=$tree:${PYTHONPATH:-} python3 scripts/bench_e2e.py \
+            --config configs/synthetic_benchmark_ranking.gin --steps 30 --paths compiled \
+            --bindings "EmbeddingArgs.item_capacity=2000000" "EmbeddingArgs.user_capacity=1000000" \
+            "TrainerArgs.peak_tflops=989" \
+            --out "$out/e2e_ab_$([ "$tree" = "$PWD" ] && echo this || echo base).jsonl")
+        done
       done ;;
     *) echo "unknown step $name" >&2; return 2 ;;
   esac > >(tee -a "$out/$name.log") 2>&1

@@ -65,7 +65,6 @@ one fallback: a stage that fails to compile switches every layer to the eager st
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import math
 from collections.abc import Callable
@@ -270,11 +269,8 @@ def _kernel_rows(g: torch.Tensor, t: int, hd: int, dtype: torch.dtype) -> torch.
 def _silu_backward(spec: _LayerSpec, grads, z: torch.Tensor, hd: int, dt_bias: torch.dtype):
     """(dz [T, 4*hd], the uvqk bias gradient in dt_bias) from du, dv, dq, dk and z: one kernel
     pass when the SiLU kernels run, else aten.silu_backward per block and dz.sum(0)."""
-    t = z.shape[0]
     if spec.silu_ops is not None:
-        # dq may come as the attention kernel's fp32 head-major accumulator (read as it is)
-        rows = [g if _is_dq_accum(g) else _kernel_rows(g, t, hd, z.dtype) for g in grads]
-        dz, d_bias = spec.silu_ops[1](*rows, z, True)
+        dz, d_bias = spec.silu_ops[1](*_silu_grad_rows(spec, grads, z, hd), z, True)
         return dz, d_bias.to(dt_bias)
     dz = torch.empty_like(z)
     _silu_backward_into(dz, grads, z, hd)
@@ -309,14 +305,27 @@ def _u_silu_kwarg(spec: _LayerSpec) -> dict:
 def _silu_backward_vqk(spec: _LayerSpec, dz, grads, z: torch.Tensor, hd: int, dt_bias):
     """dz's v, q, k blocks from dv, dq, dk (its u block is written already) and the uvqk bias
     gradient in dt_bias: one `silu_chunk_major_backward_into` pass."""
+    return spec.silu_into(*_silu_grad_rows(spec, grads, z, hd), z, dz, True).to(dt_bias)
+
+
+def _dq_accum(spec: _LayerSpec) -> bool:
+    """Whether the attention backward hands dq over as its fp32 head-major accumulator
+    (`dq_fp32=True`): the kernel ops run, the SiLU kernels read dq, and the attention op takes
+    the argument (an extension built from older sources returns dq converted, as before)."""
+    return (
+        spec.attn_ops is not None
+        and spec.silu_ops is not None
+        and _takes(spec.attn_ops[1], "dq_fp32")
+    )
+
+
+def _silu_grad_rows(spec: _LayerSpec, grads, z: torch.Tensor, hd: int) -> list[torch.Tensor]:
+    """``grads`` (ending with dq, dk) as the SiLU backward kernels read them: [T, hd] rows in
+    z's dtype, except dq when it is the attention's fp32 accumulator (`_dq_accum`), passed as
+    it is."""
     t = z.shape[0]
-    rows = [g if _is_dq_accum(g) else _kernel_rows(g, t, hd, z.dtype) for g in grads]
-    return spec.silu_into(*rows, z, dz, True).to(dt_bias)
-
-
-def _is_dq_accum(g: torch.Tensor) -> bool:
-    """Whether ``g`` is the attention kernel's fp32 dQ accumulator [H, T, D] (`dq_fp32=True`)."""
-    return g.dim() == 3 and g.dtype == torch.float32 and g.is_cuda
+    keep = len(grads) - 2 if _dq_accum(spec) else -1
+    return [g if i == keep else _kernel_rows(g, t, hd, z.dtype) for i, g in enumerate(grads)]
 
 
 def _output_grad(spec: _LayerSpec, dout: torch.Tensor, cdtype: torch.dtype, dt_bias: torch.dtype):
@@ -381,24 +390,19 @@ def _silu_ops(x: torch.Tensor, inner: int):
 
 @functools.cache
 def _takes(op: Callable, arg: str) -> bool:
-    """Whether the op's schema has the argument ``arg`` (an op built from older sources may
-    not); a Python function (the twins) by its signature. Cached: asked at every layer call."""
+    """Whether the torch op's schema has the argument ``arg`` (an extension built from older
+    sources may not). Cached: asked at every layer call."""
     schema = getattr(getattr(op, "default", None), "_schema", None)
-    if schema is not None:
-        return any(a.name == arg for a in schema.arguments)
-    return arg in inspect.signature(op).parameters
+    return schema is not None and any(a.name == arg for a in schema.arguments)
 
 
 def _silu_into_op(x: torch.Tensor, silu_ops, gate_ops):
     """silu_chunk_major_backward_into when the SiLU of u moves into the gating kernels (both
-    the SiLU and the gate kernels run this call, and the build has the u_silu / first_block
-    arguments), else None. Then the SiLU kernel computes v, q, k only, the gating kernels read
-    z's u block and apply SiLU themselves, and the gating backward writes dz's u block."""
+    the SiLU and the gate kernels run this call, and the extension has the op: a build that
+    has it also has the gate's u_silu / du_out and the SiLU's first_block), else None. Then the
+    SiLU kernel computes v, q, k only, the gating kernels read z's u block and apply SiLU
+    themselves, and the gating backward writes dz's u block."""
     if silu_ops is None or gate_ops is None:
-        return None
-    if not (_takes(gate_ops[0], "u_silu") and _takes(gate_ops[1], "du_out")):
-        return None
-    if not _takes(silu_ops[0], "first_block"):
         return None
     return _elementwise_ops(x, "silu_chunk_major_backward_into")
 
@@ -568,9 +572,7 @@ def _attention_backward(
         offsets, contexts, targets = a.kernel_metadata(q.device)
         # with the SiLU kernels, dq stays the kernel's fp32 accumulator: the SiLU backward
         # reads it directly, so no convert kernel runs
-        # (an op without dq_fp32, built from older sources, returns dq converted, as before)
-        dq_fp32 = spec.silu_ops is not None and _takes(spec.attn_ops[1], "dq_fp32")
-        extra = {"dq_fp32": True} if dq_fp32 else {}
+        extra = {"dq_fp32": True} if _dq_accum(spec) else {}
         dq, dk, dv, d_pos, d_time = spec.attn_ops[1](
             dout.contiguous(),
             q,

@@ -197,6 +197,7 @@ def _silu_rounded(z: torch.Tensor) -> torch.Tensor:
 
 
 def _silu_grad(z: torch.Tensor) -> torch.Tensor:
+    """SiLU'(z) = s (1 + z (1 - s)), s = sigmoid(z), in fp32."""
     zf = z.float()
     s = torch.sigmoid(zf)
     return s * (1.0 + zf * (1.0 - s))
@@ -334,10 +335,8 @@ def reference_silu_chunk_major_backward(
                 f"{name} must be [T, hd] = [{t}, {hd}] for z of shape {tuple(z.shape)}; "
                 f"got {tuple(g.shape)}"
             )
-    zf = z.float()
-    s = torch.sigmoid(zf)
     g = torch.cat([du.float(), dv.float(), dq.float(), dk.float()], dim=1)
-    dz = (g * (s * (1.0 + zf * (1.0 - s)))).to(z.dtype)
+    dz = (g * _silu_grad(z)).to(z.dtype)
     dbias = dz.float().sum(0) if bias_grad else z.new_empty((0,), dtype=torch.float32)
     return dz, dbias
 

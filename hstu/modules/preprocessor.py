@@ -252,17 +252,17 @@ class SequencePreprocessor(nn.Module):
 
         pad = self.pad_tokens == "on" or (self.pad_tokens == "auto" and device.type == "cuda")
         rows = padded_token_count(num_tokens, pad_sizes_per_octave) if pad else num_tokens
-        if contextual:
-            ctx_rows = (offsets[:-1].view(b, 1) + torch.arange(f, device=device)).view(-1)
-            x = _AssembleTokens.apply(rows, num_tokens, dest, ctx_rows, tok, *contextual)
-        else:
-            x = _AssembleTokens.apply(rows, num_tokens, dest, None, tok)
+        # row of contextual token i of sample s: ctx_rows[s * F + i]
+        ctx_rows = (
+            (offsets[:-1].view(b, 1) + torch.arange(f, device=device)).view(-1) if f else None
+        )
+        x = _AssembleTokens.apply(rows, num_tokens, dest, ctx_rows, tok, *contextual)
         x = self.dropout(x)
         attn = _attention_inputs(
             offsets, offsets_host, max_seqlen, f, num_cand, host.candidates, has_targets, rows
         )
         if self.timestamps:
-            attn.timestamps = self._token_timestamps(batch, dest, offsets, item_offsets, rows)
+            attn.timestamps = self._token_timestamps(batch, dest, ctx_rows, item_offsets, rows)
             target_ts = batch.target_timestamps
             if target_ts is not None:
                 # retrieval evaluation: the last history token queries at the held-out item's
@@ -290,7 +290,7 @@ class SequencePreprocessor(nn.Module):
         self,
         batch: Batch,
         dest: torch.Tensor,
-        offsets: torch.Tensor,
+        ctx_rows: torch.Tensor | None,
         item_offsets: torch.Tensor,
         rows: int,
     ) -> torch.Tensor:
@@ -314,11 +314,10 @@ class SequencePreprocessor(nn.Module):
             )
         ts = torch.zeros(rows, dtype=torch.int64, device=device).index_copy(0, dest, item_ts)
         f = self.num_contextual
-        b = offsets.numel() - 1
-        if f > 0 and b > 0 and n_items > 0:
+        b = item_offsets.numel() - 1
+        if ctx_rows is not None and b > 0 and n_items > 0:
             # a sample without items gets the next sample's first time: any constant will do
             first = item_ts[item_offsets[:-1].clamp(max=n_items - 1)]
-            ctx_rows = (offsets[:-1].view(b, 1) + torch.arange(f, device=device)).view(-1)
             ts = ts.index_copy(0, ctx_rows, first.repeat_interleave(f, output_size=b * f))
         return ts
 

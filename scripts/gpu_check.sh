@@ -142,11 +142,12 @@ step() {
       cp hstu/_dynamic_embedding_C*.so /tmp/hstu_e2e_base/hstu/ &&
       for r in $(seq "${E2E_ROUNDS:-2}"); do
         for tree in /tmp/hstu_e2e_base "$PWD"; do
+          label=$([ "$tree" = "$PWD" ] && echo this || echo base)  # before the cd below
           (cd "$tree" && PYTHONPATH=$tree:${PYTHONPATH:-} python3 scripts/bench_e2e.py \
             --config configs/synthetic_benchmark_ranking.gin --steps 30 --paths compiled \
             --bindings "EmbeddingArgs.item_capacity=2000000" "EmbeddingArgs.user_capacity=1000000" \
             "TrainerArgs.peak_tflops=989" \
-            --out "$out/e2e_ab_$([ "$tree" = "$PWD" ] && echo this || echo base).jsonl")
+            --out "$out/e2e_ab_$label.jsonl")
         done
       done ;;
     *) echo "unknown step $name" >&2; return 2 ;;

@@ -8,6 +8,7 @@ import pytest
 import torch
 from model_helpers import small_model
 
+from hstu.config.args import NetworkArgs
 from hstu.modules.graphed_encoder import GRAPH_PAD_SIZES_PER_OCTAVE
 from hstu.modules.preprocessor import PAD_SEQUENCE_TOKENS, _attention_inputs, padded_token_count
 
@@ -100,11 +101,16 @@ def test_padding_changes_no_output_or_gradient(task, extra):
         torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_only_a_call_that_may_replay_graphs_pads_coarsely(monkeypatch):
-    """The model rounds the token count to 8 sizes per power of two only for a call its encoder
-    may replay from CUDA graphs (training on CUDA, graphs on: `HSTUEncoder.graphed`); otherwise
-    (evaluation, CPU, several processes) to 32."""
-    splits, model = _model("ranking", "on", "NetworkArgs.cuda_graphs=True")
+@pytest.mark.parametrize("sizes", [None, 4])
+def test_only_a_call_that_may_replay_graphs_pads_coarsely(monkeypatch, sizes):
+    """The model rounds the token count to `NetworkArgs.cuda_graph_pad_sizes` sizes per power of
+    two (default 8) only for a call its encoder may replay from CUDA graphs (training on CUDA,
+    graphs on: `HSTUEncoder.graphed`); otherwise (evaluation, CPU, several processes) to 32."""
+    bindings = ["NetworkArgs.cuda_graphs=True"]
+    if sizes is not None:
+        bindings.append(f"NetworkArgs.cuda_graph_pad_sizes={sizes}")
+    splits, model = _model("ranking", "on", *bindings)
+    assert model.encoder.graphs.pad_sizes_per_octave == (sizes or GRAPH_PAD_SIZES_PER_OCTAVE)
     batch = splits.train.collate(list(range(200)))  # ~6k tokens: the two roundings differ
     assert not model.encoder.graphed(torch.device("cpu"))
     rows = {}
@@ -116,8 +122,15 @@ def test_only_a_call_that_may_replay_graphs_pads_coarsely(monkeypatch):
         t = int(attn.real_lengths().sum())
         rows[graphed] = (int(attn.seq_offsets[-1]), t)
     assert rows[False][0] == padded_token_count(rows[False][1])
-    assert rows[True][0] == padded_token_count(rows[True][1], GRAPH_PAD_SIZES_PER_OCTAVE)
+    expected = padded_token_count(rows[True][1], sizes or GRAPH_PAD_SIZES_PER_OCTAVE)
+    assert rows[True][0] == expected
     assert rows[True][0] > rows[False][0]
+
+
+@pytest.mark.parametrize("bad", [0, 3, 12, 2048])
+def test_bad_cuda_graph_pad_sizes_names_the_setting(bad):
+    with pytest.raises(ValueError, match="cuda_graph_pad_sizes"):
+        NetworkArgs(cuda_graph_pad_sizes=bad)
 
 
 def test_bad_pad_tokens_value_names_the_binding():

@@ -414,6 +414,10 @@ class NetworkArgs:
     # captured per input shape (hstu.modules.graphed_encoder). Opt-in (False: eager every step)
     # until its speed and equality to the eager step are measured on a GPU (docs/architecture.md)
     cuda_graphs: bool = False
+    # with cuda_graphs: token counts per power of two that a graphed step's tokens are padded to
+    # (a power of two; one graph pair per count: fewer counts, fewer captures and more padding
+    # rows, up to 1/count more; the eager step pads to 32)
+    cuda_graph_pad_sizes: int = 8
 
     def __post_init__(self) -> None:
         _int(self, "num_layers", min_value=1, max_value=INT32_MAX, why=_MEM)
@@ -479,6 +483,18 @@ class NetworkArgs:
         _bool(self, "use_contextual_features")
         _choice(self, "pad_tokens", PAD_TOKENS)
         _bool(self, "cuda_graphs")
+        sizes = _int(
+            self,
+            "cuda_graph_pad_sizes",
+            min_value=1,
+            max_value=1024,
+            why="token counts per power of two; padding rounds to at least 128 rows anyway",
+        )
+        if sizes & (sizes - 1):
+            raise ValueError(
+                f"NetworkArgs.cuda_graph_pad_sizes={sizes} must be a power of two (1, 2, 4, ... "
+                "1024): token counts per power of two that a graphed step pads to"
+            )
         if not self.fused_layer and self.fused_gate_kernel != "auto":
             raise ValueError(
                 f"NetworkArgs.fused_gate_kernel={self.fused_gate_kernel!r} applies only to the "

@@ -12,7 +12,6 @@ from hstu.config.args import NetworkArgs
 from hstu.data.batch import ITEM_FEATURE, Batch
 from hstu.data.features import FeatureInfo, require_timestamps
 from hstu.embeddings.stack import EXTRA_ITEM_FEATURE, EmbeddingStack, SparseInput
-from hstu.modules.graphed_encoder import GRAPH_PAD_SIZES_PER_OCTAVE
 from hstu.modules.hstu_layer import AttentionInputs, HSTUEncoder
 from hstu.modules.preprocessor import (
     PAD_SIZES_PER_OCTAVE,
@@ -101,7 +100,7 @@ class GenerativeRecommender(nn.Module):
         # a call the encoder may replay from CUDA graphs (one pair per token count) rounds the
         # token count more coarsely, so that fewer counts occur
         graphed = self.encoder.graphed(items.values().device)
-        sizes = GRAPH_PAD_SIZES_PER_OCTAVE if graphed else PAD_SIZES_PER_OCTAVE
+        sizes = self.encoder.graphs.pad_sizes_per_octave if graphed else PAD_SIZES_PER_OCTAVE
         with record_function("hstu/preprocess"):
             x, layout = self.preprocessor(batch, contextual, items, pad_sizes_per_octave=sizes)
         self.last_attention_inputs = layout.attn
@@ -145,6 +144,7 @@ def _build_encoder(net: NetworkArgs, max_tokens: int, reference_attention: bool)
         kernel_backend=net.kernel_backend,
         reference_attention=reference_attention,
         cuda_graphs=net.cuda_graphs,
+        cuda_graph_pad_sizes=net.cuda_graph_pad_sizes,
         attention_type=net.attention_type,
         relative_attention_bias=net.relative_attention_bias,
         # P = the longest token sequence - 1: every relative distance has its own weight

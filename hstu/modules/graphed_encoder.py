@@ -155,15 +155,30 @@ class EncoderGraphs:
     The encoder hands itself to every call: ``encoder.forward_eager(x, attn)`` is its own
     forward (the layers and the final norm). ``max_graphs``: graph pairs kept at most;
     ``min_uses``: how often a shape is seen before it is captured; ``warmup``: eager forward +
-    backward passes before a capture."""
+    backward passes before a capture; ``pad_sizes_per_octave``: token counts per power of two
+    that a graphed call's tokens are padded to (fewer: fewer graphs, more padding rows)."""
 
-    def __init__(self, *, max_graphs: int = 64, min_uses: int = 2, warmup: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        max_graphs: int = 64,
+        min_uses: int = 2,
+        warmup: int = 1,
+        pad_sizes_per_octave: int = GRAPH_PAD_SIZES_PER_OCTAVE,
+    ) -> None:
         if max_graphs < 1 or min_uses < 1 or warmup < 1:
             raise ValueError(
                 f"EncoderGraphs: max_graphs, min_uses and warmup must be >= 1; got {max_graphs}, "
                 f"{min_uses}, {warmup}"
             )
+        if pad_sizes_per_octave < 1 or pad_sizes_per_octave & (pad_sizes_per_octave - 1):
+            raise ValueError(
+                "NetworkArgs.cuda_graph_pad_sizes must be a power of two (token counts per power "
+                f"of two that a graphed call pads to); got {pad_sizes_per_octave}"
+            )
         self.max_graphs = int(max_graphs)
+        # token counts per power of two that the preprocessor pads a graphed call to
+        self.pad_sizes_per_octave = int(pad_sizes_per_octave)
         self.min_uses = int(min_uses)
         self.warmup = int(warmup)
         self.stats = GraphStats()
@@ -189,7 +204,12 @@ class EncoderGraphs:
         self.stats.graphs = 0
 
     def _settings(self) -> dict:
-        return dict(max_graphs=self.max_graphs, min_uses=self.min_uses, warmup=self.warmup)
+        return dict(
+            max_graphs=self.max_graphs,
+            min_uses=self.min_uses,
+            warmup=self.warmup,
+            pad_sizes_per_octave=self.pad_sizes_per_octave,
+        )
 
     # copies and pickles of a model start without graphs (they hold device state)
     def __getstate__(self) -> dict:

@@ -21,7 +21,7 @@ from torch import nn
 from hstu.config.args import FUSED_GATE_KERNELS, KERNEL_BACKENDS
 from hstu.modules.attention_inputs import AttentionInputs
 from hstu.modules.fused_hstu_layer import FusedHSTULayer
-from hstu.modules.graphed_encoder import EncoderGraphs
+from hstu.modules.graphed_encoder import GRAPH_PAD_SIZES_PER_OCTAVE, EncoderGraphs
 from hstu.modules.relative_bias import RelativeAttentionBias
 from hstu.modules.unfused_layer import HSTULayer
 from hstu.ops.attention import attention_path
@@ -83,6 +83,7 @@ class HSTUEncoder(nn.Module):
         final_layernorm: bool = True,
         uvqk_init_std: float = 0.0,
         cuda_graphs: bool = False,
+        cuda_graph_pad_sizes: int = GRAPH_PAD_SIZES_PER_OCTAVE,
         **layer_kwargs,
     ) -> None:
         super().__init__()
@@ -146,7 +147,11 @@ class HSTUEncoder(nn.Module):
             layer.attention_type == "hstu" and not layer.reference_attention
             for layer in self.layers
         )
-        self.graphs = EncoderGraphs() if cuda_graphs and graphable else None
+        self.graphs = (
+            EncoderGraphs(pad_sizes_per_octave=cuda_graph_pad_sizes)
+            if cuda_graphs and graphable
+            else None
+        )
 
     @property
     def uses_timestamps(self) -> bool:

@@ -53,8 +53,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "launch.h"
 
@@ -165,10 +168,47 @@ int num_sms(const Tensor& x) {
   return at::cuda::getDeviceProperties(x.device().index())->multiProcessorCount;
 }
 
+// HSTU_LNMD_PARTIAL_SUMS=torch: the partial rows summed by torch (two reductions for a
+// (dweight, dbias) pair) instead of launch_sum_partials; for comparisons only.
+bool torch_partial_sums() {
+  static const bool on = [] {
+    const char* e = std::getenv("HSTU_LNMD_PARTIAL_SUMS");
+    return e != nullptr && std::strcmp(e, "torch") == 0;
+  }();
+  return on;
+}
+
 void check_launch() {
   const cudaError_t err = cudaGetLastError();
   TORCH_CHECK(err == cudaSuccess, std::string("layer_norm_mul_dropout: kernel launch failed: ") +
                                       cudaGetErrorString(err));
+}
+
+// The fp32 partial rows [rows, n * cols] of a kernel (n sums of cols columns side by side)
+// summed into n separate [cols] tensors (op outputs must not alias one another): one
+// launch_sum_partials, in a fixed order.
+std::vector<Tensor> sum_partials(const Tensor& partials, int n) {
+  TORCH_CHECK(n >= 1 && n <= lnmd::kMaxSumOuts && partials.dim() >= 2 && partials.size(0) > 0);
+  const int64_t rows = partials.size(0);
+  const int64_t cols = partials.numel() / (rows * n);
+  const auto flat = partials.view({rows, n, cols});
+  std::vector<Tensor> outs;
+  if (torch_partial_sums()) {
+    for (int o = 0; o < n; ++o) outs.push_back(flat.select(1, o).sum(0));
+    return outs;
+  }
+  lnmd::SumPartialsParams prm;
+  prm.partials = partials.data_ptr<float>();
+  prm.rows = static_cast<int>(rows);
+  prm.width = static_cast<int>(n * cols);
+  prm.cols = static_cast<int>(cols);
+  for (int o = 0; o < n; ++o) {
+    outs.push_back(at::empty({cols}, partials.options()));
+    prm.outs[o] = outs.back().data_ptr<float>();
+  }
+  lnmd::launch_sum_partials(prm, at::cuda::getCurrentCUDAStream());
+  check_launch();
+  return outs;
 }
 
 std::tuple<Tensor, Tensor, Tensor> fwd_cuda(const Tensor& x, const Tensor& u, const Tensor& weight,
@@ -262,8 +302,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_cuda(
   prm.dropout = drop;
   lnmd::launch_bwd(dt, prm, grid, at::cuda::getCurrentCUDAStream());
   check_launch();
-  // separate tensors (not views of one [2, D] sum): op outputs must not alias each other
-  return {dx, du, partials.select(1, 0).sum(0), partials.select(1, 1).sum(0), y};
+  auto sums = sum_partials(partials, 2);  // dweight, dbias
+  return {dx, du, sums[0], sums[1], y};
 }
 
 // A [T, D] fp32 tensor of the input LayerNorm (x or dres), shaped like x.
@@ -360,7 +400,8 @@ std::tuple<Tensor, Tensor, Tensor> ln_bwd_cuda(const Tensor& dn, const Tensor& x
   prm.cols = cols;
   lnmd::launch_ln_bwd(dt, prm, grid, at::cuda::getCurrentCUDAStream());
   check_launch();
-  return {dx, partials.select(1, 0).sum(0), partials.select(1, 1).sum(0)};
+  auto sums = sum_partials(partials, 2);  // dweight, dbias
+  return {dx, sums[0], sums[1]};
 }
 
 std::tuple<Tensor, Tensor, Tensor> ln_fwd_meta(const Tensor& x, const Tensor& weight,
@@ -493,7 +534,7 @@ Tensor silu_bwd_core(const Tensor* du_p, const Tensor& dv, const Tensor& dq, con
   prm.hd = static_cast<int>(hd);
   lnmd::launch_silu_bwd(dt, prm, grid_y, at::cuda::getCurrentCUDAStream());
   check_launch();
-  return bias_grad ? partials.sum(0) : at::empty({0}, fopts);
+  return bias_grad ? sum_partials(partials, 1)[0] : at::empty({0}, fopts);
 }
 
 std::tuple<Tensor, Tensor> silu_bwd_cuda(const Tensor& du, const Tensor& dv, const Tensor& dq,
@@ -552,7 +593,7 @@ std::tuple<Tensor, Tensor> cast_colsum_cuda(const Tensor& x, c10::ScalarType dty
   prm.cols = static_cast<int>(d);
   lnmd::launch_cast_colsum(dt, prm, grid_y, at::cuda::getCurrentCUDAStream());
   check_launch();
-  return {y, partials.sum(0)};
+  return {y, sum_partials(partials, 1)[0]};
 }
 
 std::tuple<Tensor, Tensor> cast_colsum_meta(const Tensor& x, c10::ScalarType dtype) {

@@ -48,6 +48,10 @@ void launch_silu_bwd(DType dtype, const SiluBwdParams& p, int grid_y, cudaStream
 int cast_colsum_grid(DType dtype, int cols, int64_t rows, int num_sms);
 void launch_cast_colsum(DType dtype, const CastColsumParams& p, int grid_y, cudaStream_t stream);
 
+// Sums the fp32 partial rows of the kernels above into their outputs (colsum.cu): one launch
+// for all of a call's sums, in a fixed order (bitwise reproducible).
+void launch_sum_partials(const SumPartialsParams& p, cudaStream_t stream);
+
 // Per-dtype entry points (instantiations/*.cu).
 template <typename T>
 void run_fwd(const FwdParams& p, int num_sms, cudaStream_t stream);

@@ -148,4 +148,16 @@ struct CastColsumParams {
   int cols = 0;
 };
 
+// Column sums of the kernels' fp32 partial rows (colsum.cu): partials [rows, width] contiguous,
+// width = nouts * cols, cols a multiple of 4; out o (of nouts <= kMaxSumOuts) gets the sums of
+// columns [o * cols, (o + 1) * cols), each a 16-byte aligned fp32 [cols]. rows may be 0 (zeros).
+constexpr int kMaxSumOuts = 2;
+struct SumPartialsParams {
+  const float* partials = nullptr;
+  int rows = 0;
+  int width = 0;
+  int cols = 0;
+  float* outs[kMaxSumOuts] = {nullptr, nullptr};
+};
+
 }  // namespace lnmd

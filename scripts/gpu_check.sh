@@ -48,6 +48,15 @@ bench_ab() {
   python3 scripts/bench_attention.py --graph --no-ref --out "$out/$name.jsonl" "$@"
 }
 
+# e2e_bench BINDINGS... [--out FILE]: the docs' e2e command (docs/benchmarks.md, 1 GPU) with
+# more gin bindings; the item table's capacity is one of them ($E2E_ITEMS: 2M rows fit one GPU)
+E2E_ITEMS="EmbeddingArgs.item_capacity=2000000"
+e2e_bench() {
+  python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --steps 30 \
+    --paths compiled --bindings "EmbeddingArgs.user_capacity=1000000" \
+    "TrainerArgs.peak_tflops=989" "$@"
+}
+
 step() {
   local name=$1
   local t0=$SECONDS
@@ -67,17 +76,9 @@ step() {
       HSTU_ATTN_MAX_SMEM=200000 bench_ab attn_fwd256 --iters 30 --shapes long_d256
       bench_ab attn_fwd256 --iters 30 --shapes long_d256 ;;
     layer) python3 scripts/bench_layer.py ;;
-    e2e)
-      python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --steps 30 \
-        --paths compiled --bindings "EmbeddingArgs.item_capacity=2000000" \
-        "EmbeddingArgs.user_capacity=1000000" "TrainerArgs.peak_tflops=989" ;;
+    e2e) e2e_bench "$E2E_ITEMS" ;;
     e2e-graphs)  # the same, eager and with the encoder from CUDA graphs
-      for g in False True; do
-        python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --steps 30 \
-          --paths compiled --bindings "EmbeddingArgs.item_capacity=2000000" \
-          "EmbeddingArgs.user_capacity=1000000" "TrainerArgs.peak_tflops=989" \
-          "NetworkArgs.cuda_graphs=$g"
-      done ;;
+      for g in False True; do e2e_bench "$E2E_ITEMS" "NetworkArgs.cuda_graphs=$g"; done ;;
     data)  # the public datasets, from copies in data/raw (ml-1m.txt.gz, Beauty.txt, ml-100k/u.data)
       python3 -m hstu.data.prepare --dataset sequences --source data/raw/ml-1m.txt.gz --output data/ml-1m
       python3 -m hstu.data.prepare --dataset amazon-beauty --source data/raw/Beauty.txt --output data/amazon-beauty
@@ -104,13 +105,8 @@ step() {
           --out "$out/small_profile.jsonl"
       done ;;
     hybrid-e2e)  # the e2e model with its 2M-row item table in HBM, then 20M rows hybrid
-      python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --steps 30 \
-        --paths compiled --bindings "EmbeddingArgs.item_capacity=2000000" \
-        "EmbeddingArgs.user_capacity=1000000" "TrainerArgs.peak_tflops=989"
-      python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --steps 30 \
-        --paths compiled --bindings "EmbeddingArgs.item_capacity=20000000" \
-        "EmbeddingArgs.user_capacity=1000000" "EmbeddingArgs.storage='hybrid'" \
-        "TrainerArgs.peak_tflops=989" ;;
+      e2e_bench "$E2E_ITEMS"
+      e2e_bench "EmbeddingArgs.item_capacity=20000000" "EmbeddingArgs.storage='hybrid'" ;;
     attn-bias)  # the relative bias's cost (docs/benchmarks.md, "With the relative attention bias")
       for b in none position position_time; do
         python3 scripts/bench_attention.py --graph --iters 20 --ref-iters 3 \
@@ -141,12 +137,10 @@ step() {
         MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace > "$out/e2e_ab_build.log" 2>&1) &&
       cp hstu/_dynamic_embedding_C*.so /tmp/hstu_e2e_base/hstu/ &&
       for r in $(seq "${E2E_ROUNDS:-2}"); do
-        for tree in /tmp/hstu_e2e_base "$PWD"; do
-          label=$([ "$tree" = "$PWD" ] && echo this || echo base)  # before the cd below
-          (cd "$tree" && PYTHONPATH=$tree:${PYTHONPATH:-} python3 scripts/bench_e2e.py \
-            --config configs/synthetic_benchmark_ranking.gin --steps 30 --paths compiled \
-            --bindings "EmbeddingArgs.item_capacity=2000000" "EmbeddingArgs.user_capacity=1000000" \
-            "TrainerArgs.peak_tflops=989" \
+        for label in base this; do
+          tree=/tmp/hstu_e2e_base
+          [ "$label" = this ] && tree=$PWD
+          (cd "$tree" && PYTHONPATH=$tree:${PYTHONPATH:-} e2e_bench "$E2E_ITEMS" \
             --out "$out/e2e_ab_$label.jsonl")
         done
       done ;;

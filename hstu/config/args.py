@@ -411,8 +411,9 @@ class NetworkArgs:
         "auto"  # pad the jagged token count so matmul shapes repeat: auto (CUDA) | on | off
     )
     # training on one CUDA process: the encoder's forward + backward replayed from CUDA graphs
-    # captured per input shape (hstu.modules.graphed_encoder). Opt-in (False: eager every step)
-    # until its speed and equality to the eager step are measured on a GPU (docs/architecture.md)
+    # captured per input shape (hstu.modules.graphed_encoder). Opt-in (False: eager every step):
+    # on in the small dataset configs (host-bound); a GPU-bound step such as the benchmark
+    # model's runs faster eager (docs/benchmarks.md)
     cuda_graphs: bool = False
     # with cuda_graphs: token counts per power of two that a graphed step's tokens are padded to
     # (a power of two; one graph pair per count: fewer counts, fewer captures and more padding

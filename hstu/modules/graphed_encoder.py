@@ -56,9 +56,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# token counts per power of two that the preprocessor pads to for a call the encoder may replay
-# (one graph pair per count; `PAD_SIZES_PER_OCTAVE` otherwise): the benchmark model's batches,
-# ~28k tokens, met 60+ of the finer counts in 500 steps, so most steps captured or ran eagerly
+# default token counts per power of two that the preprocessor pads to for a call the encoder may
+# replay (`NetworkArgs.cuda_graph_pad_sizes`; one graph pair per count; `PAD_SIZES_PER_OCTAVE`
+# otherwise): the benchmark model's ~28k-token batches meet ~9 counts at 8, ~60 at 32
 GRAPH_PAD_SIZES_PER_OCTAVE = 8
 SEQ_GRAIN = 8  # sequences per key rounded up to a multiple of this (empty sequences fill up)
 MIN_SEQLEN_BOUND = 64  # the attention kernels' smallest query tile

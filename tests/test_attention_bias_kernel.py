@@ -80,18 +80,27 @@ def dense_bias(lengths, max_seqlen, heads, ts, pos_w, time_w, max_pos, last_quer
     return out
 
 
-def _timestamps(lengths, gen, huge=False):
+def _timestamps(lengths, gen, huge=False, pattern="log"):
     """Per sequence, non-decreasing with gaps spread over 0 .. 10^7 on a log scale (many buckets,
     10% ties); ``huge``: gaps up to 2^54 (differences up to ~2^62: buckets up to ~143 of 256) and
-    the tokens in any order."""
+    the tokens in any order. ``pattern="steady"``: gaps of 1000 (the rows of a key tile some
+    hundred tokens away span 2 or 3 buckets, with the boundaries anywhere in the tile);
+    ``"one_swap"``: the log-scale gaps with two adjacent tokens swapped (one key tile out of
+    time order, the others ascending)."""
     parts = []
     for L in lengths:
+        if pattern == "steady":
+            parts.append(1_600_000_000 + 1000 * torch.arange(L, dtype=torch.long))
+            continue
         if huge:
             gaps = torch.floor(2 ** (torch.rand(L, generator=gen) * 54.0)).long()
         else:
             gaps = torch.floor(10 ** (torch.rand(L, generator=gen) * 7.0)).long()
             gaps[torch.rand(L, generator=gen) < 0.1] = 0  # ties
         t = 1_600_000_000 + torch.cumsum(gaps, 0)
+        if pattern == "one_swap" and L > 1:
+            i = int(torch.randint(0, L - 1, (1,), generator=gen))
+            t[[i, i + 1]] = t[[i + 1, i]].clone()
         parts.append(t[torch.randperm(L, generator=gen)] if huge else t)
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
@@ -112,6 +121,7 @@ def _run(
     last_query=False,
     seed=0,
     huge_gaps=False,
+    ts_pattern="log",
     **kw,
 ):
     gen = torch.Generator().manual_seed(seed)
@@ -122,7 +132,7 @@ def _run(
     hw = heads if per_head else 1
     pos_w = (torch.randn(hw, 2 * max_pos + 1, generator=gen) * 0.5).cuda() if use_pos else None
     time_w = (torch.randn(hw, num_buckets + 1, generator=gen) * 0.5).cuda() if use_time else None
-    ts = _timestamps(lengths, gen, huge=huge_gaps).cuda()
+    ts = _timestamps(lengths, gen, huge=huge_gaps, pattern=ts_pattern).cuda()
     last_q = None
     if last_query and use_time:  # a request time after each sequence's last interaction
         ends = torch.tensor(
@@ -238,6 +248,16 @@ def test_huge_gaps_many_buckets_any_order(d):
     """The backward keeps one byte per element's bucket: buckets past 127, gaps of both signs
     (keys out of order, no causal mask) and rows whose buckets change at every key."""
     _check(LENGTHS, d, torch.bfloat16, num_buckets=256, huge_gaps=True, causal=False)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("pattern", ["steady", "one_swap"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_time_buckets_by_column_segments(d, pattern, causal):
+    """The forward's rows of an ascending key tile take their buckets from column segments (the
+    boundaries found by binary search, gaps of both signs without the causal mask); a tile out of
+    time order takes the per-key bucket."""
+    _check(LENGTHS, d, torch.bfloat16, ts_pattern=pattern, causal=causal)
 
 
 @pytest.mark.parametrize("d", [32, 64, 128, 256])

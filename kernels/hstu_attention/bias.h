@@ -41,10 +41,11 @@ struct BiasSmem {
   static constexpr int kKeyBufs = kBwd ? 1 : 2;
   static constexpr int kEdges = 0;                                   // int64 [NB + 1]
   static constexpr int kKeyTs = kEdges + 8 * (kMaxTimeBuckets + 8);  // int64 [bufs][kBlockN]
-  static constexpr int kKeyRange = kKeyTs + 8 * kKeyBufs * kBlockN;  // int64 [bufs][2]
+  // int64 [bufs][3]: the in-sequence keys' min, max, and (forward) 1 if they ascend
+  static constexpr int kKeyRange = kKeyTs + 8 * kKeyBufs * kBlockN;
   // The query rows' times (qt above): fixed for the forward's CTA, per tile in the backward.
   static constexpr int kQueryBufs = kBwd ? 2 : 1;
-  static constexpr int kQueryTs = kKeyRange + 8 * 2 * kKeyBufs;      // int64 [bufs][kBlockM]
+  static constexpr int kQueryTs = kKeyRange + 8 * 3 * kKeyBufs;      // int64 [bufs][kBlockM]
   static constexpr int kTimeW = kQueryTs + 8 * kQueryBufs * kBlockM;  // float [NB + 1]
   static constexpr int kDiagW = kTimeW + 4 * (kMaxTimeBuckets + 4);  // float [2][kDiag]
   static constexpr int kTimeHist = kDiagW + 4 * 2 * kDiag;          // bwd: float [NB + 1]
@@ -86,9 +87,10 @@ __device__ __forceinline__ int64_t query_time(HstuParams const& p, int bidb, int
 // k0 plus the number of the n thresholds its timestamp passes:
 //   gaps >= 0: bucket(ti - t) >= k0 + m  <=>  t <= ti - edges[k0 + m]
 //   gaps <= 0: bucket(t - ti) >= k0 + m  <=>  -t <= -ti - edges[k0 + m]
-// so kMaxRowThresholds int64 compares per key replace the log and the edge lookups
-// (exact, for any order of the keys). Rows whose gaps straddle 0 or span more buckets take the
-// per-key bucket (`general`).
+// The backward compares each key's timestamp with the thresholds (exact for any order of the
+// keys); the forward, on key tiles in ascending time order, turns them into column segments
+// (RowSegments). Rows whose gaps straddle 0 or span more buckets, and the forward's rows of key
+// tiles not in ascending order, take the per-key bucket (`general`).
 constexpr int kMaxRowThresholds = 2;
 struct RowBuckets {
   int k0 = 0;
@@ -113,6 +115,7 @@ struct RowBuckets {
   }
 };
 
+// The row's k0, n, negate and general (the thresholds are set by the caller).
 __device__ __forceinline__ RowBuckets row_buckets(const int64_t* edges, int nb, int64_t ti,
                                                   int64_t kmin, int64_t kmax) {
   RowBuckets rb;
@@ -126,12 +129,71 @@ __device__ __forceinline__ RowBuckets row_buckets(const int64_t* edges, int nb, 
   const int b = time_bucket(edges, nb, rb.negate ? -lo : hi);
   rb.k0 = a;
   rb.n = b - a;
-  if (rb.n > kMaxRowThresholds) {
-    rb.general = true;
-    return rb;
-  }
-  rb.set_thresholds(edges, ti);
+  rb.general = rb.n > kMaxRowThresholds;
   return rb;
+}
+
+// How many of the key tile's kBlockN timestamps (ascending) are <= x (strict: < x).
+template <int kBlockN, bool kStrict>
+__device__ __forceinline__ int count_keys_below(const int64_t* kts, int64_t x) {
+  static_assert((kBlockN & (kBlockN - 1)) == 0, "key tiles are a power of two");
+  int pos = 0;
+  CUTE_UNROLL
+  for (int step = kBlockN / 2; step > 0; step /= 2) {
+    const int64_t t = kts[pos + step - 1];
+    pos += (kStrict ? t < x : t <= x) ? step : 0;
+  }
+  return pos + ((kStrict ? kts[pos] < x : kts[pos] <= x) ? 1 : 0);
+}
+
+// Forward: a row of a key tile in ascending time order whose gaps span at most 3 buckets has
+// them constant on 3 column segments [0, lo), [lo, hi), [hi, kBlockN). With gaps >= 0 (keys
+// before ti) the bucket falls as the key's time rises (the first segment has k0 + 2, the last
+// k0); with gaps <= 0 it rises. The boundaries are the numbers of keys on one side of the
+// thresholds (a binary search each), so a key's weight costs two column compares.
+// Packed as one word (the quad's lanes exchange it, the backward keeps it per row):
+// lo | hi << 8 | k0 << 16 (9 bits) | negate << 25 | general << 26. Unused segments are empty.
+struct RowSegments {
+  static constexpr uint32_t kGeneral = 1u << 26;
+  int lo, hi, k_low, k_mid, k_high;
+
+  __device__ __forceinline__ static uint32_t pack(RowBuckets const& rb, int lo, int hi) {
+    return uint32_t(lo) | uint32_t(hi) << 8 | uint32_t(rb.k0) << 16 | uint32_t(rb.negate) << 25 |
+           uint32_t(rb.general) << 26;
+  }
+  // The bucket of each segment, clamped to nb (a clamped value belongs to an empty segment).
+  __device__ __forceinline__ static RowSegments unpack(uint32_t code, int nb) {
+    RowSegments s;
+    s.lo = int(code & 0xffu);
+    s.hi = int((code >> 8) & 0xffu);
+    const int k0 = int((code >> 16) & 0x1ffu);
+    const bool negate = (code >> 25) & 1u;
+    const int k2 = k0 + 2 > nb ? nb : k0 + 2;
+    s.k_low = negate ? k0 : k2;
+    s.k_mid = k0 + 1 > nb ? nb : k0 + 1;
+    s.k_high = negate ? k2 : k0;
+    return s;
+  }
+};
+
+// The row's packed segments (RowSegments), or kGeneral.
+template <int kBlockN>
+__device__ __forceinline__ uint32_t row_segment_code(const int64_t* edges, int nb, int64_t ti,
+                                                     const int64_t* kts, int64_t kmin,
+                                                     int64_t kmax, bool sorted) {
+  static_assert(kBlockN <= 255, "segment boundaries are packed in 8 bits");
+  if (!sorted) return RowSegments::kGeneral;
+  const RowBuckets rb = row_buckets(edges, nb, ti, kmin, kmax);
+  if (rb.general) return RowSegments::kGeneral;
+  int lo, hi;
+  if (!rb.negate) {  // c < count(t <= ti - edges[k0 + m + 1]) gains 1, m = 0 (hi), 1 (lo)
+    hi = rb.n >= 1 ? count_keys_below<kBlockN, false>(kts, ti - edges[rb.k0 + 1]) : 0;
+    lo = rb.n >= 2 ? count_keys_below<kBlockN, false>(kts, ti - edges[rb.k0 + 2]) : 0;
+  } else {  // c >= count(t < ti + edges[k0 + m + 1]) gains 1, m = 0 (lo), 1 (hi)
+    lo = rb.n >= 1 ? count_keys_below<kBlockN, true>(kts, ti + edges[rb.k0 + 1]) : kBlockN;
+    hi = rb.n >= 2 ? count_keys_below<kBlockN, true>(kts, ti + edges[rb.k0 + 2]) : kBlockN;
+  }
+  return RowSegments::pack(rb, lo, hi);
 }
 
 // Per-CTA view of the tables; `buf` picks the diagonal / key-timestamp buffer of the tile.
@@ -139,6 +201,7 @@ template <int kBlockM, int kBlockN, bool kBwd>
 struct BiasTables {
   using Layout = BiasSmem<kBlockM, kBlockN, kBwd>;
   static constexpr bool kIsBwd = kBwd;
+  static constexpr int kKeys = kBlockN;  // keys per tile
   char* base;
   bool has_pos, has_time;
   int nb;
@@ -150,7 +213,7 @@ struct BiasTables {
     return reinterpret_cast<int64_t*>(base + Layout::kKeyTs) + buf * kBlockN;
   }
   __device__ __forceinline__ int64_t* key_range(int buf) const {
-    return reinterpret_cast<int64_t*>(base + Layout::kKeyRange) + 2 * buf;
+    return reinterpret_cast<int64_t*>(base + Layout::kKeyRange) + 3 * buf;
   }
   __device__ __forceinline__ int64_t* query_ts(int buf) const {
     return reinterpret_cast<int64_t*>(base + Layout::kQueryTs) + buf * kBlockM;
@@ -217,8 +280,9 @@ __device__ __forceinline__ void fill_diagonals(HstuParams const& p, int bidh, Ta
   }
 }
 
-// The key tile [n0, n0 + kBlockN)'s timestamps (keys past L read the last token's) and the range
-// of the keys inside the sequence (warp 0 reduces it).
+// The key tile [n0, n0 + kBlockN)'s timestamps (keys past L read the last token's), and the
+// range of the keys inside the sequence and, for the forward's segments, whether they ascend
+// (warp 0 reduces both).
 template <int kBlockN, int kNThreads, class Tables>
 __device__ __forceinline__ void fill_key_timestamps(HstuParams const& p, Tables const& t, int buf,
                                                     int seq_start, int L, int n0, int tidx) {
@@ -229,10 +293,12 @@ __device__ __forceinline__ void fill_key_timestamps(HstuParams const& p, Tables 
   if (tidx < 32) {
     const int n = imin(kBlockN, L - n0);
     long long lo = LLONG_MAX, hi = LLONG_MIN;
+    bool ascending = true;
     for (int c = tidx; c < n; c += 32) {
       const long long v = ts[n0 + c];
       lo = v < lo ? v : lo;
       hi = v > hi ? v : hi;
+      if (!Tables::kIsBwd && c + 1 < n) ascending &= v <= ts[n0 + c + 1];
     }
     CUTE_UNROLL
     for (int s = 16; s > 0; s >>= 1) {
@@ -241,9 +307,11 @@ __device__ __forceinline__ void fill_key_timestamps(HstuParams const& p, Tables 
       lo = a < lo ? a : lo;
       hi = b > hi ? b : hi;
     }
+    if (!Tables::kIsBwd) ascending = __all_sync(0xffffffffu, ascending);
     if (tidx == 0) {
       t.key_range(buf)[0] = lo;
       t.key_range(buf)[1] = hi;
+      t.key_range(buf)[2] = ascending ? 1 : 0;
     }
   }
 }
@@ -266,23 +334,29 @@ template <int kBlockM, class Tables, class CoordT, class Acc>
 __device__ __forceinline__ void add_rel_bias(Tables const& t, int diag_buf, int key_buf,
                                              int query_buf, CoordT const& tScS, Acc& acc) {
   // Row by row (one row's keys at a time keeps few loaded values live: the fragments already
-  // hold most registers), with the uniform choices (terms present, a row's bucket shared by the
-  // tile) taken outside the element loops: a branch per element would split them into basic
-  // blocks and serialise the shared-memory loads.
+  // hold most registers), with the choices (terms present, a row's buckets) taken outside the
+  // element loops: a branch per element would split them into basic blocks and serialise the
+  // shared-memory loads.
+  constexpr bool kBwd = Tables::kIsBwd;
+  constexpr int kBlockN = Tables::kKeys;
   const float* diag = t.diag(diag_buf);
   const int64_t* kts = t.key_ts(key_buf);
   const int64_t* edges = t.edges();
   const float* tw = t.time_w();
   const int64_t kmin = t.has_time ? t.key_range(key_buf)[0] : 0;
   const int64_t kmax = t.has_time ? t.key_range(key_buf)[1] : 0;
-  // time_mode: 0 no time term or one bucket per row (w_row), 1 thresholds, 2 per-key bucket.
-  // The diagonal term is always added (zeros without a position term): each variant is a copy
-  // of the unrolled loop, and fewer copies keep the main loop in the instruction cache.
-  // The backward keeps the buckets for the time gradient (row_bucket(), buckets()).
+  // The modes of a row: Uniform (no time term, or one bucket for the whole key tile: w_row),
+  // Thresholds (backward: RowBuckets' int64 compares per key), Segments (forward: RowSegments'
+  // two column compares per key), PerKey (time_bucket per key). The diagonal term is always
+  // added (zeros without a position term): each mode is a copy of the unrolled loop, and fewer
+  // copies keep the main loop in the instruction cache. The backward keeps the buckets for the
+  // time gradient (row_bucket(), buckets()). Its registers are all taken (dK, dV and S live):
+  // the forward's segments measured 4-7% slower there, so it keeps the thresholds.
   [[maybe_unused]] uint8_t* bkt = nullptr;
-  if constexpr (Tables::kIsBwd) bkt = t.buckets();
-  auto row_pass = [&](int mi, int r, int row, auto time_mode, RowBuckets rbk, int64_t ti,
-                      float w_row) {
+  if constexpr (kBwd) bkt = t.buckets();
+  auto row_pass = [&](int mi, int r, int row, auto mode, RowBuckets const& rbk,
+                      RowSegments const& sg, int64_t ti, float w_row, float w_low, float w_mid) {
+    constexpr int kMode = decltype(mode)::value;
     CUTE_UNROLL
     for (int ni = 0; ni < size<2>(acc); ++ni) {
       // The pair's columns are adjacent, the first even (m16n8 accumulator layout).
@@ -290,15 +364,22 @@ __device__ __forceinline__ void add_rel_bias(Tables const& t, int diag_buf, int 
       CUTE_UNROLL
       for (int cc = 0; cc < 2; ++cc) {
         const int col = get<1>(tScS(make_coord(cc, r), mi, ni));
-        float b = w_row + diag[col - row + kBlockM - 1];
-        if constexpr (decltype(time_mode)::value == 1) k[cc] = rbk.bucket(kts[col]);
-        if constexpr (decltype(time_mode)::value == 2) {
-          k[cc] = time_bucket(edges, t.nb, ti - kts[col]);
+        float w = w_row;  // Segments: the last segment's weight
+        if constexpr (kMode == 1) {
+          k[cc] = rbk.bucket(kts[col]);
+          w = tw[k[cc]];
         }
-        if constexpr (decltype(time_mode)::value != 0) b += tw[k[cc]];
-        acc(make_coord(cc, r), mi, ni) += b;
+        if constexpr (kMode == 2) {
+          k[cc] = time_bucket(edges, t.nb, ti - kts[col]);
+          w = tw[k[cc]];
+        }
+        if constexpr (kMode == 3) {
+          w = col < sg.hi ? w_mid : w;
+          w = col < sg.lo ? w_low : w;
+        }
+        acc(make_coord(cc, r), mi, ni) += w + diag[col - row + kBlockM - 1];
       }
-      if constexpr (Tables::kIsBwd && decltype(time_mode)::value != 0) {
+      if constexpr (kBwd && (kMode == 1 || kMode == 2)) {
         const int col = get<1>(tScS(make_coord(0, r), mi, ni));
         *reinterpret_cast<uint16_t*>(bkt + row * Tables::Layout::kBucketStride + col) =
             uint16_t(k[0] | (k[1] << 8));
@@ -308,27 +389,32 @@ __device__ __forceinline__ void add_rel_bias(Tables const& t, int diag_buf, int 
   using Uniform = cute::C<0>;
   using Thresholds = cute::C<1>;
   using PerKey = cute::C<2>;
+  using Segments = cute::C<3>;
   // A thread's rows: (mi, r) -> j = 2 mi + r. The 4 lanes of a quad hold the same rows (m16n8
   // layout), so each lane classifies every 4th row (row_buckets: two buckets, each a MUFU log
-  // and edge compares) and the quad exchanges one code word per row; the thresholds are rebuilt
-  // from it with two edge loads.
+  // and edge compares; forward: a binary search per segment boundary) and the quad exchanges
+  // one code word per row; the backward rebuilds the thresholds from it with two edge loads.
   constexpr int kRows = 2 * decltype(size<1>(acc))::value;
   constexpr int kOwn = (kRows + 3) / 4;
   const int quad_lane = threadIdx.x % 4;
   const int quad_base = (threadIdx.x % 32) & ~3;
   uint32_t own_code[kOwn];
   if (t.has_time) {
+    [[maybe_unused]] const bool sorted = t.key_range(key_buf)[2] != 0;
     CUTE_UNROLL
     for (int o = 0; o < kOwn; ++o) {
       own_code[o] = 0;
       const int j = 4 * o + quad_lane;
       if (j < kRows) {
         const int row = get<0>(tScS(make_coord(0, j % 2), j / 2, 0));
-        const RowBuckets rb = row_buckets(edges, t.nb, t.query_ts(query_buf)[row], kmin, kmax);
-        own_code[o] = uint32_t(rb.k0) | uint32_t(rb.n < 3 ? rb.n : 3) << 16 |
-                      uint32_t(rb.general) << 20 | uint32_t(rb.negate) << 21;
-        if constexpr (Tables::kIsBwd) {
+        const int64_t ti = t.query_ts(query_buf)[row];
+        if constexpr (kBwd) {
+          const RowBuckets rb = row_buckets(edges, t.nb, ti, kmin, kmax);
+          own_code[o] = uint32_t(rb.k0) | uint32_t(rb.n < 3 ? rb.n : 3) << 16 |
+                        uint32_t(rb.general) << 20 | uint32_t(rb.negate) << 21;
           t.row_bucket()[row] = !rb.general && rb.n == 0 ? rb.k0 : -1;
+        } else {
+          own_code[o] = row_segment_code<kBlockN>(edges, t.nb, ti, kts, kmin, kmax, sorted);
         }
       }
     }
@@ -340,24 +426,53 @@ __device__ __forceinline__ void add_rel_bias(Tables const& t, int diag_buf, int 
       const int j = 2 * mi + r;
       const int row = get<0>(tScS(make_coord(0, r), mi, 0));
       RowBuckets rbk;
+      RowSegments sg{0, 0, 0, 0, 0};
       int64_t ti = 0;
-      float w_row = 0.f;
-      if (t.has_time) {
-        const uint32_t code = __shfl_sync(0xffffffffu, own_code[j / 4], quad_base | (j % 4));
-        rbk.k0 = int(code & 0xffffu);
-        rbk.n = int((code >> 16) & 0xfu);
-        rbk.general = (code >> 20) & 1u;
-        rbk.negate = (code >> 21) & 1u;
-        if (rbk.general || rbk.n > 0) ti = t.query_ts(query_buf)[row];
-        if (!rbk.general && rbk.n > 0) rbk.set_thresholds(edges, ti);
-        if (!rbk.general && rbk.n == 0) w_row = tw[rbk.k0];
-      }
-      if (!t.has_time || (!rbk.general && rbk.n == 0)) {
-        row_pass(mi, r, row, Uniform{}, rbk, ti, w_row);
-      } else if (!rbk.general) {
-        row_pass(mi, r, row, Thresholds{}, rbk, ti, 0.f);
+      float w_row = 0.f, w_low = 0.f, w_mid = 0.f;
+      if constexpr (kBwd) {
+        if (t.has_time) {
+          const uint32_t code = __shfl_sync(0xffffffffu, own_code[j / 4], quad_base | (j % 4));
+          rbk.k0 = int(code & 0xffffu);
+          rbk.n = int((code >> 16) & 0xfu);
+          rbk.general = (code >> 20) & 1u;
+          rbk.negate = (code >> 21) & 1u;
+          if (rbk.general || rbk.n > 0) ti = t.query_ts(query_buf)[row];
+          if (!rbk.general && rbk.n > 0) rbk.set_thresholds(edges, ti);
+          if (!rbk.general && rbk.n == 0) w_row = tw[rbk.k0];
+        }
+        if (!t.has_time || (!rbk.general && rbk.n == 0)) {
+          row_pass(mi, r, row, Uniform{}, rbk, sg, ti, w_row, 0.f, 0.f);
+        } else if (!rbk.general) {
+          row_pass(mi, r, row, Thresholds{}, rbk, sg, ti, 0.f, 0.f, 0.f);
+        } else {
+          row_pass(mi, r, row, PerKey{}, rbk, sg, ti, 0.f, 0.f, 0.f);
+        }
       } else {
-        row_pass(mi, r, row, PerKey{}, rbk, ti, 0.f);
+        bool general = false, one = true;
+        if (t.has_time) {
+          const uint32_t code = __shfl_sync(0xffffffffu, own_code[j / 4], quad_base | (j % 4));
+          general = code & RowSegments::kGeneral;
+          if (general) {
+            ti = t.query_ts(query_buf)[row];
+          } else {
+            sg = RowSegments::unpack(code, t.nb);
+            w_low = tw[sg.k_low];
+            w_mid = tw[sg.k_mid];
+            w_row = tw[sg.k_high];
+            // One non-empty segment: [0, kBlockN) is [hi, ..), [.., lo) or [lo, hi).
+            one = sg.hi == 0 || sg.lo == kBlockN || (sg.lo == 0 && sg.hi == kBlockN);
+            if (one) w_row = sg.hi == 0 ? w_row : (sg.lo == kBlockN ? w_low : w_mid);
+          }
+        }
+        // Uniform when every row of the warp's slice is (a choice the whole warp takes alike:
+        // the 8 quads' rows differ, and a per-lane choice would run both copies).
+        if (!t.has_time || __all_sync(0xffffffffu, !general && one)) {
+          row_pass(mi, r, row, Uniform{}, rbk, sg, ti, w_row, 0.f, 0.f);
+        } else if (!general) {
+          row_pass(mi, r, row, Segments{}, rbk, sg, ti, w_row, w_low, w_mid);
+        } else {
+          row_pass(mi, r, row, PerKey{}, rbk, sg, ti, 0.f, 0.f, 0.f);
+        }
       }
     }
   }

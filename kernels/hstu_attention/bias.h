@@ -480,10 +480,15 @@ __device__ __forceinline__ void add_rel_bias(Tables const& t, int diag_buf, int 
 
 // Backward, time term: the tile's dS (staged in shared memory as Element, masked entries 0;
 // dS = alpha d rab) summed into time_hist()[bucket] (the whole CTA's; flushed once by
-// flush_time_hist). The buckets come from the recomputed bias (add_rel_bias): a row with one
-// bucket for the whole key tile, row_bucket()[row] >= 0, adds its sum with one atomic; the other
-// rows read one bucket byte per element and add one atomic per run of equal buckets. Each thread
-// walks a segment of one row (16-byte reads of dS, 8-byte reads of buckets).
+// flush_time_hist). The buckets come from the recomputed bias (add_rel_bias). Each thread walks
+// a segment of one row (16-byte reads of dS, 8-byte reads of buckets). A row with one bucket for
+// the whole key tile (row_bucket()[row] >= 0) sums its segment; the warp adds those sums with
+// one atomic when its rows share the bucket (the common case far from the diagonal), else one
+// per row: a float atomic on shared memory is a compare-and-swap loop (SASS ATOMS.CAST.SPIN on
+// sm_80 and sm_90), so lanes adding to one word take turns: one atomic per thread made the
+// long_d128 backward 12% slower. The other rows read one bucket byte per element and add one
+// atomic per run of equal buckets (into shared memory: the same adds sent to global memory as
+// reductions measured 2.4x slower, all CTAs hitting the same few words).
 template <int kBlockM, int kBlockN, int kNThreads, class Tables, class SdS>
 __device__ __forceinline__ void accumulate_time_grad(Tables const& t, SdS const& sdS, int L,
                                                      int m0, int n0, int tidx) {
@@ -494,46 +499,58 @@ __device__ __forceinline__ void accumulate_time_grad(Tables const& t, SdS const&
   constexpr int kCols = kBlockN / kSegs;
   constexpr int kStride = Tables::Layout::kBucketStride;
   static_assert(kNThreads % kSegs == 0 && kBlockN % kSegs == 0 && kCols % 8 == 0);
+  // A row's kSegs threads are adjacent lanes of one warp.
+  static_assert((kSegs & (kSegs - 1)) == 0 && kSegs <= 32 && kNThreads % 32 == 0);
   float* s_time = t.time_hist();
   const uint8_t* bkt = t.buckets();
   const int seg = tidx % kSegs;
+  const int lane = tidx % 32;
   const int c_begin = seg * kCols;
   const int c_end = imin(c_begin + kCols, L - n0);
-  for (int row = tidx / kSegs; row < kBlockM; row += kRowsPerPass) {
-    if (m0 + row >= L) break;
-    const int k_row = t.row_bucket()[row];
-    if (k_row >= 0) {
-      float sum = 0.f;
+  const int rows = imin(kBlockM, L - m0);
+  // Every lane takes every pass (the warp's shuffles), with or without a row.
+  for (int pass = 0; pass < kBlockM; pass += kRowsPerPass) {
+    const int row = pass + tidx / kSegs;
+    const int k_row = row < rows ? t.row_bucket()[row] : -2;  // -1: per-key buckets, -2: none
+    int run_k = -1;
+    float run_sum = 0.f;
+    if (k_row >= -1) {
       for (int c0 = c_begin; c0 < c_end; c0 += 8) {
         cutlass::Array<Element, 8> raw;
         *reinterpret_cast<uint4*>(&raw) = *reinterpret_cast<const uint4*>(&sdS(row, c0));
         const auto vals = cutlass::NumericArrayConverter<float, Element, 8>{}(raw);
+        uint2 kb = make_uint2(0u, 0u);
+        if (k_row < 0) kb = *reinterpret_cast<const uint2*>(bkt + row * kStride + c0);
         CUTE_UNROLL
-        for (int e = 0; e < 8; ++e) sum += vals[e];
-      }
-      if (sum != 0.f) atomicAdd(s_time + k_row, sum);
-      continue;
-    }
-    int run_k = -1;
-    float run_sum = 0.f;
-    for (int c0 = c_begin; c0 < c_end; c0 += 8) {
-      cutlass::Array<Element, 8> raw;
-      *reinterpret_cast<uint4*>(&raw) = *reinterpret_cast<const uint4*>(&sdS(row, c0));
-      const auto vals = cutlass::NumericArrayConverter<float, Element, 8>{}(raw);
-      const uint2 kb = *reinterpret_cast<const uint2*>(bkt + row * kStride + c0);
-      CUTE_UNROLL
-      for (int e = 0; e < 8; ++e) {
-        const int k = int(((e < 4 ? kb.x : kb.y) >> (8 * (e % 4))) & 0xffu);
-        if (k != run_k) {
-          if (run_k >= 0 && run_sum != 0.f) atomicAdd(s_time + run_k, run_sum);
-          run_k = k;
-          run_sum = vals[e];
-        } else {
-          run_sum += vals[e];
+        for (int e = 0; e < 8; ++e) {
+          const int k =
+              k_row >= 0 ? k_row : int(((e < 4 ? kb.x : kb.y) >> (8 * (e % 4))) & 0xffu);
+          if (k != run_k) {
+            if (run_k >= 0 && run_sum != 0.f) atomicAdd(s_time + run_k, run_sum);
+            run_k = k;
+            run_sum = vals[e];
+          } else {
+            run_sum += vals[e];
+          }
         }
       }
     }
-    if (run_k >= 0 && run_sum != 0.f) atomicAdd(s_time + run_k, run_sum);
+    if (k_row == -1 && run_k >= 0 && run_sum != 0.f) atomicAdd(s_time + run_k, run_sum);
+    float sum = k_row >= 0 ? run_sum : 0.f;
+    // The one-bucket rows' sums.
+    const unsigned one = __ballot_sync(0xffffffffu, k_row >= 0);
+    if (one == 0u) continue;
+    const int lead = __ffs(int(one)) - 1;
+    const int k_lead = __shfl_sync(0xffffffffu, k_row, lead);
+    if (__all_sync(0xffffffffu, k_row < 0 || k_row == k_lead)) {
+      CUTE_UNROLL
+      for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+      if (lane == lead && sum != 0.f) atomicAdd(s_time + k_lead, sum);
+    } else {
+      CUTE_UNROLL
+      for (int s = kSegs / 2; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+      if (seg == 0 && k_row >= 0 && sum != 0.f) atomicAdd(s_time + k_row, sum);
+    }
   }
 }
 

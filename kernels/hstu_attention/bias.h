@@ -151,7 +151,7 @@ __device__ __forceinline__ int count_keys_below(const int64_t* kts, int64_t x) {
 // before ti) the bucket falls as the key's time rises (the first segment has k0 + 2, the last
 // k0); with gaps <= 0 it rises. The boundaries are the numbers of keys on one side of the
 // thresholds (a binary search each), so a key's weight costs two column compares.
-// Packed as one word (the quad's lanes exchange it, the backward keeps it per row):
+// Packed as one word (the quad's lanes exchange it):
 // lo | hi << 8 | k0 << 16 (9 bits) | negate << 25 | general << 26. Unused segments are empty.
 struct RowSegments {
   static constexpr uint32_t kGeneral = 1u << 26;
@@ -400,7 +400,8 @@ __device__ __forceinline__ void add_rel_bias(Tables const& t, int diag_buf, int 
   const int quad_base = (threadIdx.x % 32) & ~3;
   uint32_t own_code[kOwn];
   if (t.has_time) {
-    [[maybe_unused]] const bool sorted = t.key_range(key_buf)[2] != 0;
+    // The forward's key tile order (fill_key_timestamps; the backward does not check it).
+    const bool sorted = !kBwd && t.key_range(key_buf)[2] != 0;
     CUTE_UNROLL
     for (int o = 0; o < kOwn; ++o) {
       own_code[o] = 0;

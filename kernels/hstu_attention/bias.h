@@ -151,15 +151,14 @@ __device__ __forceinline__ int count_keys_below(const int64_t* kts, int64_t x) {
 // before ti) the bucket falls as the key's time rises (the first segment has k0 + 2, the last
 // k0); with gaps <= 0 it rises. The boundaries are the numbers of keys on one side of the
 // thresholds (a binary search each), so a key's weight costs two column compares.
-// Packed as one word (the quad's lanes exchange it):
-// lo | hi << 8 | k0 << 16 (9 bits) | negate << 25 | general << 26. Unused segments are empty.
+// Packed as one word (the quad's lanes exchange it): lo | hi << 8 | k0 << 16 (9 bits) |
+// negate << 25, or kGeneral for a row without segments. Unused segments are empty.
 struct RowSegments {
   static constexpr uint32_t kGeneral = 1u << 26;
   int lo, hi, k_low, k_mid, k_high;
 
   __device__ __forceinline__ static uint32_t pack(RowBuckets const& rb, int lo, int hi) {
-    return uint32_t(lo) | uint32_t(hi) << 8 | uint32_t(rb.k0) << 16 | uint32_t(rb.negate) << 25 |
-           uint32_t(rb.general) << 26;
+    return uint32_t(lo) | uint32_t(hi) << 8 | uint32_t(rb.k0) << 16 | uint32_t(rb.negate) << 25;
   }
   // The bucket of each segment, clamped to nb (a clamped value belongs to an empty segment).
   __device__ __forceinline__ static RowSegments unpack(uint32_t code, int nb) {

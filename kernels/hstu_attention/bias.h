@@ -280,38 +280,50 @@ __device__ __forceinline__ void fill_diagonals(HstuParams const& p, int bidh, Ta
 }
 
 // The key tile [n0, n0 + kBlockN)'s timestamps (keys past L read the last token's), and the
-// range of the keys inside the sequence and, for the forward's segments, whether they ascend
-// (warp 0 reduces both).
+// range of the keys inside the sequence and, for the forward's segments, whether they ascend.
+// Warp 0 does it all from one load per key (independent loads, then shuffles: its latency is on
+// the way to the next barrier while the other warps compute).
 template <int kBlockN, int kNThreads, class Tables>
 __device__ __forceinline__ void fill_key_timestamps(HstuParams const& p, Tables const& t, int buf,
                                                     int seq_start, int L, int n0, int tidx) {
-  if (!t.has_time) return;
+  static_assert(kBlockN % 32 == 0, "key tiles are whole warps");
+  if (!t.has_time || tidx >= 32) return;
+  constexpr int kPer = kBlockN / 32;
   const int64_t* ts = p.timestamps + seq_start;
   int64_t* dst = t.key_ts(buf);
-  for (int c = tidx; c < kBlockN; c += kNThreads) dst[c] = ts[imin(n0 + c, L - 1)];
-  if (tidx < 32) {
-    const int n = imin(kBlockN, L - n0);
-    long long lo = LLONG_MAX, hi = LLONG_MIN;
-    bool ascending = true;
-    for (int c = tidx; c < n; c += 32) {
-      const long long v = ts[n0 + c];
-      lo = v < lo ? v : lo;
-      hi = v > hi ? v : hi;
-      if (!Tables::kIsBwd && c + 1 < n) ascending &= v <= ts[n0 + c + 1];
+  const int n = imin(kBlockN, L - n0);
+  long long v[kPer];
+  CUTE_UNROLL
+  for (int u = 0; u < kPer; ++u) v[u] = ts[imin(n0 + tidx + 32 * u, L - 1)];
+  long long lo = LLONG_MAX, hi = LLONG_MIN;
+  bool ascending = true;
+  CUTE_UNROLL
+  for (int u = 0; u < kPer; ++u) {
+    const int c = tidx + 32 * u;
+    dst[c] = v[u];
+    if (c < n) {
+      lo = v[u] < lo ? v[u] : lo;
+      hi = v[u] > hi ? v[u] : hi;
     }
-    CUTE_UNROLL
-    for (int s = 16; s > 0; s >>= 1) {
-      const long long a = __shfl_xor_sync(0xffffffffu, lo, s);
-      const long long b = __shfl_xor_sync(0xffffffffu, hi, s);
-      lo = a < lo ? a : lo;
-      hi = b > hi ? b : hi;
+    if constexpr (!Tables::kIsBwd) {
+      // The next key's timestamp: the next lane's, or the next chunk's first.
+      const long long down = __shfl_down_sync(0xffffffffu, v[u], 1);
+      const long long first = __shfl_sync(0xffffffffu, v[u + 1 < kPer ? u + 1 : u], 0);
+      if (c + 1 < n) ascending &= v[u] <= (tidx < 31 ? down : first);
     }
-    if (!Tables::kIsBwd) ascending = __all_sync(0xffffffffu, ascending);
-    if (tidx == 0) {
-      t.key_range(buf)[0] = lo;
-      t.key_range(buf)[1] = hi;
-      t.key_range(buf)[2] = ascending ? 1 : 0;
-    }
+  }
+  CUTE_UNROLL
+  for (int s = 16; s > 0; s >>= 1) {
+    const long long a = __shfl_xor_sync(0xffffffffu, lo, s);
+    const long long b = __shfl_xor_sync(0xffffffffu, hi, s);
+    lo = a < lo ? a : lo;
+    hi = b > hi ? b : hi;
+  }
+  if (!Tables::kIsBwd) ascending = __all_sync(0xffffffffu, ascending);
+  if (tidx == 0) {
+    t.key_range(buf)[0] = lo;
+    t.key_range(buf)[1] = hi;
+    if (!Tables::kIsBwd) t.key_range(buf)[2] = ascending ? 1 : 0;
   }
 }
 
@@ -324,6 +336,19 @@ __device__ __forceinline__ void fill_query_times(HstuParams const& p, Tables con
   for (int r = tidx; r < kBlockM; r += kNThreads) {
     t.query_ts(buf)[r] = query_time(p, bidb, seq_start, L, m0 + r);
   }
+}
+
+// Backward: what the time-gradient pass needs of a row (row_bucket()): the base k0 of its
+// window of buckets [k0, k0 + 3) and whether its buckets are in buckets() (one byte per key) or
+// all k0. A row whose gaps span at most 3 buckets has them all in the window. A `general` row
+// (near the diagonal) takes the 3 buckets of its largest gaps, those of the keys farthest away
+// (most of its keys on a log scale: `far_bucket`), and adds the rest as runs of equal buckets.
+constexpr int kWindow = 3;
+constexpr int kNoRow = 0x1000;  // a base past every bucket
+constexpr int kRowBytes = 1 << 16;
+__device__ __forceinline__ int row_window_code(RowBuckets const& rb, int far_bucket) {
+  if (rb.general) return (far_bucket > kWindow - 1 ? far_bucket - (kWindow - 1) : 0) | kRowBytes;
+  return rb.k0 | (rb.n > 0 ? kRowBytes : 0);
 }
 
 // acc(i, j) += rab(m0 + i, n0 + j) / alpha over an m16n8k16 accumulator fragment
@@ -412,7 +437,10 @@ __device__ __forceinline__ void add_rel_bias(Tables const& t, int diag_buf, int 
           const RowBuckets rb = row_buckets(edges, t.nb, ti, kmin, kmax);
           own_code[o] = uint32_t(rb.k0) | uint32_t(rb.n < 3 ? rb.n : 3) << 16 |
                         uint32_t(rb.general) << 20 | uint32_t(rb.negate) << 21;
-          t.row_bucket()[row] = !rb.general && rb.n == 0 ? rb.k0 : -1;
+          // A general row's largest |gap|, to the first or the last key.
+          const int64_t far = ti - kmin > kmax - ti ? ti - kmin : kmax - ti;
+          t.row_bucket()[row] =
+              row_window_code(rb, rb.general ? time_bucket(edges, t.nb, far) : 0);
         } else {
           own_code[o] = row_segment_code<kBlockN>(edges, t.nb, ti, kts, kmin, kmax, sorted);
         }
@@ -480,15 +508,18 @@ __device__ __forceinline__ void add_rel_bias(Tables const& t, int diag_buf, int 
 
 // Backward, time term: the tile's dS (staged in shared memory as Element, masked entries 0;
 // dS = alpha d rab) summed into time_hist()[bucket] (the whole CTA's; flushed once by
-// flush_time_hist). The buckets come from the recomputed bias (add_rel_bias). Each thread walks
-// a segment of one row (16-byte reads of dS, 8-byte reads of buckets). A row with one bucket for
-// the whole key tile (row_bucket()[row] >= 0) sums its segment; the warp adds those sums with
-// one atomic when its rows share the bucket (the common case far from the diagonal), else one
-// per row: a float atomic on shared memory is a compare-and-swap loop (SASS ATOMS.CAST.SPIN on
-// sm_80 and sm_90), so lanes adding to one word take turns: one atomic per thread made the
-// long_d128 backward 12% slower. The other rows read one bucket byte per element and add one
-// atomic per run of equal buckets (into shared memory: the same adds sent to global memory as
-// reductions measured 2.4x slower, all CTAs hitting the same few words).
+// flush_time_hist). The buckets come from the recomputed bias (add_rel_bias): per row a window
+// of 3 buckets [base, base + 3) and, unless the whole key tile has bucket base, one byte per
+// element (row_window_code). Each thread walks a segment of one row (16-byte reads of dS,
+// 8-byte reads of buckets) and keeps one sum per bucket of the window, with selects: no branch
+// between rows of different buckets. The row's threads, or the whole warp when its rows share
+// the base (the common case away from the diagonal), reduce the sums by shuffles, and one lane
+// per bucket adds its sum to the histogram. A float atomic on shared memory is a
+// compare-and-swap loop (SASS ATOMS.CAST.SPIN on sm_80 and sm_90), so lanes adding to one word
+// take turns: one atomic per thread made the long_d128 backward 12% slower. Only the keys of a
+// `general` row outside its window (near the diagonal) are added per run of equal buckets, one
+// atomic per run (into shared memory: the same adds sent to global memory as reductions
+// measured 2.4x slower, all CTAs hitting the same few words).
 template <int kBlockM, int kBlockN, int kNThreads, class Tables, class SdS>
 __device__ __forceinline__ void accumulate_time_grad(Tables const& t, SdS const& sdS, int L,
                                                      int m0, int n0, int tidx) {
@@ -511,45 +542,75 @@ __device__ __forceinline__ void accumulate_time_grad(Tables const& t, SdS const&
   // Every lane takes every pass (the warp's shuffles), with or without a row.
   for (int pass = 0; pass < kBlockM; pass += kRowsPerPass) {
     const int row = pass + tidx / kSegs;
-    const int k_row = row < rows ? t.row_bucket()[row] : -2;  // -1: per-key buckets, -2: none
+    const bool has_row = row < rows;
+    const int code = has_row ? t.row_bucket()[row] : kNoRow;
+    const int base = code & 0xffff;
+    const bool bytes = (code & kRowBytes) != 0;
+    // The sums of the window's buckets base, base + 1, base + 2.
+    float s[kWindow] = {0.f, 0.f, 0.f};
     int run_k = -1;
     float run_sum = 0.f;
-    if (k_row >= -1) {
+    if (has_row) {
       for (int c0 = c_begin; c0 < c_end; c0 += 8) {
         cutlass::Array<Element, 8> raw;
         *reinterpret_cast<uint4*>(&raw) = *reinterpret_cast<const uint4*>(&sdS(row, c0));
         const auto vals = cutlass::NumericArrayConverter<float, Element, 8>{}(raw);
-        uint2 kb = make_uint2(0u, 0u);
-        if (k_row < 0) kb = *reinterpret_cast<const uint2*>(bkt + row * kStride + c0);
-        CUTE_UNROLL
-        for (int e = 0; e < 8; ++e) {
-          const int k =
-              k_row >= 0 ? k_row : int(((e < 4 ? kb.x : kb.y) >> (8 * (e % 4))) & 0xffu);
-          if (k != run_k) {
-            if (run_k >= 0 && run_sum != 0.f) atomicAdd(s_time + run_k, run_sum);
-            run_k = k;
-            run_sum = vals[e];
-          } else {
-            run_sum += vals[e];
+        if (!bytes) {
+          CUTE_UNROLL
+          for (int e = 0; e < 8; ++e) s[0] += vals[e];
+        } else {
+          const uint2 kb = *reinterpret_cast<const uint2*>(bkt + row * kStride + c0);
+          CUTE_UNROLL
+          for (int e = 0; e < 8; ++e) {
+            const int k = int(((e < 4 ? kb.x : kb.y) >> (8 * (e % 4))) & 0xffu);
+            const int d = k - base;
+            CUTE_UNROLL
+            for (int w = 0; w < kWindow; ++w) s[w] += d == w ? vals[e] : 0.f;
+            if (d < 0 || d >= kWindow) {  // general rows only: keys outside the window
+              if (k != run_k) {
+                if (run_k >= 0 && run_sum != 0.f) atomicAdd(s_time + run_k, run_sum);
+                run_k = k;
+                run_sum = vals[e];
+              } else {
+                run_sum += vals[e];
+              }
+            }
           }
         }
       }
     }
-    if (k_row == -1 && run_k >= 0 && run_sum != 0.f) atomicAdd(s_time + run_k, run_sum);
-    float sum = k_row >= 0 ? run_sum : 0.f;
-    // The one-bucket rows' sums.
-    const unsigned one = __ballot_sync(0xffffffffu, k_row >= 0);
-    if (one == 0u) continue;
-    const int lead = __ffs(int(one)) - 1;
-    const int k_lead = __shfl_sync(0xffffffffu, k_row, lead);
-    if (__all_sync(0xffffffffu, k_row < 0 || k_row == k_lead)) {
+    if (run_k >= 0 && run_sum != 0.f) atomicAdd(s_time + run_k, run_sum);
+    // The window sums: by warp when its rows share the base, else by row.
+    const unsigned with = __ballot_sync(0xffffffffu, has_row);
+    if (with == 0u) continue;
+    const int lead = __ffs(int(with)) - 1;
+    const int base_lead = __shfl_sync(0xffffffffu, base, lead);
+    // Rows of one bucket have s[1] = s[2] = 0: skip their shuffles when the whole warp's are.
+    const bool one = !__any_sync(0xffffffffu, bytes);
+    const bool shared = __all_sync(0xffffffffu, !has_row || base == base_lead);
+    CUTE_UNROLL
+    for (int w = 0; w < kWindow; ++w) {
+      if (w > 0 && one) break;
       CUTE_UNROLL
-      for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
-      if (lane == lead && sum != 0.f) atomicAdd(s_time + k_lead, sum);
-    } else {
-      CUTE_UNROLL
-      for (int s = kSegs / 2; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
-      if (seg == 0 && k_row >= 0 && sum != 0.f) atomicAdd(s_time + k_row, sum);
+      for (int o = shared ? 16 : kSegs / 2; o > 0; o >>= 1) {
+        s[w] += __shfl_xor_sync(0xffffffffu, s[w], o);
+      }
+    }
+    // One lane per bucket of the window: lanes 0-2 of the warp, or of the row's threads.
+    const int w = shared ? lane : seg;
+    const int k_base = shared ? base_lead : base;
+    const float v = w == 0 ? s[0] : (w == 1 ? s[1] : s[2]);
+    if ((shared || has_row) && w < (one ? 1 : kWindow) && v != 0.f) {
+      atomicAdd(s_time + k_base + w, v);
+    }
+    if constexpr (kSegs < kWindow) {  // fewer threads per row than buckets in the window
+      if (!shared && has_row && !one) {
+        CUTE_UNROLL
+        for (int x = seg + kSegs; x < kWindow; x += kSegs) {
+          const float vx = x == 1 ? s[1] : s[2];
+          if (vx != 0.f) atomicAdd(s_time + base + x, vx);
+        }
+      }
     }
   }
 }

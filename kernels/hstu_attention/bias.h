@@ -21,6 +21,7 @@
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 
+#include "kernel_traits.h"
 #include "mask.h"
 #include "params.h"
 
@@ -48,13 +49,18 @@ struct BiasSmem {
   static constexpr int kQueryTs = kKeyRange + 8 * 3 * kKeyBufs;      // int64 [bufs][kBlockM]
   static constexpr int kTimeW = kQueryTs + 8 * kQueryBufs * kBlockM;  // float [NB + 1]
   static constexpr int kDiagW = kTimeW + 4 * (kMaxTimeBuckets + 4);  // float [2][kDiag]
-  static constexpr int kTimeHist = kDiagW + 4 * 2 * kDiag;          // bwd: float [NB + 1]
+  // bwd: float [kHistCopies][kHistStride]: the time histogram, one copy per row slot of the
+  // gradient pass (a row's threads take copy row % kHistCopies), so that the shared-memory
+  // atomics of a warp's rows seldom meet on one word; the copies of a bucket are 4 banks apart.
+  static constexpr int kHistCopies = kBwd ? 4 : 0;
+  static constexpr int kHistStride = kMaxTimeBuckets + 4;
+  static constexpr int kTimeHist = kDiagW + 4 * 2 * kDiag;
   // bwd: the tile's time buckets, written by the recomputed bias for the weight gradient: per
   // row the bucket shared by the whole key tile, or -1 and then one byte per element (buckets
   // of int64 gaps are <= 145: ln(2^63) / 0.301). The row stride keeps 8-byte reads aligned and
   // puts the 8 rows of an MMA fragment's stores in different banks.
   static constexpr int kBucketStride = kBlockN + 8;
-  static constexpr int kRowBucket = kTimeHist + (kBwd ? 4 * (kMaxTimeBuckets + 4) : 0);
+  static constexpr int kRowBucket = kTimeHist + 4 * kHistCopies * kHistStride;
   static constexpr int kBuckets = kRowBucket + (kBwd ? 4 * kBlockM : 0);  // uint8 [kBlockM][stride]
   static constexpr int kEnd = kBuckets + (kBwd ? kBlockM * kBucketStride : 0);
   static constexpr int kBytes = (kEnd + 127) / 128 * 128;
@@ -255,7 +261,10 @@ __device__ __forceinline__ void load_bias_constants(HstuParams const& p, int bid
     for (int k = tidx; k <= t.nb; k += kNThreads) {
       t.edges()[k] = p.time_edges[k];
       t.time_w()[k] = w[k] * p.inv_alpha;
-      if (bwd) t.time_hist()[k] = 0.f;
+    }
+    if (bwd) {
+      constexpr int kHist = Tables::Layout::kHistCopies * Tables::Layout::kHistStride;
+      for (int k = tidx; k < kHist; k += kNThreads) t.time_hist()[k] = 0.f;
     }
   }
 }
@@ -532,7 +541,9 @@ __device__ __forceinline__ void accumulate_time_grad(Tables const& t, SdS const&
   static_assert(kNThreads % kSegs == 0 && kBlockN % kSegs == 0 && kCols % 8 == 0);
   // A row's kSegs threads are adjacent lanes of one warp.
   static_assert((kSegs & (kSegs - 1)) == 0 && kSegs <= 32 && kNThreads % 32 == 0);
-  float* s_time = t.time_hist();
+  // The thread's row slot's copy of the histogram.
+  float* s_time = t.time_hist() + (tidx / kSegs) % Tables::Layout::kHistCopies *
+                                      Tables::Layout::kHistStride;
   const uint8_t* bkt = t.buckets();
   const int seg = tidx % kSegs;
   const int lane = tidx % 32;
@@ -617,12 +628,22 @@ __device__ __forceinline__ void accumulate_time_grad(Tables const& t, SdS const&
 
 // Backward, position term: d w_pos[clamp(j - i)] += the tile (m0, n0)'s dS summed along each
 // diagonal j - i, / alpha: one thread per diagonal walks it in shared memory (a warp reads
-// consecutive keys of one row: no bank conflicts), 8 independent loads per step into 4 partial
-// sums, and adds its sum with one global atomic.
+// consecutive keys of one row: no bank conflicts), 8 rows at a time into 4 partial sums, and
+// adds its sum with one global atomic. The element offsets are computed from the dS tile's
+// layout (SmemLayoutPdS: 8 x 64 atoms XOR-swizzled in 8-element chunks, tiled column-major)
+// with the row within the atom a constant of the unrolled step: ~5 integer operations per
+// element where the generic layout arithmetic took ~15 (tests compare the gradient with the
+// reference at every head dim).
 template <int kBlockM, int kBlockN, int kNThreads, class SdS>
 __device__ __forceinline__ void accumulate_pos_grad(HstuParams const& p, int bidh, SdS const& sdS,
                                                     int L, int m0, int n0, int tidx) {
+  static_assert(std::is_same_v<typename SdS::layout_type,
+                               decltype(tile_to_shape(typename SmemAtom<64>::type{},
+                                                      Shape<Int<kBlockM>, Int<kBlockN>>{}))>,
+                "the offsets below are those of 8 x 64 swizzled atoms, tiled column-major");
   if (p.pos_w == nullptr) return;
+  using Element = typename SdS::value_type;
+  const Element* ds = &sdS(0, 0);
   float* dst = p.dpos_w + int64_t(bidh) * p.pos_w_head_stride;
   const int P = p.max_pos;
   const int rows = imin(kBlockM, L - m0), cols = imin(kBlockN, L - n0);
@@ -630,14 +651,20 @@ __device__ __forceinline__ void accumulate_pos_grad(HstuParams const& p, int bid
     const int off = d - (kBlockM - 1);  // col - row on this diagonal
     const int r_begin = imax(0, -off), r_end = imin(rows, cols - off);
     float s[4] = {0.f, 0.f, 0.f, 0.f};
-    int r = r_begin;
 #pragma unroll 1
-    for (; r + 8 <= r_end; r += 8) {
+    for (int a = r_begin / 8; 8 * a < r_end; ++a) {  // rows [8a, 8a + 8): one atom row
       CUTE_UNROLL
-      for (int u = 0; u < 8; ++u) s[u % 4] += float(sdS(r + u, r + u + off));
+      for (int u = 0; u < 8; ++u) {
+        const int r = 8 * a + u, c = r + off;
+        // atom (a, c / 64) of the column-major atom grid, then row u, swizzled column
+        const int idx = (a + (kBlockM / 8) * (c >> 6)) * 512 + 64 * u + ((c & 63) ^ (8 * u));
+        // Rows off the diagonal's range read element 0 and add nothing: no branch, so the 8
+        // loads issue together (a branch per element serialised them).
+        const bool in = r >= r_begin && r < r_end;
+        const float v = float(ds[in ? idx : 0]);
+        s[u % 4] += in ? v : 0.f;
+      }
     }
-#pragma unroll 1
-    for (; r < r_end; ++r) s[0] += float(sdS(r, r + off));
     const float sum = (s[0] + s[1]) + (s[2] + s[3]);
     if (sum != 0.f) {
       const int rel = n0 - m0 + off;
@@ -646,12 +673,16 @@ __device__ __forceinline__ void accumulate_pos_grad(HstuParams const& p, int bid
   }
 }
 
-template <int kNThreads>
-__device__ __forceinline__ void flush_time_hist(HstuParams const& p, int bidh, const float* s_time,
+template <int kNThreads, class Tables>
+__device__ __forceinline__ void flush_time_hist(HstuParams const& p, int bidh, Tables const& t,
                                                 int tidx) {
   float* dst = p.dtime_w + int64_t(bidh) * p.time_w_head_stride;
   for (int k = tidx; k <= p.num_buckets; k += kNThreads) {
-    const float v = s_time[k];
+    float v = 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < Tables::Layout::kHistCopies; ++c) {
+      v += t.time_hist()[c * Tables::Layout::kHistStride + k];
+    }
     if (v != 0.f) atomicAdd(dst + k, v * p.inv_alpha);
   }
 }

@@ -584,7 +584,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   cute::cp_async_wait<0>();
   __syncthreads();
   if constexpr (kBias) {
-    if (bt.has_time) flush_time_hist<Kt::kNThreads>(p, bidh, bt.time_hist(), tidx);
+    if (bt.has_time) flush_time_hist<Kt::kNThreads>(p, bidh, bt, tidx);
   }
   Tensor tdKsdK = thr_copy_dKV.partition_D(sK);
   Tensor tdVsdV = thr_copy_dKV.partition_D(sV);

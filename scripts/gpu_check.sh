@@ -16,7 +16,8 @@
 # (scripts/bench_embedding.py --hybrid); A/B runs of one build (no
 # reference): attn-ab (dispatch order), attn-fwd256 (d256 forward tiles), dq-convert-ab (where dQ
 # is converted); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute);
-# ncu-bias (the d128 forward and backward with the position + time bias, then without).
+# ncu-bias (the d128 forward and backward with the position + time bias, then without);
+# ncu-bias-src (their warp-stall samples per SASS instruction, CSV).
 # Every step runs even if an earlier one failed (a step named twice runs twice, its log appended);
 # the exit code is the number of failed steps.
 set -uo pipefail
@@ -120,6 +121,14 @@ step() {
       for b in position_time none; do
         ncu_kernel hstu_fwd_kernel 1 long_d128 --bias $b
         ncu_kernel hstu_bwd_kernel 1 long_d128 --bias $b
+      done ;;
+    ncu-bias-src)  # warp-stall samples per SASS instruction of the biased d128 kernels, as CSV
+      for k in bwd fwd; do
+        ncu --kernel-name "regex:hstu_${k}_kernel" --launch-skip 1 --launch-count 1 --set full \
+          --import-source yes -f -o "$out/ncu_bias_$k" python3 scripts/bench_attention.py \
+          --shapes long_d128 --iters 2 --no-ref --bias position_time
+        ncu --import "$out/ncu_bias_$k.ncu-rep" --page source --csv --print-source sass \
+          > "$out/ncu_bias_${k}_src.csv"
       done ;;
     dq-convert-ab)  # dQ converted by the separate kernel (default) vs inside the backward
       for c in kernel bwd; do

@@ -56,9 +56,10 @@ struct BiasSmem {
   static constexpr int kHistStride = kMaxTimeBuckets + 4;
   static constexpr int kTimeHist = kDiagW + 4 * 2 * kDiag;
   // bwd: the tile's time buckets, written by the recomputed bias for the weight gradient: per
-  // row the bucket shared by the whole key tile, or -1 and then one byte per element (buckets
-  // of int64 gaps are <= 145: ln(2^63) / 0.301). The row stride keeps 8-byte reads aligned and
-  // puts the 8 rows of an MMA fragment's stores in different banks.
+  // row its window code (row_window_code) and, unless the whole key tile has the window's base
+  // bucket, one byte per element (buckets of int64 gaps are <= 145: ln(2^63) / 0.301). The row
+  // stride keeps 8-byte reads aligned and puts the 8 rows of an MMA fragment's stores in
+  // different banks.
   static constexpr int kBucketStride = kBlockN + 8;
   static constexpr int kRowBucket = kTimeHist + 4 * kHistCopies * kHistStride;
   static constexpr int kBuckets = kRowBucket + (kBwd ? 4 * kBlockM : 0);  // uint8 [kBlockM][stride]

@@ -1,8 +1,9 @@
 """Builds the compiled kernels when a CUDA torch and nvcc are present; CPU installs skip it.
 
 Knobs (environment):
-  HSTU_CUDA_ARCH_LIST   ";"-separated compute capabilities, default "8.0" (A100). Lent H100/H200
-                        test machines: "8.0;9.0".
+  HSTU_CUDA_ARCH_LIST   ";"-separated compute capabilities, default "8.0" (A100). H100/H200:
+                        "8.0;9.0a" (9.0a adds the attention backward's wgmma kernel; "9.0"
+                        builds the SM80 kernels only).
   HSTU_KERNEL_DIMS      comma list of substrings; only instantiation files (kernels/*/instantiations/)
                         whose name contains one of them are built (e.g. "bf16_hdim128"); the
                         layer_norm_mul_dropout family always builds all of its files.
@@ -48,7 +49,14 @@ def _arch_flags() -> list[str]:
             continue
         num = a.replace(".", "")
         flags += ["-gencode", f"arch=compute_{num},code=sm_{num}"]
-    return flags
+    return flags + _sm90a_defines()
+
+
+def _sm90a_defines() -> list[str]:
+    """-DHSTU_SM90A when the arch list has "9.0a": the attention backward's wgmma kernel
+    (kernels/hstu_attention/bwd_kernel_sm90.h) is built and dispatched on 9.0 devices."""
+    archs = os.environ.get("HSTU_CUDA_ARCH_LIST", "8.0").replace(",", ";").split(";")
+    return ["-DHSTU_SM90A"] if "9.0a" in [a.strip() for a in archs] else []
 
 
 # Families whose instantiations/ are per dtype only (all are needed): HSTU_KERNEL_DIMS skips them.
@@ -116,7 +124,7 @@ def _extensions():
                 module,
                 srcs,
                 include_dirs=inc,
-                extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc},
+                extra_compile_args={"cxx": ["-O3", "-std=c++17"] + _sm90a_defines(), "nvcc": nvcc},
             )
         )
     if not exts:

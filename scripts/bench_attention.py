@@ -19,7 +19,7 @@ FLOPs); with --graph, "cutlass_cudagraph" rows time the same calls replayed from
 
 Rows record the kernel-selection environment variables that are set (HSTU_ATTN_MAX_SMEM: tile
 configurations by shared-memory budget; HSTU_ATTN_DQ_CONVERT=kernel: separate dQ convert
-kernel), so A/B runs of one build can be told apart, e.g.
+kernel; HSTU_ATTN_SM90=0: the SM80 backward on an H100 whose build has the wgmma one), so A/B runs of one build can be told apart, e.g.
 `HSTU_ATTN_MAX_SMEM=229375 python scripts/bench_attention.py --graph --shapes long_d256`.
 
 The reference pads every sequence and materialises fp32 [B, H, N, N] scores: it is measured with
@@ -58,6 +58,7 @@ KERNEL_ENV = (
     "HSTU_ATTN_DQ_CONVERT",
     "HSTU_ATTN_PAIR_GROUP",
     "HSTU_ATTN_LAST_GROUP",
+    "HSTU_ATTN_SM90",
 )
 
 

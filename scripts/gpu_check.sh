@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh build tests attn       # build, `pytest -m gpu`, attention benchmark
 #   bash scripts/gpu_check.sh ncu-bwd256             # Nsight Compute sections of the d256 backward
 #
-# Steps: build (all kernels, HSTU_CUDA_ARCH_LIST default "8.0;9.0"), tests (pytest -m gpu),
+# Steps: build (all kernels, HSTU_CUDA_ARCH_LIST default "8.0;9.0a"), tests (pytest -m gpu),
 # attn (scripts/bench_attention.py --graph, JSON lines), layer (scripts/bench_layer.py), e2e
 # (scripts/bench_e2e.py, 1 GPU, the docs/benchmarks.md command), data (prepare ML-1M, Amazon
 # Beauty, ML-100K from data/raw), inference (scripts/bench_inference.py), small
@@ -15,7 +15,7 @@
 # tree's, E2E_BASE=<dir>), attn-bias (the relative bias's cost), hybrid
 # (scripts/bench_embedding.py --hybrid); A/B runs of one build (no
 # reference): attn-ab (dispatch order), attn-fwd256 (d256 forward tiles), dq-convert-ab (where dQ
-# is converted); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute);
+# is converted), attn-sm90 / e2e-sm90 (the d256 backward's SM80 kernel against the wgmma one); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute);
 # ncu-bias (the d128 forward and backward with the position + time bias, then without);
 # ncu-bias-src (their warp-stall samples per SASS instruction, CSV).
 # Every step runs even if an earlier one failed (a step named twice runs twice, its log appended);
@@ -63,7 +63,7 @@ step() {
   local t0=$SECONDS
   case "$name" in
     build)
-      HSTU_CUDA_ARCH_LIST=${HSTU_CUDA_ARCH_LIST:-"8.0;9.0"} MAX_JOBS=${MAX_JOBS:-16} \
+      HSTU_CUDA_ARCH_LIST=${HSTU_CUDA_ARCH_LIST:-"8.0;9.0a"} MAX_JOBS=${MAX_JOBS:-16} \
         python3 setup.py build_ext --inplace ;;
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests ;;
     attn)
@@ -133,6 +133,16 @@ step() {
     dq-convert-ab)  # dQ converted by the separate kernel (default) vs inside the backward
       for c in kernel bwd; do
         HSTU_ATTN_DQ_CONVERT=$c bench_ab dq_convert_ab --iters 20 --shapes long_d128,long_d256
+      done ;;
+    attn-sm90)  # the d256 backward: the SM80 kernel (HSTU_ATTN_SM90=0), then the wgmma one
+      for r in 1 2; do
+        HSTU_ATTN_SM90=0 bench_ab attn_sm90 --iters 20 --shapes long_d256
+        bench_ab attn_sm90 --iters 20 --shapes long_d256
+      done ;;
+    e2e-sm90)  # the e2e step with the SM80 d256 backward, then the wgmma one, E2E_ROUNDS rounds
+      for r in $(seq "${E2E_ROUNDS:-2}"); do
+        HSTU_ATTN_SM90=0 e2e_bench "$E2E_ITEMS" --out "$out/e2e_sm80.jsonl"
+        e2e_bench "$E2E_ITEMS" --out "$out/e2e_sm90.jsonl"
       done ;;
     e2e-ab)  # the e2e step of this tree against another tree's (E2E_BASE: a copy of the
       # sources at some commit, e.g. `git archive <ref> hstu scripts configs kernels setup.py

@@ -25,7 +25,7 @@ __all__ = ["hstu_attention_cached_cuda", "hstu_attention_cuda", "is_available", 
 
 _REBUILD_HINT = (
     'rebuild it with `HSTU_CUDA_ARCH_LIST="8.0" pip install --no-build-isolation -e .` '
-    '(H100/H200 test machines: HSTU_CUDA_ARCH_LIST="8.0;9.0"); nvcc and nvidia-cutlass==4.2.0.0 '
+    '(H100/H200: HSTU_CUDA_ARCH_LIST="8.0;9.0a"); nvcc and nvidia-cutlass==4.2.0.0 '
     "must be installed"
 )
 
@@ -42,6 +42,17 @@ def load_extension() -> bool:
 def is_available() -> bool:
     """True when the extension imports and a CUDA device is present."""
     return torch.cuda.is_available() and load_extension()
+
+
+def has_sm90_backward() -> bool:
+    """True when the extension was built with sm_90a code (HSTU_CUDA_ARCH_LIST "9.0a"): on a
+    9.0 device (H100/H200) the backward then runs the wgmma kernel where it applies (no relative
+    bias, not deterministic); HSTU_ATTN_SM90=0 keeps the SM80 kernel."""
+    if not load_extension():
+        return False
+    import hstu._hstu_attention_C as ext
+
+    return bool(ext.has_sm90_backward())
 
 
 def _check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "bwd_kernel.h"
+#include "bwd_kernel_sm90.h"
 #include "fwd_kernel.h"
 #include "kernel_traits.h"
 #include "launch_registry.h"
@@ -280,11 +281,10 @@ constexpr int bwd_smem_bytes() {
   return Kt::kSmemSize + (kBias ? BiasSmem<Kt::kBlockM, Kt::kBlockN, true>::kBytes : 0);
 }
 
-template <typename Kt, bool kBias>
-cudaError_t launch_hstu_bwd_kernel(HstuParams& p, cudaStream_t stream) {
-  auto kernel = &hstu_bwd_kernel<Kt, kBias>;
-  constexpr int smem = bwd_smem_bytes<Kt, kBias>();
-  static int slots[kMaxDevices] = {};
+// Launches a backward kernel of tiles Kt (one CTA per key block) with smem bytes of shared memory.
+template <typename Kt, typename Kernel>
+cudaError_t launch_bwd_grid(Kernel kernel, int smem, int (&slots)[kMaxDevices], HstuParams& p,
+                            cudaStream_t stream) {
   // The budget (or its HSTU_ATTN_MAX_SMEM cap) is what the tile choice planned with: a kernel
   // past it is a planning error, reported rather than launched.
   if (smem > smem_budget()) return cudaErrorInvalidConfiguration;
@@ -301,6 +301,36 @@ cudaError_t launch_hstu_bwd_kernel(HstuParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <typename Kt, bool kBias>
+cudaError_t launch_hstu_bwd_kernel(HstuParams& p, cudaStream_t stream) {
+  static int slots[kMaxDevices] = {};
+  return launch_bwd_grid<Kt>(&hstu_bwd_kernel<Kt, kBias>, bwd_smem_bytes<Kt, kBias>(), slots, p,
+                             stream);
+}
+
+// Compute capability of the current device as major * 10 + minor (cached; 0 if unknown).
+inline int device_sm() {
+  static int cached[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
+  if (cached[dev] == 0) {
+    cached[dev] = device_attribute<cudaDevAttrComputeCapabilityMajor>() * 10 +
+                  device_attribute<cudaDevAttrComputeCapabilityMinor>();
+  }
+  return cached[dev];
+}
+
+// Whether the SM90 backward (bwd_kernel_sm90.h) runs this call: the build carries sm_90a code
+// (HSTU_SM90A, set by setup.py for HSTU_CUDA_ARCH_LIST "9.0a"), the device is a 9.0 one, its
+// tiles fit the shared-memory budget, and the call asks for nothing it leaves to the SM80 kernel
+// (deterministic mode, the in-kernel dQ conversion). HSTU_ATTN_SM90=0 turns it off.
+inline bool sm90_bwd_usable(HstuParams const& p, int smem) {
+  if (p.deterministic || p.dq_counter != nullptr || device_sm() != 90) return false;
+  const char* e = std::getenv("HSTU_ATTN_SM90");
+  if (e != nullptr && e[0] == '0') return false;
+  return smem <= smem_budget();
+}
+
 // The largest of the (dtype, head dim)'s backward configurations that the smem budget allows.
 template <typename T, int D, bool kBias>
 cudaError_t launch_hstu_bwd_config(HstuParams& p, cudaStream_t stream) {
@@ -308,6 +338,15 @@ cudaError_t launch_hstu_bwd_config(HstuParams& p, cudaStream_t stream) {
   using Big = typename BwdConfig<T, D>::big_smem;
   using Huge = typename BwdConfig<T, D>::huge_smem;
   static_assert(Small::kSmemSize <= Big::kSmemSize && Big::kSmemSize <= Huge::kSmemSize);
+#if defined(HSTU_SM90A)
+  if constexpr (!kBias && BwdConfigSm90<T, D>::kEnabled) {
+    using Sm90 = typename BwdConfigSm90<T, D>::type;
+    if (sm90_bwd_usable(p, Sm90::kSmemSize)) {
+      static int slots[kMaxDevices] = {};
+      return launch_bwd_grid<Sm90>(&hstu_bwd_kernel_sm90<Sm90>, Sm90::kSmemSize, slots, p, stream);
+    }
+  }
+#endif
   if constexpr (kBias && BwdBiasConfig<T, D>::kOverride) {
     return launch_hstu_bwd_kernel<typename BwdBiasConfig<T, D>::type, kBias>(p, stream);
   } else {

@@ -15,7 +15,7 @@
 # tree's, E2E_BASE=<dir>), attn-bias (the relative bias's cost), hybrid
 # (scripts/bench_embedding.py --hybrid); A/B runs of one build (no
 # reference): attn-ab (dispatch order), attn-fwd256 (d256 forward tiles), dq-convert-ab (where dQ
-# is converted), attn-sm90 / e2e-sm90 (the d256 backward's SM80 kernel against the wgmma one); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute);
+# is converted), attn-sm90 / e2e-sm90 (the backward's SM80 kernel against the wgmma one); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute);
 # ncu-bias (the d128 forward and backward with the position + time bias, then without);
 # ncu-bias-src (their warp-stall samples per SASS instruction, CSV).
 # Every step runs even if an earlier one failed (a step named twice runs twice, its log appended);
@@ -134,10 +134,10 @@ step() {
       for c in kernel bwd; do
         HSTU_ATTN_DQ_CONVERT=$c bench_ab dq_convert_ab --iters 20 --shapes long_d128,long_d256
       done ;;
-    attn-sm90)  # the d256 backward: the SM80 kernel (HSTU_ATTN_SM90=0), then the wgmma one
+    attn-sm90)  # the d128/d256 backward: the SM80 kernel (HSTU_ATTN_SM90=0), then the wgmma one
       for r in 1 2; do
-        HSTU_ATTN_SM90=0 bench_ab attn_sm90 --iters 20 --shapes long_d256
-        bench_ab attn_sm90 --iters 20 --shapes long_d256
+        HSTU_ATTN_SM90=0 bench_ab attn_sm90 --iters 20 --shapes mid_d128,long_d128,long_d256,rank_targets
+        bench_ab attn_sm90 --iters 20 --shapes mid_d128,long_d128,long_d256,rank_targets
       done ;;
     e2e-sm90)  # the e2e step with the SM80 d256 backward, then the wgmma one, E2E_ROUNDS rounds
       for r in $(seq "${E2E_ROUNDS:-2}"); do

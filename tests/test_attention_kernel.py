@@ -152,44 +152,54 @@ def test_d256_backward_every_tile_config(smem: str, dtype: torch.dtype, monkeypa
     _check(LENGTHS, 256, dtype, **_mask_kwargs(MASKS["all"], LENGTHS))
 
 
-def _bwd_grads(lengths, d, dtype, max_seqlen, seed=0, **kw):
-    """dq, dk, dv of the compiled kernel, and the names of the CUDA kernels the backward ran."""
+def _run_profiled(lengths, d, dtype, max_seqlen, seed=0, **kw):
+    """Output and dq, dk, dv of the compiled kernel, and the names of the CUDA kernels that the
+    forward and the backward ran."""
     q, k, v, do, offsets = _batch(lengths, 2, d, dtype, seed=seed)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    out = cuda_attention.hstu_attention_cuda(q, k, v, offsets, max_seqlen, **kw)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = cuda_attention.hstu_attention_cuda(q, k, v, offsets, max_seqlen, **kw)
         out.backward(do)
         torch.cuda.synchronize()
     names = {e.name for e in prof.events()}
-    return (q.grad, k.grad, v.grad), names
+    return (out.detach(), q.grad, k.grad, v.grad), names
+
+
+# d -> (forward, backward) that have an SM90 (wgmma) kernel
+SM90_KERNELS = {128: (False, False), 256: (True, True)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("mask", ["causal", "all", "window"])
-def test_sm90_backward(mask: str, dtype: torch.dtype, monkeypatch) -> None:
-    """The wgmma backward (d256 on a 9.0 device, when the build has sm_90a code) runs by default
-    there and matches the reference and the SM80 kernel (HSTU_ATTN_SM90=0) on the same inputs;
-    elsewhere both settings run the SM80 kernel. The profiler names the kernel that ran."""
+@pytest.mark.parametrize("d", [128, 256])
+def test_sm90_kernels(d: int, mask: str, dtype: torch.dtype, monkeypatch) -> None:
+    """The wgmma kernels (on a 9.0 device, when the build has sm_90a code: the d256 forward and
+    backward) run by default there and match the reference and the SM80 kernels
+    (HSTU_ATTN_SM90=0) on the same inputs; elsewhere both settings run the SM80 kernels. The
+    profiler names the kernels that ran."""
     lengths = [700, 0, 1, 513, 129, 1030, 64, 300]
     kw = _mask_kwargs(MASKS[mask], lengths)
-    expect_sm90 = (
-        cuda_attention.has_sm90_backward() and torch.cuda.get_device_capability() == (9, 0)
-    )
+    sm90 = cuda_attention.has_sm90_kernels() and torch.cuda.get_device_capability() == (9, 0)
+    expect_fwd, expect_bwd = (sm90 and e for e in SM90_KERNELS[d])
     monkeypatch.delenv("HSTU_ATTN_MAX_SMEM", raising=False)
     monkeypatch.delenv("HSTU_ATTN_SM90", raising=False)
-    g90, names90 = _bwd_grads(lengths, 256, dtype, 1030, seed=7, **kw)
-    assert any("hstu_bwd_kernel_sm90" in n for n in names90) == expect_sm90, sorted(names90)
+    r90, names90 = _run_profiled(lengths, d, dtype, 1030, seed=7, **kw)
+    assert any("hstu_fwd_kernel_sm90" in n for n in names90) == expect_fwd, sorted(names90)
+    assert any("hstu_bwd_kernel_sm90" in n for n in names90) == expect_bwd, sorted(names90)
     monkeypatch.setenv("HSTU_ATTN_SM90", "0")
-    g80, names80 = _bwd_grads(lengths, 256, dtype, 1030, seed=7, **kw)
-    assert not any("hstu_bwd_kernel_sm90" in n for n in names80)
+    r80, names80 = _run_profiled(lengths, d, dtype, 1030, seed=7, **kw)
+    assert not any("_sm90" in n for n in names80), sorted(names80)
+    assert any("hstu_fwd_kernel" in n for n in names80)
     assert any("hstu_bwd_kernel" in n for n in names80)
-    for name, a, b in zip(("dq", "dk", "dv"), g90, g80):
+    for name, a, b, tol in zip(
+        ("out", "dq", "dk", "dv"), r90, r80, (FWD_TOL[dtype],) + (BWD_TOL[dtype],) * 3
+    ):
         assert torch.isfinite(a).all(), name
         err = _max_rel_err(a, b)
-        assert err <= BWD_TOL[dtype] / 3, f"{name}: wgmma vs SM80 kernel rel err {err:.3e}"
+        assert err <= tol / 3, f"{name}: wgmma vs SM80 kernel rel err {err:.3e}"
     monkeypatch.delenv("HSTU_ATTN_SM90")
-    _check(lengths, 256, dtype, max_seqlen=1030, seed=7, **kw)
+    _check(lengths, d, dtype, max_seqlen=1030, seed=7, **kw)
 
 
 @pytest.mark.parametrize("convert", ["in_bwd", "kernel"])

@@ -44,15 +44,16 @@ def is_available() -> bool:
     return torch.cuda.is_available() and load_extension()
 
 
-def has_sm90_backward() -> bool:
+def has_sm90_kernels() -> bool:
     """True when the extension was built with sm_90a code (HSTU_CUDA_ARCH_LIST "9.0a"): on a
-    9.0 device (H100/H200) the backward then runs the wgmma kernel where it applies (no relative
-    bias, not deterministic); HSTU_ATTN_SM90=0 keeps the SM80 kernel."""
+    9.0 device (H100/H200) the attention then runs its wgmma kernels where they apply (d256
+    forward of a training call and d256 backward; no relative bias, not deterministic);
+    HSTU_ATTN_SM90=0 keeps the SM80 kernels."""
     if not load_extension():
         return False
     import hstu._hstu_attention_C as ext
 
-    return bool(ext.has_sm90_backward())
+    return bool(ext.has_sm90_kernels())
 
 
 def _check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -901,8 +901,8 @@ TORCH_LIBRARY_IMPL(hstu_attention, Meta, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "HSTU attention CUDA kernels; the ops live in torch.ops.hstu_attention";
-  // Whether the build carries the SM90 (wgmma) backward, used on 9.0 devices (launch.h).
-  m.def("has_sm90_backward", [] {
+  // Whether the build carries the SM90 (wgmma) kernels, used on 9.0 devices (launch.h).
+  m.def("has_sm90_kernels", [] {
 #if defined(HSTU_SM90A)
     return true;
 #else

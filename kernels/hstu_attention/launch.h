@@ -10,6 +10,7 @@
 
 #include "bwd_kernel.h"
 #include "bwd_kernel_sm90.h"
+#include "fwd_kernel_sm90.h"
 #include "fwd_kernel.h"
 #include "kernel_traits.h"
 #include "launch_registry.h"
@@ -233,15 +234,15 @@ constexpr int fwd_smem_bytes() {
   return Kt::kSmemSize + (kBias ? BiasSmem<Kt::kBlockM, Kt::kBlockN, false>::kBytes : 0);
 }
 
-template <typename Kt, bool kBias, bool kTwoPerSm = false>
-cudaError_t launch_hstu_fwd_kernel(HstuParams& p, cudaStream_t stream) {
-  auto kernel = &hstu_fwd_kernel<Kt, kBias>;
-  constexpr int smem = fwd_smem_bytes<Kt, kBias>();
-  static int slots[kMaxDevices] = {};
+// Launches a forward kernel of tiles Kt (one CTA per query block) with smem bytes of shared
+// memory; two_per_sm: the tiles are meant to fit two CTAs per SM (prepare_kernel's max_shared).
+template <typename Kt, typename Kernel>
+cudaError_t launch_fwd_grid(Kernel kernel, int smem, int (&slots)[kMaxDevices], HstuParams& p,
+                            cudaStream_t stream, bool two_per_sm) {
   // The budget (or its HSTU_ATTN_MAX_SMEM cap) is what the tile choice planned with: a kernel
   // past it is a planning error, reported rather than launched.
   if (smem > smem_budget()) return cudaErrorInvalidConfiguration;
-  cudaError_t err = prepare_kernel(kernel, Kt::kNThreads, smem, slots, kTwoPerSm);
+  cudaError_t err = prepare_kernel(kernel, Kt::kNThreads, smem, slots, two_per_sm);
   if (err != cudaSuccess) return err;
   // Each CTA streams its pair's K and V rows; one CTA per query block (of the cached-query
   // layout when q_cu_seqlens is set).
@@ -257,8 +258,49 @@ cudaError_t launch_hstu_fwd_kernel(HstuParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <typename Kt, bool kBias, bool kTwoPerSm = false>
+cudaError_t launch_hstu_fwd_kernel(HstuParams& p, cudaStream_t stream) {
+  static int slots[kMaxDevices] = {};
+  return launch_fwd_grid<Kt>(&hstu_fwd_kernel<Kt, kBias>, fwd_smem_bytes<Kt, kBias>(), slots, p,
+                             stream, kTwoPerSm);
+}
+
+// Compute capability of the current device as major * 10 + minor (cached; 0 if unknown).
+inline int device_sm() {
+  static int cached[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
+  if (cached[dev] == 0) {
+    cached[dev] = device_attribute<cudaDevAttrComputeCapabilityMajor>() * 10 +
+                  device_attribute<cudaDevAttrComputeCapabilityMinor>();
+  }
+  return cached[dev];
+}
+
+// Whether an SM90 (wgmma) kernel may run: the build carries sm_90a code (HSTU_SM90A, set by
+// setup.py for HSTU_CUDA_ARCH_LIST "9.0a"), the device is a 9.0 one and the tiles fit the
+// shared-memory budget. HSTU_ATTN_SM90=0 turns both SM90 kernels off.
+inline bool sm90_usable(int smem) {
+  if (device_sm() != 90) return false;
+  const char* e = std::getenv("HSTU_ATTN_SM90");
+  if (e != nullptr && e[0] == '0') return false;
+  return smem <= smem_budget();
+}
+
 template <typename T, int D, bool kBias>
 cudaError_t run_hstu_fwd(HstuParams& p, cudaStream_t stream) {
+#if defined(HSTU_SM90A)
+  // The SM90 forward takes the training call (no cache layouts, no key splits).
+  if constexpr (!kBias && FwdConfigSm90<T, D>::kEnabled) {
+    using Sm90 = typename FwdConfigSm90<T, D>::type;
+    if (p.q_cu_seqlens == nullptr && p.seq_lens == nullptr && p.num_splits == 1 &&
+        sm90_usable(Sm90::kSmemSize)) {
+      static int slots[kMaxDevices] = {};
+      return launch_fwd_grid<Sm90>(&hstu_fwd_kernel_sm90<Sm90>, Sm90::kSmemSize, slots, p, stream,
+                                   false);
+    }
+  }
+#endif
   using One = typename FwdConfig<T, D>::type;
   using Two = typename FwdConfig<T, D>::two_per_sm;
   using TwoP = typename FwdConfig<T, D>::two_per_sm_psmem;
@@ -308,27 +350,10 @@ cudaError_t launch_hstu_bwd_kernel(HstuParams& p, cudaStream_t stream) {
                              stream);
 }
 
-// Compute capability of the current device as major * 10 + minor (cached; 0 if unknown).
-inline int device_sm() {
-  static int cached[kMaxDevices] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return 0;
-  if (cached[dev] == 0) {
-    cached[dev] = device_attribute<cudaDevAttrComputeCapabilityMajor>() * 10 +
-                  device_attribute<cudaDevAttrComputeCapabilityMinor>();
-  }
-  return cached[dev];
-}
-
-// Whether the SM90 backward (bwd_kernel_sm90.h) runs this call: the build carries sm_90a code
-// (HSTU_SM90A, set by setup.py for HSTU_CUDA_ARCH_LIST "9.0a"), the device is a 9.0 one, its
-// tiles fit the shared-memory budget, and the call asks for nothing it leaves to the SM80 kernel
-// (deterministic mode, the in-kernel dQ conversion). HSTU_ATTN_SM90=0 turns it off.
+// The SM90 backward (bwd_kernel_sm90.h) leaves deterministic mode and the in-kernel dQ
+// conversion to the SM80 kernel.
 inline bool sm90_bwd_usable(HstuParams const& p, int smem) {
-  if (p.deterministic || p.dq_counter != nullptr || device_sm() != 90) return false;
-  const char* e = std::getenv("HSTU_ATTN_SM90");
-  if (e != nullptr && e[0] == '0') return false;
-  return smem <= smem_budget();
+  return !p.deterministic && p.dq_counter == nullptr && sm90_usable(smem);
 }
 
 // The largest of the (dtype, head dim)'s backward configurations that the smem budget allows.

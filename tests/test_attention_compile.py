@@ -55,8 +55,8 @@ def test_one_instantiation_per_dtype_headdim_direction_bias() -> None:
     assert names == expected
 
 
-@pytest.mark.parametrize("name", FILES)
-def test_instantiation_compiles_for_sm80(name: str, tmp_path: Path, nvcc: str) -> None:
+def _compile(nvcc: str, name: str, out: Path, arch: str, defines: tuple[str, ...] = ()) -> None:
+    """nvcc -c of one instantiation file for `arch` (e.g. "80", "90a"); asserts it succeeds."""
     cutlass = _cutlass_include()
     if cutlass is None:
         pytest.skip(
@@ -71,19 +71,37 @@ def test_instantiation_compiles_for_sm80(name: str, tmp_path: Path, nvcc: str) -
         "--use_fast_math",
         "--expt-relaxed-constexpr",
         "--expt-extended-lambda",
+        *defines,
         "-gencode",
-        "arch=compute_80,code=sm_80",
+        f"arch=compute_{arch},code=sm_{arch}",
         "-I",
         str(KERNEL_DIR),
         "-I",
         cutlass,
         str(KERNEL_DIR / "instantiations" / name),
         "-o",
-        str(tmp_path / (name + ".o")),
+        str(out),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"nvcc failed for {name}:\n{proc.stderr[-6000:]}"
-    assert (tmp_path / (name + ".o")).stat().st_size > 0
+    assert out.stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_instantiation_compiles_for_sm80(name: str, tmp_path: Path, nvcc: str) -> None:
+    _compile(nvcc, name, tmp_path / (name + ".o"), "80")
+
+
+@pytest.mark.parametrize(
+    "name, kernel",
+    [("fwd_fp16_hdim256.cu", b"hstu_fwd_kernel_sm90"), ("bwd_bf16_hdim256.cu", b"hstu_bwd_kernel_sm90")],
+)
+def test_sm90a_kernels_compile(name: str, kernel: bytes, tmp_path: Path, nvcc: str) -> None:
+    """The wgmma kernels (fwd_kernel_sm90.h, bwd_kernel_sm90.h) compile for sm_90a with
+    HSTU_SM90A, as setup.py builds them for HSTU_CUDA_ARCH_LIST "9.0a", and are instantiated."""
+    out = tmp_path / (name + ".o")
+    _compile(nvcc, name, out, "90a", ("-DHSTU_SM90A",))
+    assert kernel in out.read_bytes()
 
 
 def test_mask_rules_match_reference(tmp_path: Path, nvcc: str) -> None:

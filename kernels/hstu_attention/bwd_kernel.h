@@ -341,14 +341,10 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     }
   };
 
-  // With h = alpha s / 2, t = tanh(h) (so sig = sigmoid(alpha s) = (1 + t) / 2) and
-  // S_len = scaling_seqlen:
-  //   P  = SiLU(alpha s) / S_len                          = h' (1 + t),  h' = h / S_len
-  //   dS = dP alpha / S_len sig (1 + alpha s (1 - sig))   = dP (1 + t) u c,
-  //        u = 1 + h (1 - t),  c = alpha / (2 S_len)
+  // P and the dS factor of each score (SiluBwd, utils.h).
   const float half_alpha = 0.5f * p.alpha;
   const float inv_scale = p.inv_scale_ptr ? *p.inv_scale_ptr : p.inv_scale;
-  const float c_ds = 0.5f * p.alpha * inv_scale;
+  const SiluBwd silu{half_alpha, inv_scale, 0.5f * p.alpha * inv_scale};
 
   // Relative bias (bias.h): tables in shared memory past the tiles. Tile t (the t-th query block
   // of the walk) reads diagonal and query-time buffer t % 2; after its first barrier, tile t + 1
@@ -432,12 +428,9 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       if (!mk.tile_full(m0, m0 + kBlockM, n0, n1)) apply_mask(mk, tScS, m0, n0, acc_s, acc_dp);
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) {
-        const float h = acc_s(i) * half_alpha;
-        const float t = tanh_approx(h);
-        const float hs = h * inv_scale;
-        acc_s(i) = fmaf(hs, t, hs);
-        const float uc = fmaf(fmaf(-h, t, h), c_ds, c_ds);
-        acc_dp(i) *= fmaf(t, uc, uc);
+        float factor;
+        silu(acc_s(i), acc_s(i), factor);
+        acc_dp(i) *= factor;
       }
       {
         Tensor rP = convert_fragment<Element>(acc_s);
@@ -518,14 +511,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
         for (int i = 0; i < size(acc_s); i += 2) {
           cutlass::Array<float, 2> pr;
           CUTE_UNROLL
-          for (int e = 0; e < 2; ++e) {
-            const float h = acc_s(i + e) * half_alpha;
-            const float t = tanh_approx(h);
-            const float hs = h * inv_scale;
-            pr[e] = fmaf(hs, t, hs);
-            const float uc = fmaf(fmaf(-h, t, h), c_ds, c_ds);
-            acc_s(i + e) = fmaf(t, uc, uc);
-          }
+          for (int e = 0; e < 2; ++e) silu(acc_s(i + e), pr[e], acc_s(i + e));
           *reinterpret_cast<cutlass::Array<Element, 2>*>(&rP(i)) = cvt2(pr);
         }
       }

@@ -26,6 +26,18 @@ namespace hstu {
 
 using namespace cute;
 
+// A warpgroup MMA tiled over a kWgM x kWgN grid of warpgroups, each doing 64 x N x 16
+// (fp32 accumulators, operands read from shared memory with the given majors).
+template <typename Element, int N, GMMA::Major kMajorA, GMMA::Major kMajorB, int kWgM, int kWgN>
+using GmmaTiled = decltype(make_tiled_mma(
+    GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<N>, _16>, kMajorA, kMajorB>(),
+    Layout<Shape<Int<kWgM>, Int<kWgN>, _1>>{}));
+
+// A [rows x cols] shared tile, cols contiguous: the GMMA canonical 128-byte-swizzle K-major layout.
+template <typename Element, int kRows, int kCols>
+using SmemTileK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                         Shape<Int<kRows>, Int<kCols>>{}));
+
 // Tiles of the SM90 backward: kBlockM query rows (2 warpgroups x 64) x kBlockN keys, Q/dO
 // single-buffered. Every shared tile is a GMMA canonical 128-byte-swizzle K-major layout (the
 // same bytes as SmemAtom<64>'s), read transposed (MN-major) where a GEMM needs it so.
@@ -43,10 +55,9 @@ struct BwdTraitsSm90 : BaseTraits<Element_, kHeadDim_, 256> {
   static_assert(kBlockM == 128, "one 64-row half of the query block per warpgroup");
   static_assert(kBlockN == 64 && kHeadDim % 128 == 0 && kDQCols % 64 == 0);
 
-  using AtomK = GMMA::Layout_K_SW128_Atom<Element>;
-  using SmemLayoutQdO = decltype(tile_to_shape(AtomK{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutKV = decltype(tile_to_shape(AtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutPdS = decltype(tile_to_shape(AtomK{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutQdO = SmemTileK<Element, kBlockM, kHeadDim>;
+  using SmemLayoutKV = SmemTileK<Element, kBlockN, kHeadDim>;
+  using SmemLayoutPdS = SmemTileK<Element, kBlockM, kBlockN>;
   // Transposed views: (head dim, query rows) of Q/dO, (keys, query rows) of P/dS, (head dim,
   // keys) of K.
   using SmemLayoutQdOt = decltype(composition(
@@ -57,22 +68,13 @@ struct BwdTraitsSm90 : BaseTraits<Element_, kHeadDim_, 256> {
       SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
 
   // S, dP = [kBlockM x kBlockN]: warpgroup w takes rows 64w..; A (Q, dO) and B (K, V) K-major.
-  using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, _16>,
-                           GMMA::Major::K, GMMA::Major::K>(),
-      Layout<Shape<_2, _1, _1>>{}));
+  using TiledMmaSdP = GmmaTiled<Element, kBlockN, GMMA::Major::K, GMMA::Major::K, 2, 1>;
   // dV, dK = [kBlockN x D] over the kBlockM query rows: warpgroup w takes columns w D/2..;
   // A = P^T / dS^T and B = dO^T / Q^T are read MN-major.
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, _16>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
-      Layout<Shape<_1, _2, _1>>{}));
+  using TiledMmadKV = GmmaTiled<Element, kHeadDim / 2, GMMA::Major::MN, GMMA::Major::MN, 1, 2>;
   // dQ chunk = [kBlockM x kDQCols] over the kBlockN keys: warpgroup w takes rows 64w..;
   // A = dS K-major, B = K^T MN-major.
-  using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kDQCols>, _16>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<_2, _1, _1>>{}));
+  using TiledMmadQ = GmmaTiled<Element, kDQCols, GMMA::Major::K, GMMA::Major::MN, 2, 1>;
 
   static constexpr int kSmemQdO = int(size(SmemLayoutQdO{})) * sizeof(Element);
   static constexpr int kSmemKV = int(size(SmemLayoutKV{})) * sizeof(Element);
@@ -279,10 +281,10 @@ __global__ void __launch_bounds__(256, 1) hstu_bwd_kernel_sm90(const __grid_cons
     }
   };
 
-  // SiLU (see bwd_kernel.h): P = h' (1 + t), dS = dP (1 + t) u c.
+  // P and the dS factor of each score (SiluBwd, utils.h).
   const float half_alpha = 0.5f * p.alpha;
   const float inv_scale = p.inv_scale_ptr ? *p.inv_scale_ptr : p.inv_scale;
-  const float c_ds = 0.5f * p.alpha * inv_scale;
+  const SiluBwd silu{half_alpha, inv_scale, 0.5f * p.alpha * inv_scale};
 
   int m_block = m_lo;
   if (m_block < m_hi && mk.tile_empty(m_block * kBlockM, (m_block + 1) * kBlockM, n0, n1)) {
@@ -317,12 +319,9 @@ __global__ void __launch_bounds__(256, 1) hstu_bwd_kernel_sm90(const __grid_cons
     if (!mk.tile_full(m0, m0 + kBlockM, n0, n1)) apply_mask_gmma(mk, tScS, m0, n0, acc_s, acc_dp);
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) {
-      const float h = acc_s(i) * half_alpha;
-      const float t = tanh_approx(h);
-      const float hs = h * inv_scale;
-      acc_s(i) = fmaf(hs, t, hs);
-      const float uc = fmaf(fmaf(-h, t, h), c_ds, c_ds);
-      acc_dp(i) *= fmaf(t, uc, uc);
+      float factor;
+      silu(acc_s(i), acc_s(i), factor);
+      acc_dp(i) *= factor;
     }
     {
       Tensor rP = convert_fragment<Element>(acc_s);

@@ -179,12 +179,9 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     if constexpr (kBias) {
       add_rel_bias<kBlockM>(bt, tile_buf, tile_buf, 0, tScS, acc_s);
     }
-    // P = SiLU(alpha s) / scale = h' (1 + tanh(h)), h = alpha s / 2, h' = h / scale.
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) {
-      const float x = acc_s(i);
-      const float hs = x * half_alpha_scale;
-      acc_s(i) = fmaf(hs, tanh_approx(x * half_alpha), hs);
+      acc_s(i) = silu_scaled(acc_s(i), half_alpha, half_alpha_scale);
     }
     if (!mk.tile_full(m0, m1, n0, n0 + kBlockN)) apply_mask(mk, tScS, m0, n0, acc_s);
     Tensor rP = convert_fragment<Element>(acc_s);

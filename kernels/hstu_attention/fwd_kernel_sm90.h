@@ -36,22 +36,15 @@ struct FwdTraitsSm90 : BaseTraits<Element_, kHeadDim_, 256> {
   static_assert(kBlockM == 128, "one 64-row half of the query block per warpgroup");
   static_assert(kBlockN % 64 == 0 && kHeadDim % 64 == 0 && kHeadDim <= 256);
 
-  using AtomK = GMMA::Layout_K_SW128_Atom<Element>;
-  using SmemLayoutQ = decltype(tile_to_shape(AtomK{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutKV = decltype(tile_to_shape(AtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutQ = SmemTileK<Element, kBlockM, kHeadDim>;
+  using SmemLayoutKV = SmemTileK<Element, kBlockN, kHeadDim>;
   // V as (head dim, keys): the B operand of P V, MN-major.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
-  using SmemLayoutP = decltype(tile_to_shape(AtomK{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutP = SmemTileK<Element, kBlockM, kBlockN>;
 
-  using TiledMmaS = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, _16>,
-                           GMMA::Major::K, GMMA::Major::K>(),
-      Layout<Shape<_2, _1, _1>>{}));
-  using TiledMmaO = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, _16>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<_2, _1, _1>>{}));
+  using TiledMmaS = GmmaTiled<Element, kBlockN, GMMA::Major::K, GMMA::Major::K, 2, 1>;
+  using TiledMmaO = GmmaTiled<Element, kHeadDim, GMMA::Major::K, GMMA::Major::MN, 2, 1>;
 
   static constexpr int kSmemQ = int(size(SmemLayoutQ{})) * sizeof(Element);
   static constexpr int kSmemKV = int(size(SmemLayoutKV{})) * sizeof(Element);
@@ -136,13 +129,14 @@ __global__ void __launch_bounds__(256, 1) hstu_fwd_kernel_sm90(const __grid_cons
   Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKVcKV =
       gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  auto load_rows = [&](const Element* ptr, auto const& dst_tile, int n) {
+    Tensor dst = gmem_thr_copy.partition_D(dst_tile);
+    Tensor src = gmem_thr_copy.partition_S(row_tile(ptr, n * kBlockN, Int<kBlockN>{}));
+    copy_rows_zfill(gmem_tiled_copy, src, dst, tKVcKV, L - n * kBlockN);
+  };
   auto load_kv = [&](int n, int stage) {
-    Tensor dk = gmem_thr_copy.partition_D(sK(stage));
-    Tensor dv = gmem_thr_copy.partition_D(sV(stage));
-    copy_rows_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(row_tile(k_ptr, n * kBlockN, Int<kBlockN>{})),
-                    dk, tKVcKV, L - n * kBlockN);
-    copy_rows_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(row_tile(v_ptr, n * kBlockN, Int<kBlockN>{})),
-                    dv, tKVcKV, L - n * kBlockN);
+    load_rows(k_ptr, sK(stage), n);
+    load_rows(v_ptr, sV(stage), n);
   };
 
   typename Kt::TiledMmaS mma_s;
@@ -188,12 +182,9 @@ __global__ void __launch_bounds__(256, 1) hstu_fwd_kernel_sm90(const __grid_cons
     Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
     gmma_issue<true>(mma_s, tSrQ, stage ? tSrK1 : tSrK0, acc_s);
     gmma_wait<0>(acc_s);
-    // P = SiLU(alpha s) / scale = h' (1 + tanh(h)), h = alpha s / 2, h' = h / scale.
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) {
-      const float x = acc_s(i);
-      const float hs = x * half_alpha_scale;
-      acc_s(i) = fmaf(hs, tanh_approx(x * half_alpha), hs);
+      acc_s(i) = silu_scaled(acc_s(i), half_alpha, half_alpha_scale);
     }
     if (!mk.tile_full(m0, m1, n0, n0 + kBlockN)) apply_mask_gmma(mk, tScS, m0, n0, acc_s);
     Tensor rP = convert_fragment<Element>(acc_s);

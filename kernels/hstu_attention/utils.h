@@ -48,6 +48,30 @@ __device__ __forceinline__ float tanh_approx(float x) {
   return y;
 }
 
+// Forward SiLU: P = SiLU(alpha s) / scale = h' (1 + tanh(h)), h = alpha s / 2, h' = h / scale
+// (half_alpha_scale = alpha / (2 scale)).
+__device__ __forceinline__ float silu_scaled(float s, float half_alpha, float half_alpha_scale) {
+  const float hs = s * half_alpha_scale;
+  return fmaf(hs, tanh_approx(s * half_alpha), hs);
+}
+
+// Backward SiLU: with h = alpha s / 2, t = tanh(h) (so sigmoid(alpha s) = (1 + t) / 2) and
+// S_len = the scaling length (inv_scale = 1 / S_len):
+//   P       = SiLU(alpha s) / S_len                           = h' (1 + t),  h' = h / S_len
+//   dS / dP = alpha / S_len sig (1 + alpha s (1 - sig))       = (1 + t) u c,
+//             u = 1 + h (1 - t),  c = c_ds = alpha / (2 S_len)
+struct SiluBwd {
+  float half_alpha, inv_scale, c_ds;
+  __device__ __forceinline__ void operator()(float s, float& p, float& ds_factor) const {
+    const float h = s * half_alpha;
+    const float t = tanh_approx(h);
+    const float hs = h * inv_scale;
+    p = fmaf(hs, t, hs);
+    const float uc = fmaf(fmaf(-h, t, h), c_ds, c_ds);
+    ds_factor = fmaf(t, uc, uc);
+  }
+};
+
 // acc += A @ B^T, A and B both read from shared memory with ldmatrix; the k-slice i + 1 is
 // loaded into registers while the tensor cores work on slice i.
 template <class Acc, class FragA, class FragB, class SmemA, class SmemB, class TiledMma,

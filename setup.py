@@ -2,7 +2,7 @@
 
 Knobs (environment):
   HSTU_CUDA_ARCH_LIST   ";"-separated compute capabilities, default "8.0" (A100). H100/H200:
-                        "8.0;9.0a" (9.0a adds the attention backward's wgmma kernel; "9.0"
+                        "8.0;9.0a" (9.0a adds the d256 attention's wgmma kernels; "9.0"
                         builds the SM80 kernels only).
   HSTU_KERNEL_DIMS      comma list of substrings; only instantiation files (kernels/*/instantiations/)
                         whose name contains one of them are built (e.g. "bf16_hdim128"); the
@@ -40,23 +40,24 @@ def _cutlass_include() -> str | None:
         return None
 
 
+def _archs() -> list[str]:
+    """HSTU_CUDA_ARCH_LIST as a list, e.g. ["8.0", "9.0a"]."""
+    archs = os.environ.get("HSTU_CUDA_ARCH_LIST", "8.0").replace(",", ";").split(";")
+    return [a.strip() for a in archs if a.strip()]
+
+
 def _arch_flags() -> list[str]:
-    archs = os.environ.get("HSTU_CUDA_ARCH_LIST", "8.0")
     flags = []
-    for a in archs.replace(",", ";").split(";"):
-        a = a.strip()
-        if not a:
-            continue
+    for a in _archs():
         num = a.replace(".", "")
         flags += ["-gencode", f"arch=compute_{num},code=sm_{num}"]
     return flags + _sm90a_defines()
 
 
 def _sm90a_defines() -> list[str]:
-    """-DHSTU_SM90A when the arch list has "9.0a": the attention backward's wgmma kernel
-    (kernels/hstu_attention/bwd_kernel_sm90.h) is built and dispatched on 9.0 devices."""
-    archs = os.environ.get("HSTU_CUDA_ARCH_LIST", "8.0").replace(",", ";").split(";")
-    return ["-DHSTU_SM90A"] if "9.0a" in [a.strip() for a in archs] else []
+    """-DHSTU_SM90A when the arch list has "9.0a": the attention's wgmma kernels
+    (kernels/hstu_attention/*_sm90.h) are built and dispatched on 9.0 devices."""
+    return ["-DHSTU_SM90A"] if "9.0a" in _archs() else []
 
 
 # Families whose instantiations/ are per dtype only (all are needed): HSTU_KERNEL_DIMS skips them.

@@ -50,7 +50,12 @@ SHAPES = {
     "long_d128": (16, 4, 128, 4096, 0, 0),
     "long_d256": (8, 4, 256, 4096, 0, 0),
     "rank_targets": (32, 4, 128, 2048, 100, 6),
+    # the attention of the e2e benchmark model (configs/synthetic_benchmark_ranking.gin): heavy-
+    # tailed lengths, shifted lognormal with mean ~1024 (sigma 1) clipped to [8, N]
+    "e2e_d256": (32, 4, 256, 4096, 0, 0),
 }
+# shapes whose lengths follow the e2e model's lognormal instead of randint(N // 2, N + 1)
+LOGNORMAL_SHAPES = {"e2e_d256"}
 
 # Environment variables that change which kernel configuration runs (kernels/hstu_attention).
 KERNEL_ENV = (
@@ -62,9 +67,16 @@ KERNEL_ENV = (
 )
 
 
-def make_inputs(b: int, h: int, d: int, n: int, targets: int, contexts: int, device="cuda"):
+def make_inputs(
+    b: int, h: int, d: int, n: int, targets: int, contexts: int, device="cuda", lognormal=False
+):
     gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(n // 2, n + 1, (b,), generator=gen)
+    if lognormal:  # hstu.data.synthetic's lengths: 8 + floor(lognormal(mu, 1)), mean 1024
+        mu = math.log(1024 - 8) - 0.5
+        normal = torch.randn(b, generator=gen, dtype=torch.float64)
+        lengths = (8 + torch.floor(torch.exp(mu + normal))).long().clamp(8, n)
+    else:
+        lengths = torch.randint(n // 2, n + 1, (b,), generator=gen)
     offsets = torch.zeros(b + 1, dtype=torch.int32)
     offsets[1:] = torch.cumsum(lengths, 0)
     total = int(offsets[-1])
@@ -193,7 +205,9 @@ def main() -> None:
             runs.append((name + "_nomask", SHAPES[name][:4] + (0, 0), {}, name + "_nomask"))
             runs.append((name + "_det", SHAPES[name], {"deterministic": True}, name))
     for label, (b, h, d, n, tgt, ctx), extra, _ in runs:
-        lengths, offsets, q, k, v, do, kw = make_inputs(b, h, d, n, tgt, ctx)
+        lengths, offsets, q, k, v, do, kw = make_inputs(
+            b, h, d, n, tgt, ctx, lognormal=label in LOGNORMAL_SHAPES
+        )
         kw.update(bias_inputs(args.bias, lengths, n))
         flops = fwd_flops(lengths, h, d)
         shape = dict(

@@ -352,7 +352,7 @@ def _profile(trainer, args: argparse.Namespace, path: str) -> dict:
         for e in kernels[1:]:
             idle += max(0.0, e["ts"] - end)
             end = max(end, e["ts"] + e["dur"])
-    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:10]
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:30]
     host = _host_ops(events)
     return {
         "trace": f"{raw}.gz",

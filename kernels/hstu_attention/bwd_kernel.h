@@ -55,6 +55,69 @@ __device__ __forceinline__ int atomic_add_release(int* ptr, int v) {
   return old;
 }
 
+// The key block of a backward CTA (1-D grid over (key block, sequence, head) in dispatch
+// groups, grid_tile_of), the thread's index, and the sequence's first row and length; false
+// when the block starts past the sequence's end (the CTA has nothing to do). Both backward
+// kernels. (The thread index is read between the two, where the kernels read it before.)
+template <int kBlockN>
+__device__ __forceinline__ bool locate_key_block(HstuParams const& p, int& n_block, int& bidb,
+                                                 int& bidh, int& tidx, int& seq_start, int& L,
+                                                 int& n0) {
+  grid_tile_of(p, int(blockIdx.x), (p.max_seqlen + kBlockN - 1) / kBlockN, n_block, bidb, bidh);
+  tidx = threadIdx.x;
+  seq_start = p.cu_seqlens[bidb];
+  L = p.cu_seqlens[bidb + 1] - seq_start;
+  n0 = n_block * kBlockN;
+  return n0 < L;
+}
+
+// The rows a backward CTA reads and writes, from its sequence's first row in its head (element
+// offset base): q, k, v, dO, dK, dV ([T, H, D], row stride p.row_stride) and dq_accum,
+// head-major [H, T, D], where the row stride is the compile-time D (every dQ reduction address
+// is one base register plus an immediate offset). Both backward kernels.
+template <typename Element, int kHeadDim>
+struct BwdRows {
+  HstuParams const& p;
+  int64_t base;
+  const Element *q, *k, *v, *dout;
+  float* dqacc;
+  Element *dk, *dv;
+
+  __device__ __forceinline__ BwdRows(HstuParams const& params, int seq_start, int bidh)
+      : p(params) {
+    base = int64_t(seq_start) * p.row_stride + int64_t(bidh) * p.head_stride;
+    q = reinterpret_cast<const Element*>(p.q) + base;
+    k = reinterpret_cast<const Element*>(p.k) + base;
+    v = reinterpret_cast<const Element*>(p.v) + base;
+    dout = reinterpret_cast<const Element*>(p.dout) + base;
+    dqacc = p.dq_accum + (int64_t(bidh) * p.total + seq_start) * kHeadDim;
+    dk = reinterpret_cast<Element*>(p.dk) + base;
+    dv = reinterpret_cast<Element*>(p.dv) + base;
+  }
+
+  // The [rows x kHeadDim] tile of ptr's rows from row0.
+  template <typename T, typename Rows>
+  __device__ __forceinline__ auto tile(T* ptr, int row0, Rows rows) const {
+    return make_tensor(make_gmem_ptr(ptr + int64_t(row0) * p.row_stride),
+                       make_shape(rows, Int<kHeadDim>{}), make_stride(p.row_stride, _1{}));
+  }
+};
+
+// Epilogue of both backward kernels: the dK and dV tiles, staged in shared memory (sK, sV),
+// stored to the key block's rows (rows past the sequence skipped) with 16-byte stores.
+template <typename Kt, class SmemK, class SmemV, class Rows, class Coord>
+__device__ __forceinline__ void store_dkv(SmemK const& sK, SmemV const& sV, Rows const& g,
+                                          Coord const& tKVcKV, int n0, int L, int tidx) {
+  typename Kt::GmemTiledCopyStore gmem_tiled_copy_st;
+  auto gmem_thr_copy_st = gmem_tiled_copy_st.get_thread_slice(tidx);
+  Tensor tdKsK = gmem_thr_copy_st.partition_S(sK);
+  Tensor tdVsV = gmem_thr_copy_st.partition_S(sV);
+  Tensor tdKgdK = gmem_thr_copy_st.partition_D(g.tile(g.dk, n0, Int<Kt::kBlockN>{}));
+  Tensor tdVgdV = gmem_thr_copy_st.partition_D(g.tile(g.dv, n0, Int<Kt::kBlockN>{}));
+  copy_rows_store(gmem_tiled_copy_st, tdKsK, tdKgdK, tKVcKV, L - n0);
+  copy_rows_store(gmem_tiled_copy_st, tdVsV, tdVgdV, tKVcKV, L - n0);
+}
+
 // kBias: the relative attention bias (bias.h) enters every score tile, and its two weight
 // gradients are summed in shared memory (bias_smem_bytes past Kt::kSmemSize) and flushed into
 // p.dpos_w / p.dtime_w.
@@ -73,13 +136,8 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   // (grid_tile_of): inside a group key block 0 (the most query blocks under a causal mask) of
   // each pair goes first, the lightest blocks last. Deterministic mode relies on key block n - 1
   // of a pair being dispatched before key block n.
-  int n_block, bidb, bidh;
-  grid_tile_of(p, int(blockIdx.x), (p.max_seqlen + kBlockN - 1) / kBlockN, n_block, bidb, bidh);
-  const int tidx = threadIdx.x;
-  const int seq_start = p.cu_seqlens[bidb];
-  const int L = p.cu_seqlens[bidb + 1] - seq_start;
-  const int n0 = n_block * kBlockN;
-  if (n0 >= L) return;
+  int n_block, bidb, bidh, tidx, seq_start, L, n0;
+  if (!locate_key_block<kBlockN>(p, n_block, bidb, bidh, tidx, seq_start, L, n0)) return;
   const SeqMask mk = make_seq_mask(p, bidb, L);
   const int n1 = min(n0 + kBlockN, L);
   int m_lo, m_hi;
@@ -115,20 +173,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     }
   };
 
-  const int64_t base = int64_t(seq_start) * p.row_stride + int64_t(bidh) * p.head_stride;
-  const Element* q_ptr = reinterpret_cast<const Element*>(p.q) + base;
-  const Element* k_ptr = reinterpret_cast<const Element*>(p.k) + base;
-  const Element* v_ptr = reinterpret_cast<const Element*>(p.v) + base;
-  const Element* do_ptr = reinterpret_cast<const Element*>(p.dout) + base;
-  // dq_accum is head-major [H, T, D]: inside one head the row stride is the compile-time D, so
-  // every dQ reduction address is one base register plus an immediate offset.
-  float* dqacc_ptr = p.dq_accum + (int64_t(bidh) * p.total + seq_start) * kHeadDim;
-  Element* dk_ptr = reinterpret_cast<Element*>(p.dk) + base;
-  Element* dv_ptr = reinterpret_cast<Element*>(p.dv) + base;
-  auto row_tile = [&](auto* ptr, int row0, auto rows) {
-    return make_tensor(make_gmem_ptr(ptr + int64_t(row0) * p.row_stride),
-                       make_shape(rows, Int<kHeadDim>{}), make_stride(p.row_stride, _1{}));
-  };
+  const BwdRows<Element, kHeadDim> g(p, seq_start, bidh);
 
   Element* smem_base = reinterpret_cast<Element*>(smem_);
   Tensor sQ = make_tensor(make_smem_ptr(smem_base), typename Kt::SmemLayoutQdO{});
@@ -161,7 +206,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   auto load_rows = [&](const Element* ptr, auto const& dst_base, int m, int stage) {
     Tensor dst = make_tensor(dst_base.data() + stage * kQdOElems, dst_base.layout());
-    Tensor src = gmem_thr_copy.partition_S(row_tile(ptr, m * kBlockM, Int<kBlockM>{}));
+    Tensor src = gmem_thr_copy.partition_S(g.tile(ptr, m * kBlockM, Int<kBlockM>{}));
     copy_rows_zfill(gmem_tiled_copy, src, dst, tQcQ, L - m * kBlockM);
   };
 
@@ -261,7 +306,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
           make_tensor(tdQsKt.data() + chunk * kBlockN * kDQCols, tdQsKt.layout()), tiled_mma_dq,
           copy_dS, copy_Kt, thr_copy_dS, thr_copy_Kt);
       Tensor gdQacc = make_tensor(
-          make_gmem_ptr(dqacc_ptr + int64_t(m0) * kHeadDim + chunk * kDQCols),
+          make_gmem_ptr(g.dqacc + int64_t(m0) * kHeadDim + chunk * kDQCols),
           Shape<Int<kBlockM>, Int<kDQCols>>{}, Stride<Int<kHeadDim>, _1>{});
       Tensor tdQgdQacc = thr_mma_dq.partition_C(gdQacc);
       static_assert(decltype(size<0>(acc_dq))::value == 4);
@@ -322,8 +367,8 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     if (!__syncthreads_or(last)) return;
     const int m0 = pending * kBlockM;
     const int rows = min(kBlockM, L - m0);
-    const float* src = dqacc_ptr + int64_t(m0) * kHeadDim;
-    Element* dst = reinterpret_cast<Element*>(p.dq) + base + int64_t(m0) * p.row_stride;
+    const float* src = g.dqacc + int64_t(m0) * kHeadDim;
+    Element* dst = reinterpret_cast<Element*>(p.dq) + g.base + int64_t(m0) * p.row_stride;
     constexpr int kVecs = kHeadDim / 4;
     for (int i = tidx; i < rows * kVecs; i += Kt::kNThreads) {
       const int r = i / kVecs;
@@ -394,16 +439,16 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     }
   }
   {
-    Tensor gk = gmem_thr_copy.partition_S(row_tile(k_ptr, n0, Int<kBlockN>{}));
-    Tensor gv = gmem_thr_copy.partition_S(row_tile(v_ptr, n0, Int<kBlockN>{}));
+    Tensor gk = gmem_thr_copy.partition_S(g.tile(g.k, n0, Int<kBlockN>{}));
+    Tensor gv = gmem_thr_copy.partition_S(g.tile(g.v, n0, Int<kBlockN>{}));
     copy_rows_zfill(gmem_tiled_copy, gk, tKsK, tKVcKV, L - n0);
     copy_rows_zfill(gmem_tiled_copy, gv, tVsV, tKVcKV, L - n0);
   }
   if constexpr (Kt::kDPFirst) {
     // Two cp.async groups in flight across iterations: dO (needed first), then Q.
-    if (m_block < m_hi) load_rows(do_ptr, tdOsdO, m_block, 0);
+    if (m_block < m_hi) load_rows(g.dout, tdOsdO, m_block, 0);
     cute::cp_async_fence();
-    if (m_block < m_hi) load_rows(q_ptr, tQsQ, m_block, 0);
+    if (m_block < m_hi) load_rows(g.q, tQsQ, m_block, 0);
     cute::cp_async_fence();
     pass_through(0, min(m_block, num_m_blocks));
     int pending = -1;  // the preceding query block, whose dQ conversion count is still to do
@@ -443,13 +488,13 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       gemm_dV(0);
       if (next < m_hi) {
         __syncthreads();  // dO is read by dP and dV only: the next one streams in now
-        load_rows(do_ptr, tdOsdO, next, 0);
+        load_rows(g.dout, tdOsdO, next, 0);
       }
       cute::cp_async_fence();
       gemm_dK(0);
       if (next < m_hi) {
         __syncthreads();  // Q is read by S and dK only
-        load_rows(q_ptr, tQsQ, next, 0);
+        load_rows(g.q, tQsQ, next, 0);
       }
       cute::cp_async_fence();
       dq_reduce(m_block);
@@ -463,8 +508,8 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     }
   } else {
     if (m_block < m_hi) {
-      load_rows(q_ptr, tQsQ, m_block, 0);
-      load_rows(do_ptr, tdOsdO, m_block, 0);
+      load_rows(g.q, tQsQ, m_block, 0);
+      load_rows(g.dout, tdOsdO, m_block, 0);
     }
     cute::cp_async_fence();
     pass_through(0, min(m_block, num_m_blocks));
@@ -481,8 +526,8 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       const bool last = dq_count_arrive(pending, expected);
       bias_tile_start(next);
       if (Kt::kDoubleBuffer && next < m_hi) {
-        load_rows(q_ptr, tQsQ, next, stage ^ 1);
-        load_rows(do_ptr, tdOsdO, next, stage ^ 1);
+        load_rows(g.q, tQsQ, next, stage ^ 1);
+        load_rows(g.dout, tdOsdO, next, stage ^ 1);
         cute::cp_async_fence();
       }
 
@@ -539,7 +584,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       gemm_dV(off);
       if (!Kt::kDoubleBuffer && next < m_hi) {
         __syncthreads();  // the rest of this block does not read dO: the next one streams in now
-        load_rows(do_ptr, tdOsdO, next, 0);
+        load_rows(g.dout, tdOsdO, next, 0);
         cute::cp_async_fence();
       }
       // dQ before dK, so that its reductions overlap the dK GEMM (FlashAttention-2's order).
@@ -548,7 +593,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
       gemm_dK(off);
       if (!Kt::kDoubleBuffer && next < m_hi) {
         __syncthreads();
-        load_rows(q_ptr, tQsQ, next, 0);
+        load_rows(g.q, tQsQ, next, 0);
         cute::cp_async_fence();
       }
       if (Kt::kDoubleBuffer) stage ^= 1;
@@ -577,14 +622,7 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   copy(copy_dKV, thr_copy_dKV.retile_S(rdK), tdKsdK);
   copy(copy_dKV, thr_copy_dKV.retile_S(rdV), tdVsdV);
   __syncthreads();
-  typename Kt::GmemTiledCopyStore gmem_tiled_copy_st;
-  auto gmem_thr_copy_st = gmem_tiled_copy_st.get_thread_slice(tidx);
-  Tensor tdKsK = gmem_thr_copy_st.partition_S(sK);
-  Tensor tdVsV = gmem_thr_copy_st.partition_S(sV);
-  Tensor tdKgdK = gmem_thr_copy_st.partition_D(row_tile(dk_ptr, n0, Int<kBlockN>{}));
-  Tensor tdVgdV = gmem_thr_copy_st.partition_D(row_tile(dv_ptr, n0, Int<kBlockN>{}));
-  copy_rows_store(gmem_tiled_copy_st, tdKsK, tdKgdK, tKVcKV, L - n0);
-  copy_rows_store(gmem_tiled_copy_st, tdVsV, tdVgdV, tKVcKV, L - n0);
+  store_dkv<Kt>(sK, sV, g, tKVcKV, n0, L, tidx);
 }
 
 // dq_accum [H, T, D] fp32 (head-major) -> dq [T, H, D] Element; grid (chunks of T * D / 4, H).

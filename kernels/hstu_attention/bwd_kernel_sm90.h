@@ -162,13 +162,8 @@ __global__ void __launch_bounds__(256, 1) hstu_bwd_kernel_sm90(const __grid_cons
   constexpr int kDQCols = Kt::kDQCols;
   extern __shared__ __align__(1024) char smem_[];
 
-  int n_block, bidb, bidh;
-  grid_tile_of(p, int(blockIdx.x), (p.max_seqlen + kBlockN - 1) / kBlockN, n_block, bidb, bidh);
-  const int tidx = threadIdx.x;
-  const int seq_start = p.cu_seqlens[bidb];
-  const int L = p.cu_seqlens[bidb + 1] - seq_start;
-  const int n0 = n_block * kBlockN;
-  if (n0 >= L) return;
+  int n_block, bidb, bidh, tidx, seq_start, L, n0;
+  if (!locate_key_block<kBlockN>(p, n_block, bidb, bidh, tidx, seq_start, L, n0)) return;
   const SeqMask mk = make_seq_mask(p, bidb, L);
   const int n1 = min(n0 + kBlockN, L);
   int m_lo, m_hi;
@@ -179,18 +174,7 @@ __global__ void __launch_bounds__(256, 1) hstu_bwd_kernel_sm90(const __grid_cons
     return m;
   };
 
-  const int64_t base = int64_t(seq_start) * p.row_stride + int64_t(bidh) * p.head_stride;
-  const Element* q_ptr = reinterpret_cast<const Element*>(p.q) + base;
-  const Element* k_ptr = reinterpret_cast<const Element*>(p.k) + base;
-  const Element* v_ptr = reinterpret_cast<const Element*>(p.v) + base;
-  const Element* do_ptr = reinterpret_cast<const Element*>(p.dout) + base;
-  float* dqacc_ptr = p.dq_accum + (int64_t(bidh) * p.total + seq_start) * kHeadDim;
-  Element* dk_ptr = reinterpret_cast<Element*>(p.dk) + base;
-  Element* dv_ptr = reinterpret_cast<Element*>(p.dv) + base;
-  auto row_tile = [&](auto* ptr, int row0, auto rows) {
-    return make_tensor(make_gmem_ptr(ptr + int64_t(row0) * p.row_stride),
-                       make_shape(rows, Int<kHeadDim>{}), make_stride(p.row_stride, _1{}));
-  };
+  const BwdRows<Element, kHeadDim> g(p, seq_start, bidh);
 
   Element* smem_q = reinterpret_cast<Element*>(smem_);
   Element* smem_do = smem_q + Kt::kSmemQdO / sizeof(Element);
@@ -221,7 +205,7 @@ __global__ void __launch_bounds__(256, 1) hstu_bwd_kernel_sm90(const __grid_cons
   Tensor tKVcKV =
       gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   auto load_rows = [&](const Element* ptr, auto& dst, int m) {
-    Tensor src = gmem_thr_copy.partition_S(row_tile(ptr, m * kBlockM, Int<kBlockM>{}));
+    Tensor src = gmem_thr_copy.partition_S(g.tile(ptr, m * kBlockM, Int<kBlockM>{}));
     copy_rows_zfill(gmem_tiled_copy, src, dst, tQcQ, L - m * kBlockM);
   };
 
@@ -265,7 +249,7 @@ __global__ void __launch_bounds__(256, 1) hstu_bwd_kernel_sm90(const __grid_cons
   // Fire-and-forget fp32 reductions of a finished dQ chunk (rows past the sequence skipped).
   auto dq_reduce = [&](auto const& acc, int m0, int chunk) {
     const int rows = L - m0;
-    Tensor gdQacc = make_tensor(make_gmem_ptr(dqacc_ptr + int64_t(m0) * kHeadDim + chunk * kDQCols),
+    Tensor gdQacc = make_tensor(make_gmem_ptr(g.dqacc + int64_t(m0) * kHeadDim + chunk * kDQCols),
                                 Shape<Int<kBlockM>, Int<kDQCols>>{}, Stride<Int<kHeadDim>, _1>{});
     Tensor tdQgdQacc = thr_dq.partition_C(gdQacc);
     constexpr int kGroups = decltype(size<0, 2>(acc))::value;
@@ -291,15 +275,15 @@ __global__ void __launch_bounds__(256, 1) hstu_bwd_kernel_sm90(const __grid_cons
     m_block = next_active(m_block);
   }
   {
-    Tensor gk = gmem_thr_copy.partition_S(row_tile(k_ptr, n0, Int<kBlockN>{}));
-    Tensor gv = gmem_thr_copy.partition_S(row_tile(v_ptr, n0, Int<kBlockN>{}));
+    Tensor gk = gmem_thr_copy.partition_S(g.tile(g.k, n0, Int<kBlockN>{}));
+    Tensor gv = gmem_thr_copy.partition_S(g.tile(g.v, n0, Int<kBlockN>{}));
     copy_rows_zfill(gmem_tiled_copy, gk, tKsK, tKVcKV, L - n0);
     copy_rows_zfill(gmem_tiled_copy, gv, tVsV, tKVcKV, L - n0);
   }
   // Two cp.async groups in flight across iterations: dO (with K, V the first time), then Q.
-  if (m_block < m_hi) load_rows(do_ptr, tdOsdO, m_block);
+  if (m_block < m_hi) load_rows(g.dout, tdOsdO, m_block);
   cute::cp_async_fence();
-  if (m_block < m_hi) load_rows(q_ptr, tQsQ, m_block);
+  if (m_block < m_hi) load_rows(g.q, tQsQ, m_block);
   cute::cp_async_fence();
   while (m_block < m_hi) {
     const int m0 = m_block * kBlockM;
@@ -340,7 +324,7 @@ __global__ void __launch_bounds__(256, 1) hstu_bwd_kernel_sm90(const __grid_cons
     gmma_wait<1>(acc_dv);
     if (next < m_hi) {
       __syncthreads();  // both warpgroups' dV have read dO: the next one streams in now
-      load_rows(do_ptr, tdOsdO, next);
+      load_rows(g.dout, tdOsdO, next);
     }
     cute::cp_async_fence();
     CUTE_UNROLL
@@ -349,7 +333,7 @@ __global__ void __launch_bounds__(256, 1) hstu_bwd_kernel_sm90(const __grid_cons
       gmma_wait<1>(acc_dk);
       if (chunk == 1 && next < m_hi) {
         __syncthreads();  // dK has read Q
-        load_rows(q_ptr, tQsQ, next);
+        load_rows(g.q, tQsQ, next);
       }
       gmma_wait<0>(acc_dq);
       dq_reduce(acc_dq, m0, chunk);
@@ -358,7 +342,7 @@ __global__ void __launch_bounds__(256, 1) hstu_bwd_kernel_sm90(const __grid_cons
       gmma_wait<0>(acc_dk);
       if (next < m_hi) {
         __syncthreads();
-        load_rows(q_ptr, tQsQ, next);
+        load_rows(g.q, tQsQ, next);
       }
     }
     cute::cp_async_fence();
@@ -377,14 +361,7 @@ __global__ void __launch_bounds__(256, 1) hstu_bwd_kernel_sm90(const __grid_cons
   copy(copy_dKV, thr_copy_dKV.retile_S(rdK), tdKsdK);
   copy(copy_dKV, thr_copy_dKV.retile_S(rdV), tdVsdV);
   __syncthreads();
-  typename Kt::GmemTiledCopyStore gmem_tiled_copy_st;
-  auto gmem_thr_copy_st = gmem_tiled_copy_st.get_thread_slice(tidx);
-  Tensor tdKsK = gmem_thr_copy_st.partition_S(sK);
-  Tensor tdVsV = gmem_thr_copy_st.partition_S(sV);
-  Tensor tdKgdK = gmem_thr_copy_st.partition_D(row_tile(dk_ptr, n0, Int<kBlockN>{}));
-  Tensor tdVgdV = gmem_thr_copy_st.partition_D(row_tile(dv_ptr, n0, Int<kBlockN>{}));
-  copy_rows_store(gmem_tiled_copy_st, tdKsK, tdKgdK, tKVcKV, L - n0);
-  copy_rows_store(gmem_tiled_copy_st, tdVsV, tdVgdV, tKVcKV, L - n0);
+  store_dkv<Kt>(sK, sV, g, tKVcKV, n0, L, tidx);
 #endif
 }
 

@@ -38,11 +38,10 @@ template <typename Element, int kRows, int kCols>
 using SmemTileK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
                                          Shape<Int<kRows>, Int<kCols>>{}));
 
-// Tiles of the SM90 backward: kBlockM query rows (2 warpgroups x 64) x kBlockN keys, Q/dO
-// single-buffered. Every shared tile is a GMMA canonical 128-byte-swizzle K-major layout (the
-// same bytes as SmemAtom<64>'s), read transposed (MN-major) where a GEMM needs it so.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kDQChunks_>
-struct BwdTraitsSm90 : BaseTraits<Element_, kHeadDim_, 256> {
+// What the SM90 forward and backward tiles share: kBlockM = 128 query rows, one 64-row half
+// per warpgroup (2 warpgroups, 256 threads), kBlockN keys, head dim kHeadDim.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+struct Sm90Traits : BaseTraits<Element_, kHeadDim_, 256> {
   using Base = BaseTraits<Element_, kHeadDim_, 256>;
   using Element = typename Base::Element;
   static constexpr int kBlockM = kBlockM_;
@@ -50,9 +49,19 @@ struct BwdTraitsSm90 : BaseTraits<Element_, kHeadDim_, 256> {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = 256;
+  static_assert(kBlockM == 128, "one 64-row half of the query block per warpgroup");
+};
+
+// Tiles of the SM90 backward: kBlockM query rows (2 warpgroups x 64) x kBlockN keys, Q/dO
+// single-buffered. Every shared tile is a GMMA canonical 128-byte-swizzle K-major layout (the
+// same bytes as SmemAtom<64>'s), read transposed (MN-major) where a GEMM needs it so.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kDQChunks_>
+struct BwdTraitsSm90 : Sm90Traits<Element_, kHeadDim_, kBlockM_, kBlockN_> {
+  using Sm90 = Sm90Traits<Element_, kHeadDim_, kBlockM_, kBlockN_>;
+  using typename Sm90::Element;
+  using Sm90::kBlockM, Sm90::kBlockN, Sm90::kHeadDim;
   static constexpr int kDQChunks = kDQChunks_;
   static constexpr int kDQCols = kHeadDim / kDQChunks;
-  static_assert(kBlockM == 128, "one 64-row half of the query block per warpgroup");
   static_assert(kBlockN == 64 && kHeadDim % 128 == 0 && kDQCols % 64 == 0);
 
   using SmemLayoutQdO = SmemTileK<Element, kBlockM, kHeadDim>;

@@ -25,15 +25,10 @@ namespace hstu {
 using namespace cute;
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
-struct FwdTraitsSm90 : BaseTraits<Element_, kHeadDim_, 256> {
-  using Base = BaseTraits<Element_, kHeadDim_, 256>;
-  using Element = typename Base::Element;
-  static constexpr int kBlockM = kBlockM_;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kNWarps = 8;
-  static constexpr int kNThreads = 256;
-  static_assert(kBlockM == 128, "one 64-row half of the query block per warpgroup");
+struct FwdTraitsSm90 : Sm90Traits<Element_, kHeadDim_, kBlockM_, kBlockN_> {
+  using Sm90 = Sm90Traits<Element_, kHeadDim_, kBlockM_, kBlockN_>;
+  using typename Sm90::Element;
+  using Sm90::kBlockM, Sm90::kBlockN, Sm90::kHeadDim;
   static_assert(kBlockN % 64 == 0 && kHeadDim % 64 == 0 && kHeadDim <= 256);
 
   using SmemLayoutQ = SmemTileK<Element, kBlockM, kHeadDim>;

@@ -513,12 +513,20 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
     if row.get("host_issue_alone_ms") is not None:
         row["host_issue_share"] = row["host_issue_alone_ms"] / row["step_ms"]
     if trainer.device.type == "cuda":
+        # allocated: the tensors alive at the peak; reserved: the device memory the caching
+        # allocator held, which also counts a CUDA graph pool's memory (a replay allocates
+        # nothing, so the graphs' activations never show as allocated)
         peak = torch.tensor(
-            [torch.cuda.max_memory_allocated(trainer.device) / 2**30], device=trainer.device
+            [
+                torch.cuda.max_memory_allocated(trainer.device) / 2**30,
+                torch.cuda.max_memory_reserved(trainer.device) / 2**30,
+            ],
+            device=trainer.device,
         )
         if dist.is_initialized() and world > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest rank
-        row["peak_mem_gb"] = float(peak)
+        row["peak_mem_gb"] = float(peak[0])
+        row["peak_reserved_gb"] = float(peak[1])
     if dist.is_initialized() and world > 1:  # the slowest rank's host
         from hstu.training.distributed import host_group
 

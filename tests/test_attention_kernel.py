@@ -277,6 +277,70 @@ def test_grid_orders_give_identical_results(d: int, monkeypatch) -> None:
         assert err <= BWD_TOL[torch.bfloat16], f"{name} rel err {err:.3e}"
 
 
+def _grads_with(
+    env: str | None, monkeypatch, lengths, heads, d, max_seqlen, seed, det=True, **kw
+):
+    if env is None:
+        monkeypatch.delenv("HSTU_ATTN_COMPACT_GRID", raising=False)
+    else:
+        monkeypatch.setenv("HSTU_ATTN_COMPACT_GRID", env)
+    q, k, v, do, offsets = _batch(lengths, heads, d, torch.bfloat16, seed=seed)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    extra = {}
+    if kw.pop("bias", False):
+        gen = torch.Generator().manual_seed(seed)
+        extra["pos_weight"] = (torch.randn(1, 2 * 64 + 1, generator=gen) * 0.1).cuda()
+        extra["max_pos"] = 64
+        gaps = torch.randint(0, 10**5, (q.shape[0],), generator=gen)
+        extra["timestamps"] = torch.cumsum(gaps, 0).cuda()
+        extra["time_weight"] = (torch.randn(1, 129, generator=gen) * 0.1).cuda()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = cuda_attention.hstu_attention_cuda(
+            q, k, v, offsets, max_seqlen, deterministic=det, **extra, **kw
+        )
+        out.backward(do)
+        torch.cuda.synchronize()
+    compacted = sum("hstu_compact_grid_kernel" in e.name for e in prof.events())
+    return (out.detach(), q.grad, k.grad, v.grad), compacted
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_compacted_grid_gives_identical_results(d: int, bias: bool, monkeypatch) -> None:
+    """Heavy-tailed lengths under a loose max_seqlen bound (a CUDA graph's power of two): most
+    CTAs of the full grid start past their sequence's end, so the launchers run the compacted
+    grid (the compaction kernel runs in the forward and the backward); output and deterministic
+    gradients are bitwise those of the full grid (HSTU_ATTN_COMPACT_GRID=0), which does not
+    run it. Masks, several dispatch groups and a last group with a remainder included."""
+    lengths = [1000, 3, 0, 130, 64, 1, 77, 500, 65, 129, 2]
+    kw = _mask_kwargs(
+        dict(ctx=[3, 0, 0, 6, 1, 0, 2, 0, 0, 4, 0], tgt=[50, 1, 0, 40, 10, 0, 5, 9, 1, 3, 1]),
+        lengths,
+    )
+    monkeypatch.setenv("HSTU_ATTN_PAIR_GROUP", "4")
+    for det in (True, False):  # deterministic: the SM80 backward; else the SM90 one at d256
+        runs = {}
+        for env in (None, "0"):
+            runs[env] = _grads_with(
+                env, monkeypatch, lengths, 3, d, 2048, 7, det=det, bias=bias, **kw
+            )
+        assert runs[None][1] >= 2 and runs["0"][1] == 0
+        for name, a, b in zip(("out", "dq", "dk", "dv"), runs[None][0], runs["0"][0]):
+            if name == "dq" and not det:  # fp32 atomics in CTA order: equal up to rounding
+                err = float((a.float() - b.float()).norm() / b.float().norm())
+                assert err < 1e-3, f"dq differs by {err:.2e} between the grids"
+            else:
+                assert torch.equal(a, b), f"{name} differs between the compacted and full grid"
+
+
+def test_grid_not_compacted_when_lengths_fill_it(monkeypatch) -> None:
+    """Lengths close to max_seqlen leave few CTAs past a sequence's end: no compaction kernel."""
+    lengths = [300, 290, 257, 300]
+    _, compacted = _grads_with(None, monkeypatch, lengths, 2, 64, 300, 3)
+    assert compacted == 0
+
+
 def test_meta_shapes() -> None:
     q = torch.empty(10, 2, 64, device="meta", dtype=torch.bfloat16)
     offs = torch.empty(3, device="meta", dtype=torch.int32)

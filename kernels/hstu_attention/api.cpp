@@ -482,6 +482,20 @@ const float* scale_ptr(const std::optional<Tensor>& t, const Tensor& q) {
   return t->data_ptr<float>();
 }
 
+// The compacted grid's tile map (launch.h, compact_grid) for a training call: sized for the
+// smallest block (64 rows) of any kernel, allocated only where that grid has at most three
+// quarters of the full one's CTAs (heavy-tailed lengths); else an undefined tensor.
+Tensor tile_map_for(hstu::HstuParams& p, const Tensor& q) {
+  constexpr int64_t kBlock = 64;
+  const int64_t full = int64_t(p.batch) * p.heads * ((int64_t(p.max_seqlen) + kBlock - 1) / kBlock);
+  const int64_t compact = int64_t(p.heads) * ((int64_t(p.total) + p.batch * (kBlock - 1)) / kBlock);
+  if (4 * compact > 3 * full) return Tensor();
+  Tensor map = at::empty({compact}, q.options().dtype(at::kInt));
+  p.tile_map = map.data_ptr<int>();
+  p.tile_map_capacity = compact;
+  return map;
+}
+
 void launch(hstu::Direction dir, hstu::HstuParams& p) {
   const bool bias = p.pos_w != nullptr || p.time_w != nullptr;
   hstu::Launcher fn = hstu::find_launcher(dir, p.dtype, p.head_dim, bias);
@@ -540,6 +554,7 @@ Tensor fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   p.o = out.data_ptr();
   p.inv_scale_ptr = scale_ptr(inv_scale_tensor, q);
   set_bias_params(p, bias, alpha);
+  const Tensor tile_map = tile_map_for(p, q);  // alive until the launch is queued
   launch(hstu::Direction::kFwd, p);
   return out;
 }
@@ -828,6 +843,7 @@ BwdResult bwd_cuda(
   set_bias_params(p, bias, alpha);
   if (pos_weight.has_value()) p.dpos_w = dpos.data_ptr<float>();
   if (time_weight.has_value()) p.dtime_w = dtime.data_ptr<float>();
+  const Tensor tile_map = tile_map_for(p, q);  // alive until the launch is queued
   launch(hstu::Direction::kBwd, p);
   return {dq, dk, dv, dpos, dtime};
 }

@@ -228,6 +228,81 @@ inline int64_t set_grid_order(HstuParams& p, int64_t n_blocks, int64_t per_pair,
   return ctas;
 }
 
+// The compacted grid. A full grid has n_blocks CTAs per (sequence, head) pair, n_blocks sized
+// by the longest sequence; a CTA whose block starts past its own sequence's end exits at once,
+// but still costs its launch (~0.5 us of an SM, measured on the H100: with heavy-tailed lengths
+// three quarters of the d256 grids are such CTAs). compact_grid launches one CTA that lists the
+// full grid's tiles that have work, in the full grid's dispatch order (grid_tile_of), in
+// p.tile_map; the kernel then runs on a grid of
+//   heads x floor((total + batch x (block - 1)) / block)  >=  heads x sum_b ceil(L_b / block)
+// CTAs, those past the list's end exiting at once (tile -1). fwd_order: the forward's order ->
+// block map (0 first, then n_blocks - order), else the backward's (block = order).
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) hstu_compact_grid_kernel(
+    const __grid_constant__ HstuParams p, int n_blocks, int block, bool fwd_order, int n_out) {
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024);
+  const int64_t full = int64_t(p.batch) * p.heads * n_blocks;
+  const int tid = threadIdx.x;
+  constexpr int nt = kThreads;
+  const int64_t chunk = (full + nt - 1) / nt;  // each thread lists one run of the full grid
+  const int64_t x0 = min(full, int64_t(tid) * chunk);
+  const int64_t x1 = min(full, x0 + chunk);
+  auto has_work = [&](int64_t x) {
+    int order, bidb, bidh;
+    grid_tile_of(p, int(x), n_blocks, order, bidb, bidh);
+    const int blk = fwd_order ? (order == 0 ? 0 : n_blocks - order) : order;
+    return int64_t(blk) * block < p.cu_seqlens[bidb + 1] - p.cu_seqlens[bidb];
+  };
+  int count = 0;
+  for (int64_t x = x0; x < x1; ++x) count += has_work(x);
+  // exclusive scan of the counts over the CTA (warp scans, then the warps' totals)
+  __shared__ int warp_total[32];
+  __shared__ int listed;
+  const int lane = tid & 31, warp = tid >> 5;
+  int incl = count;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = nt >> 5;
+    int t = lane < nw ? warp_total[lane] : 0;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, t, d);
+      if (lane >= d) t += v;
+    }
+    if (lane < nw) warp_total[lane] = t;  // inclusive over the warps
+    if (lane == nw - 1) listed = t;
+  }
+  __syncthreads();
+  int pos = incl - count + (warp > 0 ? warp_total[warp - 1] : 0);
+  for (int64_t x = x0; x < x1; ++x) {
+    if (has_work(x)) p.tile_map[pos++] = int(x);
+  }
+  for (int i = listed + tid; i < n_out; i += nt) p.tile_map[i] = -1;
+}
+
+// The grid to launch for a full grid of `full` CTAs (n_blocks per pair, blocks of `block` rows):
+// the compacted one (the map written first, on the stream) where the caller gave a large enough
+// map and it saves at least a quarter of the CTAs; else the full grid, p.tile_map cleared.
+// HSTU_ATTN_COMPACT_GRID=0 always launches the full grid (for comparisons).
+inline int64_t compact_grid(HstuParams& p, int64_t full, int n_blocks, int block, bool fwd_order,
+                            cudaStream_t stream) {
+  const char* e = std::getenv("HSTU_ATTN_COMPACT_GRID");
+  const int64_t compact =
+      int64_t(p.heads) * ((int64_t(p.total) + int64_t(p.batch) * (block - 1)) / block);
+  if (p.tile_map == nullptr || (e != nullptr && e[0] == '0') || compact > p.tile_map_capacity ||
+      4 * compact > 3 * full) {
+    p.tile_map = nullptr;
+    return full;
+  }
+  hstu_compact_grid_kernel<1024><<<1, 1024, 0, stream>>>(p, n_blocks, block, fwd_order,
+                                                         int(compact));
+  return compact;
+}
+
 // Shared memory of a forward kernel: its tiles, plus the bias tables with kBias.
 template <typename Kt, bool kBias>
 constexpr int fwd_smem_bytes() {
@@ -247,12 +322,18 @@ cudaError_t launch_fwd_grid(Kernel kernel, int smem, int (&slots)[kMaxDevices], 
   // Each CTA streams its pair's K and V rows; one CTA per query block (of the cached-query
   // layout when q_cu_seqlens is set).
   const int q_len = p.q_cu_seqlens ? p.max_q_seqlen : p.max_seqlen;
-  const int64_t ctas = set_grid_order(
-      p, (q_len + Kt::kBlockM - 1) / Kt::kBlockM,
-      int64_t(p.max_seqlen) * Kt::kHeadDim * 2 * sizeof(typename Kt::Element),
+  const int n_blocks = (q_len + Kt::kBlockM - 1) / Kt::kBlockM;
+  int64_t ctas = set_grid_order(
+      p, n_blocks, int64_t(p.max_seqlen) * Kt::kHeadDim * 2 * sizeof(typename Kt::Element),
       current_slots(slots));
   if (ctas == 0) return cudaSuccess;
   if (ctas < 0 || p.num_splits < 1 || p.num_splits > 65535) return cudaErrorInvalidConfiguration;
+  // the training layout only (the cached forward's grid has its own row layouts and splits)
+  if (p.q_cu_seqlens == nullptr && p.seq_lens == nullptr && p.num_splits == 1) {
+    ctas = compact_grid(p, ctas, n_blocks, Kt::kBlockM, true, stream);
+  } else {
+    p.tile_map = nullptr;
+  }
   // gridDim.y: the key splits of a cached forward (1 otherwise)
   kernel<<<dim3(unsigned(ctas), unsigned(p.num_splits)), Kt::kNThreads, smem, stream>>>(p);
   return cudaGetLastError();
@@ -333,12 +414,14 @@ cudaError_t launch_bwd_grid(Kernel kernel, int smem, int (&slots)[kMaxDevices], 
   cudaError_t err = prepare_kernel(kernel, Kt::kNThreads, smem, slots);
   if (err != cudaSuccess) return err;
   // Each CTA streams its pair's Q and dO rows and reduces into its fp32 dQ accumulator rows.
-  const int64_t ctas = set_grid_order(
-      p, (p.max_seqlen + Kt::kBlockN - 1) / Kt::kBlockN,
+  const int n_blocks = (p.max_seqlen + Kt::kBlockN - 1) / Kt::kBlockN;
+  int64_t ctas = set_grid_order(
+      p, n_blocks,
       int64_t(p.max_seqlen) * Kt::kHeadDim * (2 * sizeof(typename Kt::Element) + sizeof(float)),
       current_slots(slots));
   if (ctas == 0) return cudaSuccess;
   if (ctas < 0) return cudaErrorInvalidConfiguration;
+  ctas = compact_grid(p, ctas, n_blocks, Kt::kBlockN, false, stream);
   kernel<<<dim3(unsigned(ctas)), Kt::kNThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -79,6 +79,12 @@ struct HstuParams {
   // group, and the first pair of the last group (which takes the remaining pairs).
   int pair_group = 1;
   int last_group_first = 0;
+  // The compacted grid (launch.h, compact_grid): CTA i runs tile tile_map[i] of the full grid
+  // above (-1: nothing), so that no CTA is launched for a block past its sequence's end. Set
+  // by the caller to a buffer of tile_map_capacity ints; the launchers use it where it pays
+  // (and set it to nullptr where not).
+  int* tile_map = nullptr;
+  int64_t tile_map_capacity = 0;
   bool causal = true;
   bool deterministic = false;
   DType dtype = DType::kBf16;

@@ -40,6 +40,12 @@ __device__ __forceinline__ void grid_tile_of(HstuParams const& p, int x, int n_b
   bidb = pair % p.batch;
 }
 
+// The full grid's linear index of this CTA (grid_tile_of's x): blockIdx.x, or through the
+// compacted grid's map (launch.h, compact_grid); -1: this CTA has no tile.
+__device__ __forceinline__ int grid_tile_index(HstuParams const& p) {
+  return p.tile_map ? p.tile_map[blockIdx.x] : int(blockIdx.x);
+}
+
 // One MUFU op: tanh.approx.f32 (max rel. error ~2^-11), the cheapest route to a sigmoid:
 // sigmoid(x) = 0.5 * (1 + tanh(x / 2)), silu(x) = x * sigmoid(x).
 __device__ __forceinline__ float tanh_approx(float x) {

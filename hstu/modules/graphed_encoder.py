@@ -27,8 +27,13 @@ every key are views of four shared buffers (grown when a larger shape arrives; t
 then captured again), and the parameter gradients land in one shared buffer per parameter: the
 persistent cost is those buffers, not a copy per key.
 
-When. A key is captured the second time it is seen (a shape met once is not worth a capture) and
-while fewer than `max_graphs` exist; otherwise the step runs eagerly. Captures are counted and
+When. A key is captured the first time it is seen, while fewer than `max_graphs` exist; otherwise
+the step runs eagerly. Capturing at first sight keeps a large model's steps out of the ordinary
+pool: an eager step of a new shape would hold a whole step's activations there beside the graphs'
+pool (a second copy of the activations; docs/benchmarks.md measured 54.8 GB reserved against
+24.2 GB eager when keys were captured the second time they were seen). After each capture the
+allocator's cached free blocks of the ordinary pool (the warm-up passes' activations) go back to
+the device: the graphs' own pool holds what a replay needs. Captures are counted and
 timed (`stats`) so that logs and benchmarks can report them apart from the steady state.
 Training on one CUDA process only: under DDP (several ranks) and in evaluation the encoder runs
 eagerly.
@@ -162,7 +167,7 @@ class EncoderGraphs:
         self,
         *,
         max_graphs: int = 64,
-        min_uses: int = 2,
+        min_uses: int = 1,
         warmup: int = 1,
         pad_sizes_per_octave: int = GRAPH_PAD_SIZES_PER_OCTAVE,
     ) -> None:
@@ -492,6 +497,10 @@ class EncoderGraphs:
         finally:
             current.wait_stream(side)
         entry.fwd, entry.bwd = fwd, bwd
+        # the warm-up passes' activations sit freed in the ordinary pool, where replays never
+        # use them: hand them back (module docstring, "When")
+        torch.cuda.synchronize(x.device)
+        torch.cuda.empty_cache()
         self._entries[key] = entry
         self.stats.captures += 1
         self.stats.graphs = len(self._entries)

@@ -325,6 +325,8 @@ def _profile(trainer, args: argparse.Namespace, path: str) -> dict:
     if trainer.device.type == "cuda":
         acts.append(ProfilerActivity.CUDA)
     n = args.profile_steps
+    graphs = trainer.graph_stats()
+    g0 = dataclasses.replace(graphs) if graphs is not None else None
     _sync(trainer)
     with profile(activities=acts, with_stack=args.profile_stack) as prof:
         start = time.perf_counter()
@@ -354,9 +356,18 @@ def _profile(trainer, args: argparse.Namespace, path: str) -> dict:
             end = max(end, e["ts"] + e["dur"])
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:30]
     host = _host_ops(events)
+    # a profiled step that captured a graph (a token count seen for the first time) also ran its
+    # warm-up passes eagerly: its kernels count about twice
+    graph_counts = {}
+    if g0 is not None:
+        graph_counts = {
+            "graph_captures_profiled": graphs.captures - g0.captures,
+            "graph_eager_profiled": graphs.eager - g0.eager,
+        }
     return {
         "trace": f"{raw}.gz",
         "steps": n,
+        **graph_counts,
         "step_ms_profiled": 1e3 * wall / n,
         "kernel_ms_per_step": sum(per_name.values()) / 1e3 / n,
         "gpu_idle_ms_per_step_between_kernels": idle / 1e3 / n,
@@ -402,10 +413,9 @@ def _sync(trainer) -> None:
 
 def _warm_graphs(trainer, graphs, cap: int) -> int:
     """With CUDA graphs of the encoder, more warm-up steps (at most ``cap``) until
-    `GRAPH_SETTLE_STEPS` steps in a row replayed a graph: each token bucket is captured the second
+    `GRAPH_SETTLE_STEPS` steps in a row replayed a graph: each token bucket is captured the first
     time it is seen, so a long run's steady state replays nearly every step, while a fixed short
-    warm-up would leave captures and first-seen buckets in the timed steps. Returns the steps
-    added."""
+    warm-up would leave captures in the timed steps. Returns the steps added."""
     if graphs is None or graphs.disabled:
         return 0
     streak = added = 0

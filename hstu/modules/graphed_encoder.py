@@ -251,7 +251,8 @@ class EncoderGraphs:
     def run(self, encoder: nn.Module, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
         """``encoder``'s forward of (x, attn) from a graph where one applies (captured first
         if due), else eagerly."""
-        key = self._key(x, attn)
+        # off CUDA (which `applies` keeps away; a caller that skips it) the step runs eagerly
+        key = self._key(x, attn) if x.device.type == "cuda" else None
         if key is None or not self._fits(key, x, attn):
             self.stats.eager += 1
             return encoder.forward_eager(x, attn)

@@ -178,11 +178,23 @@ def main() -> None:
     )
     ap.add_argument("--bias", choices=BIAS_KINDS, default="none")
     ap.add_argument(
+        "--bound-factor",
+        type=float,
+        default=1.0,
+        help="the compiled kernel's max_seqlen is this times the shape's N (an upper bound of the "
+        "lengths, as a CUDA graph's power of two is; it sizes the grid), the attention scaling "
+        "staying 1 / N",
+    )
+    ap.add_argument(
         "--extra",
         action="store_true",
         help="also: rank_targets lengths without masks, deterministic backward",
     )
     args = ap.parse_args()
+    if not args.bound_factor >= 1.0:
+        ap.error(
+            f"--bound-factor must be >= 1 (max_seqlen bounds the lengths); got {args.bound_factor}"
+        )
 
     from hstu.ops.cuda_attention import hstu_attention_cuda, is_available
 
@@ -209,14 +221,20 @@ def main() -> None:
         lengths, offsets, q, k, v, do, kw = make_inputs(
             b, h, d, n, tgt, ctx, lognormal=label in LOGNORMAL_SHAPES
         )
+        bound = int(args.bound_factor * n)
         kw.update(bias_inputs(args.bias, lengths, n))
         flops = fwd_flops(lengths, h, d)
         shape = dict(
             shape=label, B=b, H=h, d=d, N=n, targets=tgt, contextual=ctx, tokens=int(lengths.sum())
         )
+        if bound != n:
+            shape["max_seqlen"] = bound
 
-        def cuda_fn(*a, _extra=extra, **k2):
-            return hstu_attention_cuda(*a, **k2, **_extra)
+        def cuda_fn(q_, k_, v_, offsets_, _n, _extra=extra, _bound=bound, _scaling=n, **k2):
+            # the grid bound `bound`, the scaling of N
+            return hstu_attention_cuda(
+                q_, k_, v_, offsets_, _bound, scaling_seqlen=_scaling, **k2, **_extra
+            )
 
         f_ms, fb_ms, mem, fns = bench_impl(
             cuda_fn, q, k, v, do, offsets, n, kw, args.iters, args.warmup
@@ -257,7 +275,7 @@ def main() -> None:
             k,
             v,
             offsets,
-            n,
+            bound,
             kw.get("num_contexts"),
             kw.get("num_targets"),
             1,

@@ -32,3 +32,16 @@ def test_uniform_shapes_keep_their_lengths(load_script):
     lengths = bench.make_inputs(8, 1, 8, 4096, 0, 0, device="cpu")[0]
     gen = torch.Generator().manual_seed(0)
     assert torch.equal(lengths, torch.randint(2048, 4097, (8,), generator=gen))
+
+
+def test_bound_factor_below_one_is_refused(load_script, monkeypatch, capsys):
+    """--bound-factor scales the kernel's max_seqlen (the grid's bound) above N; below 1 it
+    would not bound the lengths: refused before anything runs, naming the option."""
+    import pytest
+
+    bench = load_script("bench_attention")
+    monkeypatch.setattr("sys.argv", ["bench_attention.py", "--bound-factor", "0.5"])
+    with pytest.raises(SystemExit) as exc:
+        bench.main()
+    assert exc.value.code == 2
+    assert "--bound-factor must be >= 1" in capsys.readouterr().err

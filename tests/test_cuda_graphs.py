@@ -93,6 +93,20 @@ def test_cpu_forward_never_uses_graphs():
     assert enc.graphs.stats.replays == 0 and enc.graphs.stats.captures == 0
 
 
+def test_run_off_cuda_is_eager_even_at_first_sight():
+    """Keys are captured the first time they are seen; a caller that hands `run` a CPU batch
+    (skipping `applies`) still gets the eager forward, counted as an eager step, no capture."""
+    torch.manual_seed(0)
+    enc = HSTUEncoder(2, 16, num_heads=2, head_dim=8, cuda_graphs=True, fused=True)
+    assert enc.graphs.min_uses == 1
+    attn = _attn([5, 9, 3], contexts=1)
+    x = torch.randn(17, 16)
+    out = enc.graphs.run(enc, x, attn)
+    torch.testing.assert_close(out, enc.forward_eager(x, attn), rtol=0, atol=0)
+    stats = enc.graphs.stats
+    assert (stats.eager, stats.captures, stats.replays) == (1, 0, 0)
+
+
 def _key(attn: AttentionInputs, rows: int) -> GraphKey:
     return EncoderGraphs()._key(torch.zeros(rows, 8), attn)
 

@@ -482,17 +482,16 @@ const float* scale_ptr(const std::optional<Tensor>& t, const Tensor& q) {
   return t->data_ptr<float>();
 }
 
-// The compacted grid's tile map (launch.h, compact_grid) for a training call: sized for the
-// smallest block (64 rows) of any kernel, allocated only where that grid has at most three
-// quarters of the full one's CTAs (heavy-tailed lengths); else an undefined tensor.
+// The compacted grid's tile map (launch.h, compact_grid) for a training call, allocated only
+// where the grid of hstu::kTileMapBlock-row blocks compacts (heavy-tailed lengths); else an
+// undefined tensor.
 Tensor tile_map_for(hstu::HstuParams& p, const Tensor& q) {
-  constexpr int64_t kBlock = 64;
+  constexpr int kBlock = hstu::kTileMapBlock;
   const int64_t full = int64_t(p.batch) * p.heads * ((int64_t(p.max_seqlen) + kBlock - 1) / kBlock);
-  const int64_t compact = int64_t(p.heads) * ((int64_t(p.total) + p.batch * (kBlock - 1)) / kBlock);
-  if (4 * compact > 3 * full) return Tensor();
+  const int64_t compact = hstu::compact_grid_ctas(p, kBlock);
+  if (!hstu::compact_grid_pays(compact, full)) return Tensor();
   Tensor map = at::empty({compact}, q.options().dtype(at::kInt));
   p.tile_map = map.data_ptr<int>();
-  p.tile_map_capacity = compact;
   return map;
 }
 

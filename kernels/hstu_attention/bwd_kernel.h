@@ -63,9 +63,7 @@ template <int kBlockN>
 __device__ __forceinline__ bool locate_key_block(HstuParams const& p, int& n_block, int& bidb,
                                                  int& bidh, int& tidx, int& seq_start, int& L,
                                                  int& n0) {
-  const int tile = grid_tile_index(p);
-  if (tile < 0) return false;
-  grid_tile_of(p, tile, (p.max_seqlen + kBlockN - 1) / kBlockN, n_block, bidb, bidh);
+  if (!cta_tile(p, (p.max_seqlen + kBlockN - 1) / kBlockN, n_block, bidb, bidh)) return false;
   tidx = threadIdx.x;
   seq_start = p.cu_seqlens[bidb];
   L = p.cu_seqlens[bidb + 1] - seq_start;

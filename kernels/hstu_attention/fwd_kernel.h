@@ -44,11 +44,9 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   // with m).
   const int n_m_blocks =
       ((p.q_cu_seqlens ? p.max_q_seqlen : p.max_seqlen) + kBlockM - 1) / kBlockM;
-  const int tile = grid_tile_index(p);
-  if (tile < 0) return;
   int order, bidb, bidh;
-  grid_tile_of(p, tile, n_m_blocks, order, bidb, bidh);
-  const int m_block = order == 0 ? 0 : n_m_blocks - order;
+  if (!cta_tile(p, n_m_blocks, order, bidb, bidh)) return;
+  const int m_block = fwd_block_of_order(order, n_m_blocks);
   const int tidx = threadIdx.x;
   const int seq_start = p.cu_seqlens[bidb];
   const int L = p.seq_lens ? p.seq_lens[bidb] : p.cu_seqlens[bidb + 1] - seq_start;

@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kThreads) hstu_compact_grid_kernel(
   auto has_work = [&](int64_t x) {
     int order, bidb, bidh;
     grid_tile_of(p, int(x), n_blocks, order, bidb, bidh);
-    const int blk = fwd_order ? (order == 0 ? 0 : n_blocks - order) : order;
+    const int blk = fwd_order ? fwd_block_of_order(order, n_blocks) : order;
     return int64_t(blk) * block < p.cu_seqlens[bidb + 1] - p.cu_seqlens[bidb];
   };
   int count = 0;
@@ -285,16 +285,16 @@ __global__ void __launch_bounds__(kThreads) hstu_compact_grid_kernel(
 }
 
 // The grid to launch for a full grid of `full` CTAs (n_blocks per pair, blocks of `block` rows):
-// the compacted one (the map written first, on the stream) where the caller gave a large enough
-// map and it saves at least a quarter of the CTAs; else the full grid, p.tile_map cleared.
-// HSTU_ATTN_COMPACT_GRID=0 always launches the full grid (for comparisons).
+// the compacted one (the map written first, on the stream) where the caller gave a map
+// (compact_grid_ctas(p, kTileMapBlock) ints, enough for any block >= kTileMapBlock) and it
+// pays (params.h); else the full grid, p.tile_map cleared. HSTU_ATTN_COMPACT_GRID=0 always
+// launches the full grid (for comparisons).
 inline int64_t compact_grid(HstuParams& p, int64_t full, int n_blocks, int block, bool fwd_order,
                             cudaStream_t stream) {
   const char* e = std::getenv("HSTU_ATTN_COMPACT_GRID");
-  const int64_t compact =
-      int64_t(p.heads) * ((int64_t(p.total) + int64_t(p.batch) * (block - 1)) / block);
-  if (p.tile_map == nullptr || (e != nullptr && e[0] == '0') || compact > p.tile_map_capacity ||
-      4 * compact > 3 * full) {
+  const int64_t compact = compact_grid_ctas(p, block);
+  if (p.tile_map == nullptr || (e != nullptr && e[0] == '0') || block < kTileMapBlock ||
+      !compact_grid_pays(compact, full)) {
     p.tile_map = nullptr;
     return full;
   }

@@ -81,13 +81,23 @@ struct HstuParams {
   int last_group_first = 0;
   // The compacted grid (launch.h, compact_grid): CTA i runs tile tile_map[i] of the full grid
   // above (-1: nothing), so that no CTA is launched for a block past its sequence's end. Set
-  // by the caller to a buffer of tile_map_capacity ints; the launchers use it where it pays
-  // (and set it to nullptr where not).
+  // by the caller to a buffer of compact_grid_ctas(p, kTileMapBlock) ints; the launchers use it
+  // where it pays (and set it to nullptr where not).
   int* tile_map = nullptr;
-  int64_t tile_map_capacity = 0;
   bool causal = true;
   bool deterministic = false;
   DType dtype = DType::kBf16;
 };
+
+// The compacted grid (launch.h, compact_grid) for blocks of `block` rows: its CTA count,
+// heads x floor((T + B (block - 1)) / block) >= heads x sum_b ceil(L_b / block), known on the
+// host without the lengths; it pays where it is at most three quarters of the full grid's
+// `full` CTAs. The tile map is sized for kTileMapBlock rows, the smallest block of any kernel
+// (a larger block needs fewer CTAs).
+constexpr int kTileMapBlock = 64;
+inline int64_t compact_grid_ctas(HstuParams const& p, int block) {
+  return int64_t(p.heads) * ((int64_t(p.total) + int64_t(p.batch) * (block - 1)) / block);
+}
+inline bool compact_grid_pays(int64_t compact, int64_t full) { return 4 * compact <= 3 * full; }
 
 }  // namespace hstu

@@ -40,10 +40,20 @@ __device__ __forceinline__ void grid_tile_of(HstuParams const& p, int x, int n_b
   bidb = pair % p.batch;
 }
 
-// The full grid's linear index of this CTA (grid_tile_of's x): blockIdx.x, or through the
-// compacted grid's map (launch.h, compact_grid); -1: this CTA has no tile.
-__device__ __forceinline__ int grid_tile_index(HstuParams const& p) {
-  return p.tile_map ? p.tile_map[blockIdx.x] : int(blockIdx.x);
+// This CTA's tile (grid_tile_of of its full-grid index: blockIdx.x, or through the compacted
+// grid's map, launch.h compact_grid); false: the CTA has no tile (past the map's list).
+__device__ __forceinline__ bool cta_tile(HstuParams const& p, int n_blocks, int& order, int& bidb,
+                                         int& bidh) {
+  const int x = p.tile_map ? p.tile_map[blockIdx.x] : int(blockIdx.x);
+  if (x < 0) return false;
+  grid_tile_of(p, x, n_blocks, order, bidb, bidh);
+  return true;
+}
+
+// The forward's query block of order index `order` (heaviest first: block 0, whose contextual
+// rows see all history, then the last block down to block 1; causal work shrinks with m).
+__host__ __device__ __forceinline__ int fwd_block_of_order(int order, int n_blocks) {
+  return order == 0 ? 0 : n_blocks - order;
 }
 
 // One MUFU op: tanh.approx.f32 (max rel. error ~2^-11), the cheapest route to a sigmoid:

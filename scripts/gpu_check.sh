@@ -17,7 +17,8 @@
 # reference): attn-ab (dispatch order), attn-fwd256 (d256 forward tiles), dq-convert-ab (where dQ
 # is converted), attn-sm90 / e2e-sm90 (the backward's SM80 kernel against the wgmma one); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute);
 # ncu-bias (the d128 forward and backward with the position + time bias, then without);
-# ncu-bias-src (their warp-stall samples per SASS instruction, CSV).
+# ncu-bias-src (their warp-stall samples per SASS instruction, CSV); red-throughput (fp32
+# reduction throughput by access pattern, kernels/hstu_attention/tools/red_throughput.cu).
 # Every step runs even if an earlier one failed (a step named twice runs twice, its log appended);
 # the exit code is the number of failed steps.
 set -uo pipefail
@@ -114,6 +115,9 @@ step() {
           --shapes long_d128,rank_targets --bias "$b" --out "$out/attn_bias.jsonl"
       done ;;
     hybrid) python3 scripts/bench_embedding.py --hybrid ;;
+    red-throughput)  # the dQ reductions' access patterns (docs/kernels.md, SM90 backward)
+      nvcc -O3 -arch=sm_90a -o "$out/red_throughput" kernels/hstu_attention/tools/red_throughput.cu &&
+        "$out/red_throughput" ;;
     ncu-bwd256) ncu_kernel hstu_bwd_kernel 2 long_d256 ;;
     ncu-fwd256) ncu_kernel hstu_fwd_kernel 2 long_d256 ;;
     ncu-bwd128) ncu_kernel hstu_bwd_kernel 2 long_d128 ;;

@@ -104,6 +104,22 @@ def test_sm90a_kernels_compile(name: str, kernel: bytes, tmp_path: Path, nvcc: s
     assert kernel in out.read_bytes()
 
 
+def test_reduction_throughput_tool_compiles(tmp_path: Path, nvcc: str) -> None:
+    """tools/red_throughput.cu (the dQ reductions' access patterns, docs/kernels.md) builds for
+    sm_90a with its four patterns."""
+    exe = tmp_path / "red_throughput"
+    build = subprocess.run(
+        [nvcc, "-O2", "-arch=sm_90a", str(KERNEL_DIR / "tools" / "red_throughput.cu"), "-o", str(exe)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-4000:]
+    data = exe.read_bytes()
+    for kernel in (b"fragment", b"whole_line", b"store", b"bulk"):
+        assert kernel in data
+
+
 def test_mask_rules_match_reference(tmp_path: Path, nvcc: str) -> None:
     """mask.h (host-compiled): its tile/row predicates agree with its element rule on every small
     configuration, and the element rule equals the PyTorch reference mask."""

@@ -104,19 +104,20 @@ def test_sm90a_kernels_compile(name: str, kernel: bytes, tmp_path: Path, nvcc: s
     assert kernel in out.read_bytes()
 
 
+def _build_tool(nvcc: str, name: str, tmp_path: Path, flag: str) -> Path:
+    """nvcc -O2 of kernels/hstu_attention/tools/<name>.cu into an executable; returns its path."""
+    exe = tmp_path / name
+    cmd = [nvcc, "-O2", flag, str(KERNEL_DIR / "tools" / f"{name}.cu"), "-o", str(exe)]
+    build = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-4000:]
+    return exe
+
+
 def test_reduction_throughput_tool_compiles(tmp_path: Path, nvcc: str) -> None:
     """tools/red_throughput.cu (the dQ reductions' access patterns, docs/kernels.md) builds for
-    sm_90a with its four patterns."""
-    exe = tmp_path / "red_throughput"
-    build = subprocess.run(
-        [nvcc, "-O2", "-arch=sm_90a", str(KERNEL_DIR / "tools" / "red_throughput.cu"), "-o", str(exe)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert build.returncode == 0, build.stderr[-4000:]
-    data = exe.read_bytes()
-    for kernel in (b"fragment", b"whole_line", b"store", b"bulk"):
+    sm_90a with its patterns (fragment, whole-line reductions and stores, bulk)."""
+    data = _build_tool(nvcc, "red_throughput", tmp_path, "-arch=sm_90a").read_bytes()
+    for kernel in (b"fragment", b"whole_line", b"bulk"):
         assert kernel in data
 
 
@@ -127,14 +128,7 @@ def test_mask_rules_match_reference(tmp_path: Path, nvcc: str) -> None:
 
     from hstu.ops.reference import hstu_attention_mask
 
-    exe = tmp_path / "mask_check"
-    build = subprocess.run(
-        [nvcc, "-O2", "-std=c++17", str(KERNEL_DIR / "tools" / "mask_check.cu"), "-o", str(exe)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert build.returncode == 0, build.stderr[-4000:]
+    exe = _build_tool(nvcc, "mask_check", tmp_path, "-std=c++17")
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:]
     lines = run.stdout.splitlines()

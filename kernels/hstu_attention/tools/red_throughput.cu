@@ -58,24 +58,21 @@ __global__ void __launch_bounds__(kThreads, 1) fragment(float* buf, int blocks, 
   }
 }
 
+// Whole 128-byte lines, 16 bytes a thread: reduced (kReduce) or stored.
+template <bool kReduce>
 __global__ void __launch_bounds__(kThreads, 1) whole_line(float* buf, int blocks, int iters) {
   const int t = threadIdx.x;
+  const float4 one = make_float4(1.f, 1.f, 1.f, 1.f);
   for (int it = 0; it < iters; ++it) {
     float* base = tile_ptr(buf, blocks, it);
 #pragma unroll 4
     for (int i = 0; i < kRows * kCols / 4 / kThreads; ++i) {
-      red_v4(base + (i * kThreads + t) * 4, make_float4(1.f, 1.f, 1.f, 1.f));
-    }
-  }
-}
-
-__global__ void __launch_bounds__(kThreads, 1) store(float* buf, int blocks, int iters) {
-  const int t = threadIdx.x;
-  for (int it = 0; it < iters; ++it) {
-    float* base = tile_ptr(buf, blocks, it);
-#pragma unroll 4
-    for (int i = 0; i < kRows * kCols / 4 / kThreads; ++i) {
-      *reinterpret_cast<float4*>(base + (i * kThreads + t) * 4) = make_float4(1.f, 1.f, 1.f, 1.f);
+      float* p = base + (i * kThreads + t) * 4;
+      if constexpr (kReduce) {
+        red_v4(p, one);
+      } else {
+        *reinterpret_cast<float4*>(p) = one;
+      }
     }
   }
 }
@@ -148,8 +145,8 @@ int main() {
                 e == cudaSuccess ? "" : cudaGetErrorString(e));
   };
   report("fragment red.v2", [&] { fragment<<<grid, kThreads>>>(buf, blocks, iters); });
-  report("whole-line red.v4", [&] { whole_line<<<grid, kThreads>>>(buf, blocks, iters); });
-  report("store st.v4", [&] { store<<<grid, kThreads>>>(buf, blocks, iters); });
+  report("whole-line red.v4", [&] { whole_line<true><<<grid, kThreads>>>(buf, blocks, iters); });
+  report("store st.v4", [&] { whole_line<false><<<grid, kThreads>>>(buf, blocks, iters); });
   for (int stage : {16, 64, 128}) {
     const int smem = stage * kCols * 4;
     cudaFuncSetAttribute(bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

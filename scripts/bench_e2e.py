@@ -100,7 +100,9 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="after the timed steps, run --profile-steps more under torch.profiler on every "
         "rank: writes DIR/<path>_trace.json.gz (rank 0; DIR/<path>_rank<r>_trace.json.gz for "
         "the others; chrome://tracing, Perfetto) and prints rank 0's "
-        '"profile" row: GPU kernel time vs step time per step and the top kernels',
+        '"profile" row: GPU kernel time vs step time per step and the top kernels (with CUDA '
+        f"graphs, profiled again, up to {PROFILE_RETRIES} times more, while the profiled steps "
+        "captured a graph)",
     )
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument(
@@ -309,7 +311,26 @@ def _run_path(path: str, args: argparse.Namespace, device_type: str, world: int)
                 torch.cuda.empty_cache()
 
 
+# With CUDA graphs, profiles taken again (at most this many more) while the profiled steps
+# captured a graph: a capturing step also runs its warm-up passes eagerly, so its kernels count
+# about twice and the summary would not be a steady step's.
+PROFILE_RETRIES = 3
+
+
 def _profile(trainer, args: argparse.Namespace, path: str) -> dict:
+    """`_profile_once`, repeated while the profiled steps captured a graph (at most
+    `PROFILE_RETRIES` times more; each retry overwrites the trace); the summary says how many
+    profiles it took (``profile_attempts``). Graphs run on one process only, so every rank of a
+    multi-process run profiles once."""
+    attempts = 0
+    while True:
+        attempts += 1
+        summary = _profile_once(trainer, args, path)
+        if not summary.get("graph_captures_profiled") or attempts > PROFILE_RETRIES:
+            return {**summary, "profile_attempts": attempts}
+
+
+def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
     """--profile-steps steps under torch.profiler, run as `_time_trainer` runs them; summary of
     the exported trace: kernel time vs wall time per step, the largest GPU idle gaps, the top
     kernels."""

@@ -153,6 +153,30 @@ def test_issue_probes_keep_only_replayed_steps_with_graphs(load_script):
     assert bench._issue_alone(_FakeTrainer(_FakeGraphs("")), 0, None) == {}
 
 
+def test_profile_taken_again_while_profiled_steps_captured(load_script, monkeypatch):
+    """With graphs, a profile whose steps captured a graph is taken again (the summary is a
+    steady step's), at most PROFILE_RETRIES times more; the row says how many it took."""
+    bench = load_script("bench_e2e")
+    captures = iter([2, 1, 0, 5])
+    calls = []
+
+    def once(trainer, args, path):
+        calls.append(path)
+        return {"steps": 5, "graph_captures_profiled": next(captures)}
+
+    monkeypatch.setattr(bench, "_profile_once", once)
+    summary = bench._profile(None, None, "compiled")
+    assert summary == {"steps": 5, "graph_captures_profiled": 0, "profile_attempts": 3}
+    assert calls == ["compiled"] * 3
+    # never settles: the last attempt's summary, captures and all
+    monkeypatch.setattr(bench, "PROFILE_RETRIES", 1)
+    monkeypatch.setattr(bench, "_profile_once", lambda t, a, p: {"graph_captures_profiled": 1})
+    assert bench._profile(None, None, "x") == {"graph_captures_profiled": 1, "profile_attempts": 2}
+    # no graphs: one profile
+    monkeypatch.setattr(bench, "_profile_once", lambda t, a, p: {"steps": 2})
+    assert bench._profile(None, None, "x") == {"steps": 2, "profile_attempts": 1}
+
+
 def test_bench_e2e_profile_stack_needs_profile():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--profile-stack"],

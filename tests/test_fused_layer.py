@@ -346,6 +346,58 @@ def test_fused_gate_kernel_path_matches_unfused_cpu(monkeypatch):
     assert len(seeds) == 1 and calls
 
 
+@pytest.mark.parametrize("residual_gemm", [True, False], ids=["residual_gemm", "two_ops"])
+def test_residual_gemm_path_matches_unfused_cpu(monkeypatch, residual_gemm):
+    """With the gating ops (their twin on CPU) and an fp32 residual stream, x + y W_o^T + b_o is
+    one GEMM over [y | 1 | 0] (the twin writes y into the buffer's first columns through
+    y_out): same output and gradients as the unfused layer, and as with the switch off."""
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+
+    y_outs = []
+
+    def fwd_twin(*args, **kwargs):
+        y_outs.append(kwargs.get("y_out"))
+        return lnmd.reference_fwd(*args, **kwargs)
+
+    monkeypatch.setattr(fused_mod, "_gate_ops", lambda mode, x, inner: (fwd_twin, lnmd.reference_bwd))
+    attn = _layout([7, 1, 12], contexts=[1, 0, 2], targets=[2, 0, 3])
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(20, HIDDEN, generator=gen)
+    g = torch.randn(20, HIDDEN, generator=gen)
+    ref, fused = _pair()
+    fused.residual_gemm = residual_gemm
+    with torch.no_grad():
+        for layer in (ref, fused):
+            layer.out_proj.bias.copy_(0.3 * torch.sin(torch.arange(HIDDEN, dtype=torch.float32)))
+    _assert_match(_run(ref, x, attn, g), _run(fused, x, attn, g))
+    assert len(y_outs) == 1
+    if residual_gemm:  # a [T, H*d] view of the [T, H*d + 8] operand
+        y = y_outs[0]
+        assert y.shape == (20, HEADS * DIM) and y.stride(0) == HEADS * DIM + 8
+    else:
+        assert y_outs[0] is None
+    assert "residual_gemm" in fused.extra_repr()
+    assert fused.kernel_choices(torch.device("cpu"))["residual_gemm"].startswith(
+        "on" if residual_gemm else "off"
+    )
+
+
+def test_gate_fwd_twin_writes_y_out():
+    """reference_fwd(y_out=...) writes y into the given (strided) view and returns y empty."""
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 16, generator=gen).bfloat16()
+    u = torch.randn(6, 16, generator=gen).bfloat16()
+    w, b = torch.rand(16, generator=gen) + 0.5, torch.randn(16, generator=gen)
+    y, mean, rstd = lnmd.reference_fwd(x, u, w, b, 1e-6, 0.25, 3, 4)
+    buf = torch.full((6, 24), 7.0, dtype=torch.bfloat16)
+    y2, mean2, rstd2 = lnmd.reference_fwd(x, u, w, b, 1e-6, 0.25, 3, 4, y_out=buf[:, :16])
+    assert y2.numel() == 0
+    assert torch.equal(buf[:, :16], y) and torch.equal(buf[:, 16:], torch.full((6, 8), 7.0).bfloat16())
+    assert torch.equal(mean, mean2) and torch.equal(rstd, rstd2)
+
+
 def test_gate_kernel_option_is_validated():
     with pytest.raises(ValueError, match="gate_kernel"):
         FusedHSTULayer(HIDDEN, HEADS, DIM, gate_kernel="triton")
@@ -391,6 +443,43 @@ def test_fused_gate_cuda_dropout_matches_unfused_with_its_mask_cuda(monkeypatch)
             1e-6
         )
         assert err < 3e-2, (name, float(err))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason="needs CUDA and the compiled HSTU attention kernel")
+def test_residual_gemm_matches_two_ops_cuda():
+    """bf16 autocast, fp32 residual stream, CUDA gate kernel: the output projection + residual
+    as one GEMM (addmm onto x with fp32 output) against the two-op path: outputs within the
+    bf16 rounding of the projection the two-op path adds, gradients bit for bit (the backward
+    does not read the output), and the GEMM path ran (not the fallback)."""
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+
+    if not lnmd.load_extension():
+        pytest.skip("the LayerNorm*u*dropout extension is not built")
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    hidden, heads, dim = 256, 4, 64
+    layer = FusedHSTULayer(hidden, heads, dim, 0.0, gate_kernel="cuda").to(dev)
+    with torch.no_grad():
+        layer.out_proj.bias.uniform_(-1.0, 1.0)
+    lengths = [300, 1, 77, 512, 0, 129]
+    attn = _layout(lengths, targets=[10, 0, 5, 20, 0, 7], device=dev)
+    t = sum(lengths)
+    x = torch.randn(t, hidden, device=dev)
+    g = torch.randn(t, hidden, device=dev)
+    results = []
+    for on in (True, False):
+        layer.residual_gemm = on
+        layer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            results.append(_run(layer, x, attn, g))
+    assert fused_mod._addmm_out_dtype["ok"] is True
+    (out_on, g_on), (out_off, g_off) = results
+    assert out_on.dtype == torch.float32
+    proj = out_off - x
+    assert float((out_on - out_off).abs().max()) <= float(proj.abs().max()) * 2**-7 + 1e-6
+    for name in g_off:
+        assert torch.equal(g_on[name], g_off[name]), name
 
 
 def test_u_silu_in_the_gate_kernels_matches_unfused_cpu(monkeypatch):

@@ -26,6 +26,7 @@ ENCODER_ARG = {
     "fused_elementwise_kernels": "elementwise_kernels",
     "fused_layernorm_kernel": "layernorm_kernel",
     "fused_stage_compile": "stage_compile",
+    "fused_residual_gemm": "residual_gemm",
 }
 CHOICE_KEYS = {
     "layer",
@@ -34,6 +35,7 @@ CHOICE_KEYS = {
     "elementwise_kernels",
     "layernorm_kernel",
     "stage_compile",
+    "residual_gemm",
     "recompute",
 }
 

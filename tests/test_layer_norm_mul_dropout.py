@@ -124,6 +124,33 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t", [1, 777, 4099])
+def test_fwd_y_out_writes_the_same_y_into_a_strided_view_cuda(dtype, t):
+    """fwd(y_out=buf[:, :D]) writes exactly the y the op returns without it (the same kernel,
+    another row stride), leaves buf's other columns alone, returns y empty and the same
+    mean/rstd; a y_out of the wrong dtype, shape or row stride is refused before launching."""
+    d = 1024
+    x, u, w, b, _ = _inputs(t, d, dtype, "cuda", seed=t)
+    ref = torch.ops.hstu_lnmd.fwd(x, u, w, b, 1e-6, 0.1, 11, 4)
+    buf = torch.full((t, d + 8), 3.0, device="cuda", dtype=dtype)
+    got = torch.ops.hstu_lnmd.fwd(x, u, w, b, 1e-6, 0.1, 11, 4, y_out=buf[:, :d])
+    assert got[0].numel() == 0
+    assert torch.equal(buf[:, :d], ref[0])
+    assert bool((buf[:, d:] == 3.0).all())
+    assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
+    with pytest.raises(TypeError, match="y_out"):
+        torch.ops.hstu_lnmd.fwd(x, u, w, b, 1e-6, 0.0, 0, 0, y_out=buf[:, :d].float())
+    with pytest.raises(ValueError, match="y_out"):
+        torch.ops.hstu_lnmd.fwd(x, u, w, b, 1e-6, 0.0, 0, 0, y_out=buf[:, : d - 8])
+    if t > 1:
+        odd = torch.empty((t, d + 4), device="cuda", dtype=dtype)[:, :d]
+        with pytest.raises(ValueError, match="y_out row stride"):
+            torch.ops.hstu_lnmd.fwd(x, u, w, b, 1e-6, 0.0, 0, 0, y_out=odd)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "t,d,u_cols",

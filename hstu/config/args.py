@@ -70,6 +70,7 @@ FUSED_LAYER_SWITCHES: tuple[str, ...] = (
     "fused_elementwise_kernels",
     "fused_layernorm_kernel",
     "fused_stage_compile",
+    "fused_residual_gemm",
 )
 # token padding of the jagged batch: "auto" on CUDA only, "on" everywhere, "off" never
 PAD_TOKENS: tuple[str, ...] = ("auto", "on", "off")
@@ -396,6 +397,9 @@ class NetworkArgs:
     fused_layernorm_kernel: bool = True
     # fused layer, CUDA: torch.compile the elementwise PyTorch stages (False: eager; debugging)
     fused_stage_compile: bool = True
+    # fused layer with the CUDA gating kernel and an fp32 residual stream: x + y W_o^T + b_o as
+    # one GEMM that reads x (no 16-bit projection written and added back; False: two ops)
+    fused_residual_gemm: bool = True
     # Meta HSTU reference (research/) settings; the defaults keep this framework's own choices
     # learned relative attention bias inside the SiLU: none | position | time | position_time
     # ("time" needs a dataset with timestamps; docs/design.md "Relative attention bias")
@@ -468,6 +472,7 @@ class NetworkArgs:
         _bool(self, "fused_elementwise_kernels")
         _bool(self, "fused_layernorm_kernel")
         _bool(self, "fused_stage_compile")
+        _bool(self, "fused_residual_gemm")
         _choice(self, "relative_attention_bias", RELATIVE_ATTENTION_BIAS)
         _int(
             self,

@@ -141,6 +141,7 @@ def _build_encoder(net: NetworkArgs, max_tokens: int, reference_attention: bool)
         elementwise_kernels=net.fused_elementwise_kernels,
         layernorm_kernel=net.fused_layernorm_kernel,
         stage_compile=net.fused_stage_compile,
+        residual_gemm=net.fused_residual_gemm,
         kernel_backend=net.kernel_backend,
         reference_attention=reference_attention,
         cuda_graphs=net.cuda_graphs,

@@ -27,7 +27,9 @@ pass backward that also re-emits y for W_o's gradient; dropout mask regenerated 
 seed), "compiled" the torch.compiled PyTorch stages, "auto" the kernel when it is built and
 applies (CUDA, bf16/fp16, H*d a multiple of 8 up to 8192), else the compiled stages
 (`NetworkArgs.fused_gate_kernel`). On CPU the stages run eagerly whatever the setting
-(development mode).
+(development mode). With the gating kernel and an fp32 residual stream, the kernel writes y into
+a [T, H*d + 8] buffer with a column of ones, and ``x + y W_o^T + b_o`` is one GEMM accumulating
+onto x with an fp32 output (``residual_gemm``, `NetworkArgs.fused_residual_gemm`).
 
 Memory: by default the Function keeps x, the input LayerNorm output n (matmul dtype), the uvqk
 pre-activation z, its SiLU (u, v, q, k), the attention output a and (compiled gate with dropout)
@@ -146,6 +148,9 @@ class _LayerSpec:
     rel_bias: RelativeAttentionBias | None = None
     # the softmax baseline takes the relative bias as a dense tensor
     dense_bias: bool = False
+    # x + y W_o^T + b_o as one GEMM that reads x (FusedHSTULayer(residual_gemm); applies with the
+    # gating ops and an fp32 residual stream: `_residual_gemm_applies`)
+    residual_gemm: bool = False
 
 
 def _layer_norm_fwd(
@@ -341,6 +346,69 @@ def _output_grad(spec: _LayerSpec, dout: torch.Tensor, cdtype: torch.dtype, dt_b
 def _residual(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
     out = x + proj  # one kernel; promotes bf16 proj into an fp32 residual stream
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+# Columns the output projection's input gains for its bias (one column of ones, then zeros: a
+# multiple of 8 keeps the gating kernel's rows and the GEMM's operands 16-byte aligned).
+_BIAS_COLUMNS = 8
+# torch.addmm(..., out_dtype=float32) with 16-bit operands (CUDA only); None = not tried yet
+_addmm_out_dtype: dict[str, bool | None] = {"ok": None}
+# (dtype, device) -> the [1, 0, ..., 0] row of those columns, made once
+_bias_pads: dict[tuple, torch.Tensor] = {}
+
+
+def _residual_gemm_applies(spec: _LayerSpec, x: torch.Tensor, t: int) -> bool:
+    """Whether the forward computes x + y W_o^T + b_o as one GEMM reading x (`_residual_gemm`):
+    with the gating ops (they write y into the GEMM's operand), an fp32 residual stream and
+    addmm's fp32 output from 16-bit operands available on CUDA."""
+    if not (spec.residual_gemm and spec.gate_ops is not None and x.dtype == torch.float32):
+        return False
+    return t > 0 and (x.device.type != "cuda" or _addmm_out_dtype["ok"] is not False)
+
+
+def _bias_augmented(t: int, hd: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[t, hd + _BIAS_COLUMNS] buffer: column hd is 1, the rest past hd 0; the gating kernel
+    writes y into its first hd columns."""
+    buf = torch.empty((t, hd + _BIAS_COLUMNS), dtype=dtype, device=device)
+    key = (dtype, str(device))
+    pad = _bias_pads.get(key)
+    if pad is None:
+        pad = torch.zeros(_BIAS_COLUMNS, dtype=dtype, device=device)
+        pad[0] = 1  # a fill on the device: no host copy (safe inside a graph capture)
+        _bias_pads[key] = pad
+    buf[:, hd:].copy_(pad.expand(t, _BIAS_COLUMNS))
+    return buf
+
+
+def _residual_gemm_or_none(x, y_aug, w_c, b, cdtype) -> torch.Tensor | None:
+    """`_residual_gemm`, or None where this torch's addmm has no fp32 output for 16-bit
+    operands (found at the first call on CUDA, then not tried again; a warning says so)."""
+    try:
+        out = _residual_gemm(x, y_aug, w_c, b.to(cdtype))
+    except (TypeError, RuntimeError) as err:
+        if x.device.type != "cuda" or _addmm_out_dtype["ok"]:
+            raise
+        _addmm_out_dtype["ok"] = False
+        logger.warning(
+            "torch.addmm has no fp32 output for %s operands here (%s): the output projection "
+            "and the residual run as two ops", cdtype, err,
+        )
+        return None
+    if x.device.type == "cuda":
+        _addmm_out_dtype["ok"] = True
+    return out
+
+
+def _residual_gemm(
+    x: torch.Tensor, y_aug: torch.Tensor, w_c: torch.Tensor, b_c: torch.Tensor
+) -> torch.Tensor:
+    """x + y W^T + b in fp32 from one GEMM: [y | 1 | 0] [W | b | 0]^T accumulated onto x (cuBLAS
+    reads x as C), with no 16-bit projection written and read back. On CPU (tests of the code
+    path with the kernels' twins) the same GEMM in fp32."""
+    w_aug = torch.cat((w_c, F.pad(b_c.to(w_c.dtype).unsqueeze(1), (0, _BIAS_COLUMNS - 1))), 1)
+    if x.device.type != "cuda":
+        return torch.addmm(x, y_aug.float(), w_aug.float().t())
+    return torch.addmm(x, y_aug, w_aug.t(), torch.float32)
 
 
 _STAGES: dict[str, Callable] = {
@@ -659,11 +727,15 @@ class _FusedHSTUFunction(torch.autograd.Function):
                     seed_offset = lnmd.draw_seed_tensor(dev)
                 elif p > 0.0:
                     seed = lnmd.draw_seed(dev)
+                rgemm = _residual_gemm_applies(spec, x, t)
+                y_aug = _bias_augmented(t, hd, cdtype, dev) if rgemm else None
                 y_c, mean2, rstd2 = spec.gate_ops[0](
                     attn, u, w_attn.float(), b_attn.float(), spec.eps, p, *seed,
                     **_seed_offset_kwarg(seed_offset), **_u_silu_kwarg(spec),
+                    **({} if y_aug is None else {"y_out": y_aug[:, :hd]}),
                 )  # fmt: skip
             else:
+                y_aug = None
                 if p > 0.0:
                     scale = 1.0 / (1.0 - p)
                     if _stages_compiled(dev, spec.stage_compile):
@@ -675,8 +747,13 @@ class _FusedHSTUFunction(torch.autograd.Function):
                     "gate_fwd", dev, attn, w_attn, b_attn, u, mask, scale, spec.eps, cdtype,
                     compile_stages=spec.stage_compile,
                 )  # fmt: skip
-            proj = F.linear(y_c, w_out_c, b_out.to(cdtype))
-            out = _residual(x, proj)
+            out = None
+            if y_aug is not None:
+                out = _residual_gemm_or_none(x, y_aug, w_out_c, b_out, cdtype)
+                if out is None:  # addmm without out_dtype: y from the buffer, the usual path
+                    y_c = y_aug[:, :hd]
+            if out is None:
+                out = _residual(x, F.linear(y_c, w_out_c, b_out.to(cdtype)))
 
         ctx.spec, ctx.cdtype, ctx.scale, ctx.p, ctx.seed = spec, cdtype, scale, p, seed
         ctx.seed_offset = seed_offset
@@ -874,6 +951,7 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
         ln_ops=_ln_ops(x, layer.hidden_size) if use_ln_kernel else None,
         rel_bias=layer.relative_bias,
         dense_bias=layer.attention_type == "softmax",
+        residual_gemm=layer.residual_gemm,
     )
     if spec.attn_kwargs["inv_scale_tensor"] is not None and layer.attention_type == "softmax":
         raise ValueError(
@@ -913,7 +991,9 @@ class FusedHSTULayer(HSTULayer):
     [fused_elementwise_kernels], the hstu_lnmd SiLU and gradient-cast kernels;
     ``layernorm_kernel`` [fused_layernorm_kernel], its input LayerNorm kernels (also needs
     ``elementwise_kernels``); ``stage_compile`` [fused_stage_compile], torch.compile of the
-    PyTorch stages. They are plain attributes, read at every forward.
+    PyTorch stages; ``residual_gemm`` [fused_residual_gemm], x + y W_o^T + b_o as one GEMM
+    that reads x (with the gating kernel and an fp32 residual stream). They are plain
+    attributes, read at every forward.
     """
 
     def __init__(
@@ -929,6 +1009,7 @@ class FusedHSTULayer(HSTULayer):
         elementwise_kernels: bool = True,
         layernorm_kernel: bool = True,
         stage_compile: bool = True,
+        residual_gemm: bool = True,
         **kwargs,
     ) -> None:
         super().__init__(hidden_size, num_heads, head_dim, dropout, **kwargs)
@@ -938,6 +1019,7 @@ class FusedHSTULayer(HSTULayer):
         self.elementwise_kernels = bool(elementwise_kernels)
         self.layernorm_kernel = bool(layernorm_kernel)
         self.stage_compile = bool(stage_compile)
+        self.residual_gemm = bool(residual_gemm)
 
     def forward(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
@@ -1081,6 +1163,12 @@ class FusedHSTULayer(HSTULayer):
                 "" if self.elementwise_kernels else "elementwise_kernels",
             ),
             "stage_compile": f"{_on_off(self.stage_compile)} {compile_state}",
+            "residual_gemm": (
+                "off"
+                if not self.residual_gemm
+                else "on (with the gating kernel and an fp32 residual stream: one GEMM "
+                "accumulates onto x)"
+            ),
             "recompute": "+".join(recompute) if recompute else "none",
         }
 
@@ -1089,5 +1177,6 @@ class FusedHSTULayer(HSTULayer):
             f"recompute_input_layernorm={self.recompute_input_layernorm}, "
             f"recompute_uvqk_silu={self.recompute_uvqk_silu}, gate_kernel={self.gate_kernel}, "
             f"elementwise_kernels={self.elementwise_kernels}, "
-            f"layernorm_kernel={self.layernorm_kernel}, stage_compile={self.stage_compile}"
+            f"layernorm_kernel={self.layernorm_kernel}, stage_compile={self.stage_compile}, "
+            f"residual_gemm={self.residual_gemm}"
         )

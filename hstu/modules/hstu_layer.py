@@ -33,6 +33,7 @@ _FUSED_ONLY = {
     "elementwise_kernels": ("fused_elementwise_kernels", True),
     "layernorm_kernel": ("fused_layernorm_kernel", True),
     "stage_compile": ("fused_stage_compile", True),
+    "residual_gemm": ("fused_residual_gemm", True),
 }
 
 
@@ -52,9 +53,10 @@ class HSTUEncoder(nn.Module):
     - ``gate_kernel`` [fused_gate_kernel]: fused layer, the LayerNorm(attn)*u*dropout step:
       "auto" | "cuda" | "compiled" (None: "auto");
     - ``elementwise_kernels`` [fused_elementwise_kernels], ``layernorm_kernel``
-      [fused_layernorm_kernel], ``stage_compile`` [fused_stage_compile]: fused layer, the
-      hstu_lnmd SiLU/cast kernels, its input LayerNorm kernels, torch.compile of the PyTorch
-      stages (True: where they apply);
+      [fused_layernorm_kernel], ``stage_compile`` [fused_stage_compile], ``residual_gemm``
+      [fused_residual_gemm]: fused layer, the hstu_lnmd SiLU/cast kernels, its input LayerNorm
+      kernels, torch.compile of the PyTorch stages, the residual added by the output
+      projection's GEMM (True: where they apply);
     - ``reference_attention``: tests and benchmarks only (no config field): the PyTorch
       reference attention on CUDA too.
 
@@ -78,6 +80,7 @@ class HSTUEncoder(nn.Module):
         elementwise_kernels: bool = True,
         layernorm_kernel: bool = True,
         stage_compile: bool = True,
+        residual_gemm: bool = True,
         kernel_backend: str = "cutlass",
         reference_attention: bool = False,
         final_layernorm: bool = True,
@@ -107,6 +110,7 @@ class HSTUEncoder(nn.Module):
             "elementwise_kernels": elementwise_kernels,
             "layernorm_kernel": layernorm_kernel,
             "stage_compile": stage_compile,
+            "residual_gemm": residual_gemm,
         }
         for arg, value in switches.items():
             field, default = _FUSED_ONLY[arg]
@@ -166,7 +170,7 @@ class HSTUEncoder(nn.Module):
         """What the layers run on ``device`` (default: where the encoder's parameters are), one
         string per choice, for the log at model build: keys "layer", "attention",
         "gate_kernel", "elementwise_kernels", "layernorm_kernel", "stage_compile",
-        "recompute". Each value starts with the choice ("fused", "cutlass", "reference",
+        "residual_gemm", "recompute". Each value starts with the choice ("fused", "cutlass", "reference",
         "softmax", "auto", "on", "off", ...), then, in brackets, what it means on that device.
         Every layer of the stack is built alike, so the first one answers."""
         if device is None:

@@ -3,7 +3,7 @@
 The compiled ops live in `hstu._layer_norm_mul_dropout_C` (kernels/layer_norm_mul_dropout/):
 
     torch.ops.hstu_lnmd.fwd(x, u, weight, bias, eps, p, seed, offset, seed_offset=None,
-                            u_silu=False) -> (y, mean, rstd)
+                            u_silu=False, y_out=None) -> (y, mean, rstd)
     torch.ops.hstu_lnmd.bwd(dy, x, u, weight, bias, mean, rstd, p, seed, offset, recompute_y,
                             seed_offset=None, u_silu=False, du_out=None)
         -> (dx, du, dweight, dbias, y or empty)
@@ -11,7 +11,8 @@ The compiled ops live in `hstu._layer_norm_mul_dropout_C` (kernels/layer_norm_mu
 ``u_silu``: u is the pre-activation z_u and the kernels use SiLU(z_u) rounded to u's dtype; the
 backward then returns du * SiLU'(z_u) (du rounded first), i.e. the u block of the SiLU
 backward's dz. ``du_out``: du is written into that tensor (e.g. a column block of dz) and comes
-back empty.
+back empty; likewise the forward's ``y_out`` for y (e.g. the first D columns of the output
+projection's input with its bias column, docs/kernels.md "Fused HSTU layer").
 
 x, u, dy: [T, D] bf16/fp16 on CUDA (last dim contiguous, row stride a multiple of 8: u may be a
 column slice of a wider tensor); weight, bias: fp32 [D]; D a multiple of 8 up to 8192. Math in
@@ -204,10 +205,20 @@ def _silu_grad(z: torch.Tensor) -> torch.Tensor:
 
 
 def reference_fwd(
-    x, u, weight, bias, eps: float, p: float, seed: int, offset: int, u_silu: bool = False
+    x,
+    u,
+    weight,
+    bias,
+    eps: float,
+    p: float,
+    seed: int,
+    offset: int,
+    u_silu: bool = False,
+    y_out: torch.Tensor | None = None,
 ):
     """PyTorch twin of torch.ops.hstu_lnmd.fwd: (y in x's dtype, mean fp32 [T], rstd fp32 [T]).
-    ``u_silu``: u is the pre-activation; SiLU(u) rounded to u's dtype is used."""
+    ``u_silu``: u is the pre-activation; SiLU(u) rounded to u's dtype is used. ``y_out``: y is
+    written there and returned empty."""
     if u_silu:
         u = _silu_rounded(u)
     xf = x.float()
@@ -218,6 +229,9 @@ def reference_fwd(
     t, scale = dropout_threshold(p)
     if t:
         g = torch.where(keep_mask(seed, offset, *x.shape, p, x.device), g * scale, 0.0)
+    if y_out is not None:
+        y_out.copy_(g)
+        return x.new_empty(0), mean, rstd
     return g.to(x.dtype), mean, rstd
 
 

@@ -131,6 +131,7 @@ class HSTULayer(nn.Module):
             "elementwise_kernels": na,
             "layernorm_kernel": na,
             "stage_compile": na,
+            "residual_gemm": na,
             "recompute": na,
         }
 

@@ -1,8 +1,10 @@
 // Torch face of the LayerNorm(x) * u * dropout kernels: input checks before any launch, the
 // TORCH_LIBRARY schema (namespace hstu_lnmd) with CUDA and Meta implementations.
 //
-//   fwd(x, u, weight, bias, eps, p, seed, offset, seed_offset=None, u_silu=False)
+//   fwd(x, u, weight, bias, eps, p, seed, offset, seed_offset=None, u_silu=False, y_out=None)
 //       -> (y, mean, rstd)
+//     (y_out: y is written there, e.g. the first D columns of a wider tensor, and y comes back
+//     empty)
 //   bwd(dy, x, u, weight, bias, mean, rstd, p, seed, offset, recompute_y, seed_offset=None,
 //       u_silu=False, du_out=None) -> (dx, du, dweight, dbias, y)
 //     (du_out: du is written there, e.g. a column block of a wider tensor, and du comes back
@@ -215,9 +217,10 @@ std::tuple<Tensor, Tensor, Tensor> fwd_cuda(const Tensor& x, const Tensor& u, co
                                             const Tensor& bias, double eps, double p,
                                             int64_t seed, int64_t offset,
                                             const std::optional<Tensor>& seed_offset,
-                                            bool u_silu) {
+                                            bool u_silu, const std::optional<Tensor>& y_out) {
   check_rows(x, "x", x);
   check_rows(u, "u", x);
+  if (y_out.has_value()) check_rows(*y_out, "y_out", x);
   check_width(x);
   check_vec(weight, "weight", x.size(1), x);
   check_vec(bias, "bias", x.size(1), x);
@@ -227,7 +230,8 @@ std::tuple<Tensor, Tensor, Tensor> fwd_cuda(const Tensor& x, const Tensor& u, co
   drop.seed_offset = seed_offset_ptr(seed_offset, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t t = x.size(0);
-  auto y = at::empty({t, x.size(1)}, x.options());
+  // y_out: y written there (e.g. the first D columns of a wider tensor); y returned empty
+  auto y = y_out.has_value() ? at::empty({0}, x.options()) : at::empty({t, x.size(1)}, x.options());
   auto mean = at::empty({t}, x.options().dtype(at::kFloat));
   auto rstd = at::empty({t}, x.options().dtype(at::kFloat));
   if (t == 0) return {y, mean, rstd};
@@ -238,7 +242,8 @@ std::tuple<Tensor, Tensor, Tensor> fwd_cuda(const Tensor& x, const Tensor& u, co
   prm.u_stride = u.stride(0);
   prm.weight = weight.data_ptr<float>();
   prm.bias = bias.data_ptr<float>();
-  prm.y = y.data_ptr();
+  prm.y = y_out.has_value() ? y_out->data_ptr() : y.data_ptr();
+  prm.y_stride = y_out.has_value() ? y_out->stride(0) : x.size(1);
   prm.mean = mean.data_ptr<float>();
   prm.rstd = rstd.data_ptr<float>();
   prm.rows = t;
@@ -623,9 +628,10 @@ std::tuple<Tensor, Tensor, Tensor> fwd_meta(const Tensor& x, const Tensor& u, co
                                             const Tensor& bias, double eps, double p,
                                             int64_t seed, int64_t offset,
                                             const std::optional<Tensor>& seed_offset,
-                                            bool u_silu) {
+                                            bool u_silu, const std::optional<Tensor>& y_out) {
   const auto t = x.sym_size(0);
-  return {at::empty_symint({t, x.sym_size(1)}, x.options()),
+  return {y_out.has_value() ? at::empty({0}, x.options())
+                            : at::empty_symint({t, x.sym_size(1)}, x.options()),
           at::empty_symint({t}, x.options().dtype(at::kFloat)),
           at::empty_symint({t}, x.options().dtype(at::kFloat))};
 }
@@ -646,7 +652,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bwd_meta(
 
 TORCH_LIBRARY(hstu_lnmd, m) {
   m.def("fwd(Tensor x, Tensor u, Tensor weight, Tensor bias, float eps, float p, int seed, "
-        "int offset, Tensor? seed_offset=None, bool u_silu=False) -> (Tensor, Tensor, Tensor)");
+        "int offset, Tensor? seed_offset=None, bool u_silu=False, Tensor(a!)? y_out=None) -> "
+        "(Tensor, Tensor, Tensor)");
   m.def("bwd(Tensor dy, Tensor x, Tensor u, Tensor weight, Tensor bias, Tensor mean, "
         "Tensor rstd, float p, int seed, int offset, bool recompute_y, "
         "Tensor? seed_offset=None, bool u_silu=False, Tensor(a!)? du_out=None) -> "

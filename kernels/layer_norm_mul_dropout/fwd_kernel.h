@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kThreads) fwd_kernel(const FwdParams p) {
       p.mean[row] = mean;
       p.rstd[row] = rstd;
     }
-    char* yrow = static_cast<char*>(p.y) + row * static_cast<int64_t>(p.cols) * sizeof(T);
+    char* yrow = static_cast<char*>(p.y) + row * p.y_stride * static_cast<int64_t>(sizeof(T));
 #pragma unroll
     for (int i = 0; i < Tr::ITERS; ++i) {
       const int c = tid + i * Tr::TPR;

@@ -2,7 +2,8 @@
 //
 // x, u, dy: [rows, cols] 16-bit (bf16 or fp16), last dim contiguous, any row stride that is a
 // multiple of 8 elements with 16-byte aligned base pointers (u may be a column slice of the uvqk
-// activations). weight, bias: fp32 [cols]. Outputs are contiguous [rows, cols] in the input dtype;
+// activations). weight, bias: fp32 [cols]. Outputs are [rows, cols] in the input dtype, contiguous
+// but for the forward's y (its own row stride, a multiple of 8: it may fill part of a wider tensor);
 // mean and rstd are fp32 [rows]. cols is a multiple of 8 in [8, kMaxCols].
 #pragma once
 
@@ -33,7 +34,8 @@ struct FwdParams {
   int64_t u_stride = 0;
   const float* weight = nullptr;
   const float* bias = nullptr;
-  void* y = nullptr;       // [rows, cols]
+  void* y = nullptr;       // [rows, cols], row stride y_stride (a multiple of 8)
+  int64_t y_stride = 0;
   float* mean = nullptr;   // [rows]
   float* rstd = nullptr;   // [rows]
   int64_t rows = 0;

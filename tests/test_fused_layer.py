@@ -211,6 +211,15 @@ def test_encoder_fused_switch_and_state_dict_compat():
     _assert_match(_run(ref, x, attn, g), _run(fused, x, attn, g))
 
 
+def _jagged_batch(dev: torch.device, hidden: int):
+    """(layout, x, output gradient) of six sequences (one empty, one of one token) with targets:
+    the GPU tests' batch."""
+    lengths = [300, 1, 77, 512, 0, 129]
+    attn = _layout(lengths, targets=[10, 0, 5, 20, 0, 7], device=dev)
+    t = sum(lengths)
+    return attn, torch.randn(t, hidden, device=dev), torch.randn(t, hidden, device=dev)
+
+
 def _gpu_ready() -> bool:
     if not torch.cuda.is_available():
         return False
@@ -359,7 +368,9 @@ def test_residual_gemm_path_matches_unfused_cpu(monkeypatch, residual_gemm):
         y_outs.append(kwargs.get("y_out"))
         return lnmd.reference_fwd(*args, **kwargs)
 
-    monkeypatch.setattr(fused_mod, "_gate_ops", lambda mode, x, inner: (fwd_twin, lnmd.reference_bwd))
+    monkeypatch.setattr(
+        fused_mod, "_gate_ops", lambda mode, x, inner: (fwd_twin, lnmd.reference_bwd)
+    )
     attn = _layout([7, 1, 12], contexts=[1, 0, 2], targets=[2, 0, 3])
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(20, HIDDEN, generator=gen)
@@ -394,7 +405,9 @@ def test_gate_fwd_twin_writes_y_out():
     buf = torch.full((6, 24), 7.0, dtype=torch.bfloat16)
     y2, mean2, rstd2 = lnmd.reference_fwd(x, u, w, b, 1e-6, 0.25, 3, 4, y_out=buf[:, :16])
     assert y2.numel() == 0
-    assert torch.equal(buf[:, :16], y) and torch.equal(buf[:, 16:], torch.full((6, 8), 7.0).bfloat16())
+    assert torch.equal(buf[:, :16], y) and torch.equal(
+        buf[:, 16:], torch.full((6, 8), 7.0).bfloat16()
+    )
     assert torch.equal(mean, mean2) and torch.equal(rstd, rstd2)
 
 
@@ -423,11 +436,8 @@ def test_fused_gate_cuda_dropout_matches_unfused_with_its_mask_cuda(monkeypatch)
     ref = HSTULayer(hidden, heads, dim, p).to(dev)
     fused = FusedHSTULayer(hidden, heads, dim, p, gate_kernel="cuda").to(dev)
     fused.load_state_dict(ref.state_dict())
-    lengths = [300, 1, 77, 512, 0, 129]
-    attn = _layout(lengths, targets=[10, 0, 5, 20, 0, 7], device=dev)
-    t = sum(lengths)
-    x = torch.randn(t, hidden, device=dev)
-    g = torch.randn(t, hidden, device=dev)
+    attn, x, g = _jagged_batch(dev, hidden)
+    t = x.shape[0]
     seeds = []
     real_draw = lnmd.draw_seed
     monkeypatch.setattr(lnmd, "draw_seed", lambda d: seeds.append(real_draw(d)) or seeds[-1])
@@ -462,11 +472,7 @@ def test_residual_gemm_matches_two_ops_cuda():
     layer = FusedHSTULayer(hidden, heads, dim, 0.0, gate_kernel="cuda").to(dev)
     with torch.no_grad():
         layer.out_proj.bias.uniform_(-1.0, 1.0)
-    lengths = [300, 1, 77, 512, 0, 129]
-    attn = _layout(lengths, targets=[10, 0, 5, 20, 0, 7], device=dev)
-    t = sum(lengths)
-    x = torch.randn(t, hidden, device=dev)
-    g = torch.randn(t, hidden, device=dev)
+    attn, x, g = _jagged_batch(dev, hidden)
     results = []
     for on in (True, False):
         layer.residual_gemm = on

@@ -391,7 +391,9 @@ def _residual_gemm_or_none(x, y_aug, w_c, b, cdtype) -> torch.Tensor | None:
         _addmm_out_dtype["ok"] = False
         logger.warning(
             "torch.addmm has no fp32 output for %s operands here (%s): the output projection "
-            "and the residual run as two ops", cdtype, err,
+            "and the residual run as two ops",
+            cdtype,
+            err,
         )
         return None
     if x.device.type == "cuda":

@@ -15,7 +15,8 @@
 # tree's, E2E_BASE=<dir>), attn-bias (the relative bias's cost), hybrid
 # (scripts/bench_embedding.py --hybrid); A/B runs of one build (no
 # reference): attn-ab (dispatch order), attn-fwd256 (d256 forward tiles), dq-convert-ab (where dQ
-# is converted), attn-sm90 / e2e-sm90 (the backward's SM80 kernel against the wgmma one); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute);
+# is converted), attn-sm90 / e2e-sm90 (the backward's SM80 kernel against the wgmma one),
+# e2e-residual-gemm (NetworkArgs.fused_residual_gemm on / off); ncu-bwd256 / ncu-fwd256 / ncu-bwd128 (one kernel launch under Nsight Compute);
 # ncu-bias (the d128 forward and backward with the position + time bias, then without);
 # ncu-bias-src (their warp-stall samples per SASS instruction, CSV); red-throughput (fp32
 # reduction throughput by access pattern, kernels/hstu_attention/tools/red_throughput.cu).
@@ -147,6 +148,13 @@ step() {
       for r in $(seq "${E2E_ROUNDS:-2}"); do
         HSTU_ATTN_SM90=0 e2e_bench "$E2E_ITEMS" --out "$out/e2e_sm80.jsonl"
         e2e_bench "$E2E_ITEMS" --out "$out/e2e_sm90.jsonl"
+      done ;;
+    e2e-residual-gemm)  # the e2e step with the output projection + residual as one GEMM, then
+      # as two ops (NetworkArgs.fused_residual_gemm), alternating, E2E_ROUNDS rounds (default 2)
+      for r in $(seq "${E2E_ROUNDS:-2}"); do
+        for v in True False; do
+          e2e_bench "$E2E_ITEMS" "NetworkArgs.fused_residual_gemm=$v" --out "$out/e2e_residual_gemm.jsonl"
+        done
       done ;;
     e2e-ab)  # the e2e step of this tree against another tree's (E2E_BASE: a copy of the
       # sources at some commit, e.g. `git archive <ref> hstu scripts configs kernels setup.py

@@ -457,7 +457,7 @@ def test_fused_gate_cuda_dropout_matches_unfused_with_its_mask_cuda(monkeypatch)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu_ready(), reason="needs CUDA and the compiled HSTU attention kernel")
-def test_residual_gemm_matches_two_ops_cuda():
+def test_residual_gemm_matches_two_ops_cuda(monkeypatch):
     """bf16 autocast, fp32 residual stream, CUDA gate kernel: the output projection + residual
     as one GEMM (addmm onto x with fp32 output) against the two-op path: outputs within the
     bf16 rounding of the projection the two-op path adds, gradients bit for bit (the backward
@@ -473,13 +473,18 @@ def test_residual_gemm_matches_two_ops_cuda():
     with torch.no_grad():
         layer.out_proj.bias.uniform_(-1.0, 1.0)
     attn, x, g = _jagged_batch(dev, hidden)
+    gemms = []
+    real_gemm = fused_mod._residual_gemm
+    monkeypatch.setattr(
+        fused_mod, "_residual_gemm", lambda *a: gemms.append(a[0].device.type) or real_gemm(*a)
+    )
     results = []
     for on in (True, False):
         layer.residual_gemm = on
         layer.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             results.append(_run(layer, x, attn, g))
-    assert fused_mod._addmm_out_dtype["ok"] is True
+    assert gemms == ["cuda"]  # the GEMM path ran with the switch on, and only then
     (out_on, g_on), (out_off, g_off) = results
     assert out_on.dtype == torch.float32
     proj = out_off - x

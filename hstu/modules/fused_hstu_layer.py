@@ -149,7 +149,7 @@ class _LayerSpec:
     # the softmax baseline takes the relative bias as a dense tensor
     dense_bias: bool = False
     # x + y W_o^T + b_o as one GEMM that reads x (FusedHSTULayer(residual_gemm); applies with the
-    # gating ops and an fp32 residual stream: `_residual_gemm_applies`)
+    # gating ops and an fp32 residual stream: `_residual_gemm`)
     residual_gemm: bool = False
 
 
@@ -351,62 +351,25 @@ def _residual(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
 # Columns the output projection's input gains for its bias (one column of ones, then zeros: a
 # multiple of 8 keeps the gating kernel's rows and the GEMM's operands 16-byte aligned).
 _BIAS_COLUMNS = 8
-# torch.addmm(..., out_dtype=float32) with 16-bit operands (CUDA only); None = not tried yet
-_addmm_out_dtype: dict[str, bool | None] = {"ok": None}
-# (dtype, device) -> the [1, 0, ..., 0] row of those columns, made once
-_bias_pads: dict[tuple, torch.Tensor] = {}
-
-
-def _residual_gemm_applies(spec: _LayerSpec, x: torch.Tensor, t: int) -> bool:
-    """Whether the forward computes x + y W_o^T + b_o as one GEMM reading x (`_residual_gemm`):
-    with the gating ops (they write y into the GEMM's operand), an fp32 residual stream and
-    addmm's fp32 output from 16-bit operands available on CUDA."""
-    if not (spec.residual_gemm and spec.gate_ops is not None and x.dtype == torch.float32):
-        return False
-    return t > 0 and (x.device.type != "cuda" or _addmm_out_dtype["ok"] is not False)
 
 
 def _bias_augmented(t: int, hd: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[t, hd + _BIAS_COLUMNS] buffer: column hd is 1, the rest past hd 0; the gating kernel
-    writes y into its first hd columns."""
+    """[t, hd + _BIAS_COLUMNS] buffer: column hd is 1, the rest past hd 0 (device fills, no
+    host copy: safe inside a graph capture); the gating kernel writes y into its first hd
+    columns."""
     buf = torch.empty((t, hd + _BIAS_COLUMNS), dtype=dtype, device=device)
-    key = (dtype, str(device))
-    pad = _bias_pads.get(key)
-    if pad is None:
-        pad = torch.zeros(_BIAS_COLUMNS, dtype=dtype, device=device)
-        pad[0] = 1  # a fill on the device: no host copy (safe inside a graph capture)
-        _bias_pads[key] = pad
-    buf[:, hd:].copy_(pad.expand(t, _BIAS_COLUMNS))
+    buf[:, hd].fill_(1)
+    buf[:, hd + 1 :].zero_()
     return buf
-
-
-def _residual_gemm_or_none(x, y_aug, w_c, b, cdtype) -> torch.Tensor | None:
-    """`_residual_gemm`, or None where this torch's addmm has no fp32 output for 16-bit
-    operands (found at the first call on CUDA, then not tried again; a warning says so)."""
-    try:
-        out = _residual_gemm(x, y_aug, w_c, b.to(cdtype))
-    except (TypeError, RuntimeError) as err:
-        if x.device.type != "cuda" or _addmm_out_dtype["ok"]:
-            raise
-        _addmm_out_dtype["ok"] = False
-        logger.warning(
-            "torch.addmm has no fp32 output for %s operands here (%s): the output projection "
-            "and the residual run as two ops",
-            cdtype,
-            err,
-        )
-        return None
-    if x.device.type == "cuda":
-        _addmm_out_dtype["ok"] = True
-    return out
 
 
 def _residual_gemm(
     x: torch.Tensor, y_aug: torch.Tensor, w_c: torch.Tensor, b_c: torch.Tensor
 ) -> torch.Tensor:
     """x + y W^T + b in fp32 from one GEMM: [y | 1 | 0] [W | b | 0]^T accumulated onto x (cuBLAS
-    reads x as C), with no 16-bit projection written and read back. On CPU (tests of the code
-    path with the kernels' twins) the same GEMM in fp32."""
+    reads x as C; addmm's fp32 output from 16-bit operands, torch >= 2.11), with no 16-bit
+    projection written and read back. On CPU (tests of the code path with the kernels' twins)
+    the same GEMM in fp32."""
     w_aug = torch.cat((w_c, F.pad(b_c.to(w_c.dtype).unsqueeze(1), (0, _BIAS_COLUMNS - 1))), 1)
     if x.device.type != "cuda":
         return torch.addmm(x, y_aug.float(), w_aug.float().t())
@@ -729,7 +692,8 @@ class _FusedHSTUFunction(torch.autograd.Function):
                     seed_offset = lnmd.draw_seed_tensor(dev)
                 elif p > 0.0:
                     seed = lnmd.draw_seed(dev)
-                rgemm = _residual_gemm_applies(spec, x, t)
+                # x + y W_o^T + b_o as one GEMM reading x (fp32 residual stream only)
+                rgemm = spec.residual_gemm and x.dtype == torch.float32 and t > 0
                 y_aug = _bias_augmented(t, hd, cdtype, dev) if rgemm else None
                 y_c, mean2, rstd2 = spec.gate_ops[0](
                     attn, u, w_attn.float(), b_attn.float(), spec.eps, p, *seed,
@@ -749,12 +713,9 @@ class _FusedHSTUFunction(torch.autograd.Function):
                     "gate_fwd", dev, attn, w_attn, b_attn, u, mask, scale, spec.eps, cdtype,
                     compile_stages=spec.stage_compile,
                 )  # fmt: skip
-            out = None
             if y_aug is not None:
-                out = _residual_gemm_or_none(x, y_aug, w_out_c, b_out, cdtype)
-                if out is None:  # addmm without out_dtype: y from the buffer, the usual path
-                    y_c = y_aug[:, :hd]
-            if out is None:
+                out = _residual_gemm(x, y_aug, w_out_c, b_out.to(cdtype))
+            else:
                 out = _residual(x, F.linear(y_c, w_out_c, b_out.to(cdtype)))
 
         ctx.spec, ctx.cdtype, ctx.scale, ctx.p, ctx.seed = spec, cdtype, scale, p, seed

@@ -170,8 +170,9 @@ class HSTUEncoder(nn.Module):
         """What the layers run on ``device`` (default: where the encoder's parameters are), one
         string per choice, for the log at model build: keys "layer", "attention",
         "gate_kernel", "elementwise_kernels", "layernorm_kernel", "stage_compile",
-        "residual_gemm", "recompute". Each value starts with the choice ("fused", "cutlass", "reference",
-        "softmax", "auto", "on", "off", ...), then, in brackets, what it means on that device.
+        "residual_gemm", "recompute". Each value starts with the choice ("fused", "cutlass",
+        "reference", "softmax", "auto", "on", "off", ...), then, in brackets, what it means on
+        that device.
         Every layer of the stack is built alike, so the first one answers."""
         if device is None:
             device = next(self.parameters()).device

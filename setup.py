@@ -125,6 +125,8 @@ def _extensions():
                 module,
                 srcs,
                 include_dirs=inc,
+                # residual_gemm.cpp calls cuBLASLt (torch's CUDA build ships and loads it)
+                libraries=["cublasLt"] if name == "layer_norm_mul_dropout" else [],
                 extra_compile_args={"cxx": ["-O3", "-std=c++17"] + _sm90a_defines(), "nvcc": nvcc},
             )
         )

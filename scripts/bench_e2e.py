@@ -312,8 +312,9 @@ def _run_path(path: str, args: argparse.Namespace, device_type: str, world: int)
 
 
 # With CUDA graphs, profiles taken again (at most this many more) while the profiled steps
-# captured a graph: a capturing step also runs its warm-up passes eagerly, so its kernels count
-# about twice and the summary would not be a steady step's.
+# captured a graph and fewer than two pairs of consecutive steps captured nothing: a capturing
+# step also runs its warm-up passes eagerly, so its kernels count about twice; the "steady_"
+# figures (_steady_steps) leave such steps out.
 PROFILE_RETRIES = 3
 
 
@@ -326,7 +327,8 @@ def _profile(trainer, args: argparse.Namespace, path: str) -> dict:
     while True:
         attempts += 1
         summary = _profile_once(trainer, args, path)
-        if not summary.get("graph_captures_profiled") or attempts > PROFILE_RETRIES:
+        steady = summary.get("steady_steps", 0) >= 2
+        if not summary.get("graph_captures_profiled") or steady or attempts > PROFILE_RETRIES:
             return {**summary, "profile_attempts": attempts}
 
 
@@ -349,9 +351,23 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
     graphs = trainer.graph_stats()
     g0 = dataclasses.replace(graphs) if graphs is not None else None
     _sync(trainer)
+    clean = []  # per profiled step: it replayed a graph (or ran without graphs), captured nothing
     with profile(activities=acts, with_stack=args.profile_stack) as prof:
         start = time.perf_counter()
-        trainer._resolve([trainer._train_step_async() for _ in range(n)])
+        pending = []
+        for i in range(n):
+            before = dataclasses.replace(graphs) if graphs is not None else None
+            with torch.profiler.record_function(f"{STEP_MARK}{i}"):
+                pending.append(trainer._train_step_async())
+            clean.append(
+                before is None
+                or (
+                    graphs.captures == before.captures
+                    and graphs.eager == before.eager
+                    and (graphs.disabled or graphs.replays > before.replays)
+                )
+            )
+        trainer._resolve(pending)
         _sync(trainer)
         wall = time.perf_counter() - start
     rank, world = trainer.info.rank, trainer.info.world_size
@@ -377,19 +393,27 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
             end = max(end, e["ts"] + e["dur"])
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:30]
     host = _host_ops(events)
+    waits = _host_waits(events)
+    steady = _steady_steps(events, clean)
     # a profiled step that captured a graph (a token count seen for the first time) also ran its
     # warm-up passes eagerly: its kernels count about twice
     graph_counts = {}
     if g0 is not None:
+        captured = graphs.captures - g0.captures
         graph_counts = {
-            "graph_captures_profiled": graphs.captures - g0.captures,
+            "graph_captures_profiled": captured,
             "graph_eager_profiled": graphs.eager - g0.eager,
+            "graph_resets_profiled": graphs.resets - g0.resets,
+            # which shapes were captured, and why (first seen, buffers grew, parameters moved)
+            "graph_captured_profiled": graphs.recent_captures[-captured:] if captured else [],
         }
     return {
         "trace": f"{raw}.gz",
         "steps": n,
         **graph_counts,
         "step_ms_profiled": 1e3 * wall / n,
+        # the GPU's view of the steps that captured nothing (module docstring of _steady_steps)
+        **steady,
         "kernel_ms_per_step": sum(per_name.values()) / 1e3 / n,
         "gpu_idle_ms_per_step_between_kernels": idle / 1e3 / n,
         "top_kernels_ms_per_step": [[name[:120], t / 1e3 / n] for name, t in top],
@@ -399,6 +423,13 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
         "host_op_ms_per_step": host["total_us"] / 1e3 / n,
         "top_host_ops_ms_per_step": [
             [name[:80], t / 1e3 / n, c / n] for name, (t, c) in host["top"]
+        ],
+        # where the host blocks on the GPU: blocking calls per step, their time, the top ones
+        # as "operator <- call"
+        "host_waits_per_step": waits["count"] / n,
+        "host_wait_ms_per_step": waits["total_us"] / 1e3 / n,
+        "top_host_waits_ms_per_step": [
+            [name[:100], t / 1e3 / n, c / n] for name, (t, c) in waits["top"]
         ],
     }
 
@@ -424,6 +455,108 @@ def _host_ops(events: list) -> dict:
                 acc[0] += e["dur"]
                 acc[1] += 1
     top = sorted(((k, (v[0], v[1])) for k, v in per.items()), key=lambda kv: -kv[1][0])[:15]
+    return {"count": count, "total_us": total, "top": top}
+
+
+STEP_MARK = "bench_step_"  # record_function name of profiled step i: STEP_MARK + str(i)
+
+
+def _steady_steps(events: list, clean: list[bool]) -> dict:
+    """GPU time of the profiled steps that captured nothing (``clean[i]``), from a chrome trace
+    whose steps were issued inside `STEP_MARK` annotations: every kernel, copy and fill is charged
+    to the step whose host range issued it (CUDA runtime call -> correlation id -> GPU event).
+    A step's GPU period runs from its first GPU event to the next step's; periods are taken where
+    both steps are clean. Per step: ``steady_gpu_step_ms`` (mean period), ``steady_kernel_ms``,
+    ``steady_copy_ms`` (copies and fills, which are not kernels), ``steady_gpu_idle_ms`` (period
+    less both: the GPU waiting for the host), over ``steady_steps`` periods."""
+    marks = sorted(
+        (e for e in events if str(e.get("name", "")).startswith(STEP_MARK) and "dur" in e
+         and e.get("cat") == "user_annotation"),
+        key=lambda e: e["ts"],
+    )  # fmt: skip
+    step_of_corr: dict = {}
+    for e in events:
+        if e.get("cat") != "cuda_runtime" or "dur" not in e:
+            continue
+        corr = e.get("args", {}).get("correlation")
+        for m in marks:
+            if m["ts"] <= e["ts"] <= m["ts"] + m["dur"] and m.get("tid") == e.get("tid"):
+                step_of_corr[corr] = int(m["name"][len(STEP_MARK) :])
+                break
+    n = len(clean)
+    first = [None] * n
+    kern, copy = [0.0] * n, [0.0] * n
+    for e in events:
+        cat = e.get("cat")
+        if cat not in ("kernel", "gpu_memcpy", "gpu_memset") or "dur" not in e:
+            continue
+        i = step_of_corr.get(e.get("args", {}).get("correlation"))
+        if i is None or i >= n:
+            continue
+        first[i] = e["ts"] if first[i] is None else min(first[i], e["ts"])
+        if cat == "kernel":
+            kern[i] += e["dur"]
+        else:
+            copy[i] += e["dur"]
+    pairs = [
+        i for i in range(n - 1)
+        if clean[i] and clean[i + 1] and first[i] is not None and first[i + 1] is not None
+    ]  # fmt: skip
+    if not pairs:
+        return {"steady_steps": 0}
+    period = sum(first[i + 1] - first[i] for i in pairs) / len(pairs) / 1e3
+    k = sum(kern[i] for i in pairs) / len(pairs) / 1e3
+    c = sum(copy[i] for i in pairs) / len(pairs) / 1e3
+    return {
+        "steady_steps": len(pairs),
+        "steady_gpu_step_ms": period,
+        "steady_kernel_ms": k,
+        "steady_copy_ms": c,
+        "steady_gpu_idle_ms": period - k - c,
+    }
+
+
+# CUDA runtime calls that block the host until the GPU reaches them (a device-to-host copy
+# into pageable memory waits too; cudaMemcpyAsync counts when it took this long)
+_WAIT_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+_COPY_WAIT_US = 20.0
+
+
+def _host_waits(events: list) -> dict:
+    """Where the host waits for the GPU in a chrome trace: the blocking CUDA runtime calls
+    (synchronisations, and copies that took at least `_COPY_WAIT_US`), each charged to the
+    innermost CPU operator around it on its thread ("(none)" outside every operator). A wait
+    inside a step stops the host from queueing the next work ahead of the GPU, so the GPU idles
+    while the host issues what follows."""
+    ops_by_thread: dict = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and "dur" in e:
+            ops_by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for evs in ops_by_thread.values():
+        evs.sort(key=lambda e: e["ts"])
+    count, total = 0, 0.0
+    per: dict[str, list] = {}
+    for e in events:
+        if e.get("cat") != "cuda_runtime" or "dur" not in e:
+            continue
+        name = e.get("name", "")
+        blocking = name in _WAIT_CALLS or (
+            name in ("cudaMemcpy", "cudaMemcpyAsync") and e["dur"] >= _COPY_WAIT_US
+        )
+        if not blocking:
+            continue
+        owner = "(none)"
+        for op in ops_by_thread.get((e.get("pid"), e.get("tid")), ()):
+            if op["ts"] > e["ts"]:
+                break
+            if op["ts"] + op["dur"] >= e["ts"] + e["dur"]:
+                owner = op["name"]  # later starts are nested deeper: the innermost wins
+        count += 1
+        total += e["dur"]
+        acc = per.setdefault(f"{owner} <- {name}", [0.0, 0])
+        acc[0] += e["dur"]
+        acc[1] += 1
+    top = sorted(((k, (v[0], v[1])) for k, v in per.items()), key=lambda kv: -kv[1][0])[:12]
     return {"count": count, "total_us": total, "top": top}
 
 
@@ -514,6 +647,8 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
             "graph_capture_s_timed": round(timed_capture_s, 3),
             "graph_replays_timed": g1.replays - g0.replays,
             "graph_eager_timed": g1.eager - g0.eager,
+            "graph_resets_timed": g1.resets - g0.resets,
+            "graph_recent_captures": g1.recent_captures,  # the last ones, warm-up included
             "tflops_per_gpu_excl_capture": flops
             / world
             / max(elapsed - timed_capture_s, 1e-9)

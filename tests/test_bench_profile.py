@@ -95,6 +95,76 @@ def test_host_ops_counts_top_level_operators_per_thread(load_script):
     assert host["top"][0] == ("aten::linear", (16, 2))
 
 
+def test_host_waits_charges_blocking_calls_to_the_innermost_operator(load_script):
+    _host_waits = load_script("bench_e2e")._host_waits
+
+    def op(name, ts, dur, tid=1):
+        return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+    def rt(name, ts, dur, tid=1):
+        return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+    events = [
+        op("aten::unique", 0, 100),
+        op("aten::_local_scalar_dense", 10, 80),  # nested: the innermost owner
+        rt("cudaStreamSynchronize", 20, 60),
+        rt("cudaMemcpyAsync", 85, 3),  # a short copy: not a wait
+        op("aten::item", 200, 50),
+        rt("cudaMemcpyAsync", 210, 30),  # a copy that waited
+        rt("cudaDeviceSynchronize", 300, 5),  # outside every operator
+        rt("cudaStreamSynchronize", 20, 7, tid=2),  # another thread, no operator there
+        rt("cudaLaunchKernel", 30, 40),  # not blocking
+    ]
+    waits = _host_waits(events)
+    assert waits["count"] == 4 and waits["total_us"] == 60 + 30 + 5 + 7
+    top = dict((k, v) for k, v in waits["top"])
+    assert top == {
+        "aten::_local_scalar_dense <- cudaStreamSynchronize": (60, 1),
+        "aten::item <- cudaMemcpyAsync": (30, 1),
+        "(none) <- cudaStreamSynchronize": (7, 1),
+        "(none) <- cudaDeviceSynchronize": (5, 1),
+    }
+    assert waits["top"][0][0] == "aten::_local_scalar_dense <- cudaStreamSynchronize"
+
+
+def test_steady_steps_charge_gpu_work_to_the_issuing_step(load_script):
+    bench = load_script("bench_e2e")
+    mark = bench.STEP_MARK
+
+    def step(i, ts, dur):
+        return {"cat": "user_annotation", "name": f"{mark}{i}", "ts": ts, "dur": dur, "tid": 1}
+
+    def launch(corr, ts):
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": 1,
+                "args": {"correlation": corr}}  # fmt: skip
+
+    def gpu(cat, corr, ts, dur):
+        return {"cat": cat, "name": "k", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = [
+        step(0, 0, 10), launch(1, 2), launch(2, 5),
+        step(1, 10, 10), launch(3, 12),
+        step(2, 20, 10), launch(4, 22),
+        step(3, 30, 10), launch(5, 32),
+        launch(6, 50),  # outside every step: not charged
+        gpu("kernel", 1, 100, 300), gpu("gpu_memcpy", 2, 400, 100),  # step 0: 500 us from 100
+        gpu("kernel", 3, 1100, 800),  # step 1 starts at 1100: period 1000 us
+        gpu("kernel", 4, 2000, 900), gpu("gpu_memset", 4, 2950, 10),  # step 2 (captured)
+        gpu("kernel", 5, 3000, 100), gpu("kernel", 6, 1000, 5000),
+    ]  # fmt: skip
+    # step 2 captured: only the pair (0, 1) is steady
+    got = bench._steady_steps(events, [True, True, False, True])
+    assert got["steady_steps"] == 1
+    assert got["steady_gpu_step_ms"] == pytest.approx(1.0)
+    assert got["steady_kernel_ms"] == pytest.approx(0.3)
+    assert got["steady_copy_ms"] == pytest.approx(0.1)
+    assert got["steady_gpu_idle_ms"] == pytest.approx(0.6)
+    both = bench._steady_steps(events, [True] * 4)  # periods 1000, 900, 1000 us
+    assert both["steady_steps"] == 3
+    assert both["steady_gpu_step_ms"] == pytest.approx((1.0 + 0.9 + 1.0) / 3)
+    assert bench._steady_steps(events, [False] * 4) == {"steady_steps": 0}
+
+
 class _FakeGraphs:
     """GraphStats as the warm-up and the probes read it; the steps it is handed say which steps
     replay ("r"), capture ("c") or run eagerly ("e")."""

@@ -459,9 +459,9 @@ def test_fused_gate_cuda_dropout_matches_unfused_with_its_mask_cuda(monkeypatch)
 @pytest.mark.skipif(not _gpu_ready(), reason="needs CUDA and the compiled HSTU attention kernel")
 def test_residual_gemm_matches_two_ops_cuda(monkeypatch):
     """bf16 autocast, fp32 residual stream, CUDA gate kernel: the output projection + residual
-    as one GEMM (addmm onto x with fp32 output) against the two-op path: outputs within the
-    bf16 rounding of the projection the two-op path adds, gradients bit for bit (the backward
-    does not read the output), and the GEMM path ran (not the fallback)."""
+    as one GEMM (the cuBLASLt op reading x as C, fp32 output) against the two-op path: outputs
+    within the bf16 rounding of the projection the two-op path adds, gradients bit for bit (the
+    backward does not read the output), and the GEMM path ran through the op."""
     from hstu.modules import layer_norm_mul_dropout as lnmd
 
     if not lnmd.load_extension():
@@ -478,6 +478,13 @@ def test_residual_gemm_matches_two_ops_cuda(monkeypatch):
     monkeypatch.setattr(
         fused_mod, "_residual_gemm", lambda *a: gemms.append(a[0].device.type) or real_gemm(*a)
     )
+    ops = []
+    real_op = torch.ops.hstu_lnmd.residual_gemm
+    monkeypatch.setitem(
+        fused_mod._elementwise_state["ops"],
+        "residual_gemm",
+        lambda *a: ops.append(tuple(a[1].shape)) or real_op(*a),
+    )
     results = []
     for on in (True, False):
         layer.residual_gemm = on
@@ -485,6 +492,7 @@ def test_residual_gemm_matches_two_ops_cuda(monkeypatch):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             results.append(_run(layer, x, attn, g))
     assert gemms == ["cuda"]  # the GEMM path ran with the switch on, and only then
+    assert ops == [(x.shape[0], heads * dim + 8)]  # through the op, on [y | 1 | 0]
     (out_on, g_on), (out_off, g_off) = results
     assert out_on.dtype == torch.float32
     proj = out_off - x

@@ -575,6 +575,79 @@ def test_cast_colsum_meta_and_input_errors_cuda():
         op(torch.randn(6 * 64 + 1, device="cuda")[1:].view(6, 64), torch.bfloat16)
 
 
+# ---- output projection + residual as one GEMM ------------------------------------------------
+
+
+def test_residual_gemm_twin_is_the_formula_cpu():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 24, generator=gen)
+    y = torch.randn(9, 16, generator=gen).bfloat16()
+    w = torch.randn(24, 16, generator=gen).bfloat16()
+    out = lnmd.reference_residual_gemm(x, y, w)
+    exact = x.double() + y.double() @ w.double().t()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="must be 2-D"):
+        lnmd.reference_residual_gemm(x, y[0], w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "t,n,k,x_stride,y_stride",
+    [(1, 8, 8, 8, 8), (777, 256, 264, 256, 264), (4099, 1024, 1032, 1032, 1040), (0, 64, 72, 64, 72)],
+)
+@pytest.mark.gpu
+@needs_kernel
+def test_residual_gemm_matches_twin_cuda(dtype, t, n, k, x_stride, y_stride):
+    """x + y w^T against the twin (fp64 of the same products) within fp32 accumulation error,
+    and against torch.addmm with an fp32 output; strided x and y (column blocks of wider
+    tensors, as the fused layer's [y | 1 | 0] buffer is); x untouched; T = 0."""
+    gen = torch.Generator().manual_seed(t + n + k)
+    x_full = torch.randn(t, x_stride, generator=gen).cuda()
+    x = x_full[:, :n]
+    y = (torch.randn(t, y_stride, generator=gen) * 0.5).to("cuda", dtype)[:, :k]
+    w = (torch.randn(n, k, generator=gen) * 0.05).to("cuda", dtype)
+    x_before = x_full.clone()
+    out = torch.ops.hstu_lnmd.residual_gemm(x, y, w)
+    assert out.shape == (t, n) and out.dtype == torch.float32 and out.is_contiguous()
+    assert torch.equal(x_full, x_before)
+    if t == 0:
+        return
+    exact = x.double() + y.double() @ w.double().t()
+    bound = 3e-5 * (x.double().abs() + y.double().abs() @ w.double().abs().t()) + 1e-6
+    assert bool(((out.double() - exact).abs() <= bound).all())
+    ref = lnmd.reference_residual_gemm(x, y, w)
+    assert float((out - ref).abs().max()) <= float(bound.max())
+    addmm = torch.addmm(x, y, w.t(), out_dtype=torch.float32)
+    assert float((out - addmm).abs().max()) <= float(bound.max())
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_residual_gemm_meta_and_input_errors_cuda():
+    op = torch.ops.hstu_lnmd.residual_gemm
+    m = op(torch.empty(7, 64, device="meta"), torch.empty(7, 72, device="meta", dtype=torch.bfloat16),
+           torch.empty(64, 72, device="meta", dtype=torch.bfloat16))  # fmt: skip
+    assert m.shape == (7, 64) and m.dtype == torch.float32
+    x = torch.randn(6, 64, device="cuda")
+    y = torch.randn(6, 72, device="cuda").bfloat16()
+    w = torch.randn(64, 72, device="cuda").bfloat16()
+    with pytest.raises(TypeError, match="must be float32"):
+        op(x.bfloat16(), y, w)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        op(x, y.float(), w.float())
+    with pytest.raises(TypeError, match="cast w to y's dtype"):
+        op(x, y, w.half())
+    with pytest.raises(ValueError, match="rows but x has"):
+        op(x, y[:5], w)
+    with pytest.raises(ValueError, match=r"w must be \[N, K\]"):
+        op(x, y, w[:, :64])
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        op(x, y, torch.randn(72, 64, device="cuda").bfloat16().t())
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        op(x, y.cpu(), w)
+
+
 # ---- input LayerNorm of the fp32 residual stream ---------------------------------------------
 
 

@@ -29,7 +29,9 @@ applies (CUDA, bf16/fp16, H*d a multiple of 8 up to 8192), else the compiled sta
 (`NetworkArgs.fused_gate_kernel`). On CPU the stages run eagerly whatever the setting
 (development mode). With the gating kernel and an fp32 residual stream, the kernel writes y into
 a [T, H*d + 8] buffer with a column of ones, and ``x + y W_o^T + b_o`` is one GEMM accumulating
-onto x with an fp32 output (``residual_gemm``, `NetworkArgs.fused_residual_gemm`).
+onto x with an fp32 output (``residual_gemm``, `NetworkArgs.fused_residual_gemm`): cuBLASLt reading
+x as its C matrix (`torch.ops.hstu_lnmd.residual_gemm`), so x is not first copied into the result
+as torch.addmm copies it.
 
 Memory: by default the Function keeps x, the input LayerNorm output n (matmul dtype), the uvqk
 pre-activation z, its SiLU (u, v, q, k), the attention output a and (compiled gate with dropout)
@@ -366,13 +368,18 @@ def _bias_augmented(t: int, hd: int, dtype: torch.dtype, device: torch.device) -
 def _residual_gemm(
     x: torch.Tensor, y_aug: torch.Tensor, w_c: torch.Tensor, b_c: torch.Tensor
 ) -> torch.Tensor:
-    """x + y W^T + b in fp32 from one GEMM: [y | 1 | 0] [W | b | 0]^T accumulated onto x (cuBLAS
-    reads x as C; addmm's fp32 output from 16-bit operands, torch >= 2.11), with no 16-bit
-    projection written and read back. On CPU (tests of the code path with the kernels' twins)
-    the same GEMM in fp32."""
+    """x + y W^T + b in fp32 from one GEMM: [y | 1 | 0] [W | b | 0]^T accumulated onto x, with no
+    16-bit projection written and read back. On CUDA `torch.ops.hstu_lnmd.residual_gemm`
+    (cuBLASLt reading x as C and writing a new output: torch.addmm would first copy x into its
+    result, a read and write of the whole fp32 stream); with an extension built before that op,
+    addmm (fp32 output from 16-bit operands). On CPU (tests of the code path with the kernels'
+    twins) the op's twin, the same GEMM in fp32."""
     w_aug = torch.cat((w_c, F.pad(b_c.to(w_c.dtype).unsqueeze(1), (0, _BIAS_COLUMNS - 1))), 1)
     if x.device.type != "cuda":
-        return torch.addmm(x, y_aug.float(), w_aug.float().t())
+        return lnmd.reference_residual_gemm(x, y_aug, w_aug)
+    op = _elementwise_ops(x, "residual_gemm")
+    if op is not None:
+        return op(x, y_aug, w_aug)
     return torch.addmm(x, y_aug, w_aug.t(), torch.float32)
 
 

@@ -68,6 +68,7 @@ GRAPH_PAD_SIZES_PER_OCTAVE = 8
 SEQ_GRAIN = 8  # sequences per key rounded up to a multiple of this (empty sequences fill up)
 MIN_SEQLEN_BOUND = 64  # the attention kernels' smallest query tile
 BUFFER_HEADROOM = 1.25  # shared buffers grow to this multiple of the rows that outgrew them
+RECENT_CAPTURES = 16  # captures GraphStats.recent_captures keeps
 
 
 def seqlen_bound(max_seqlen: int) -> int:
@@ -104,6 +105,11 @@ class GraphStats:
     eager: int = 0
     graphs: int = 0
     disabled: str = ""  # why graphs are off for this encoder ("" = on)
+    # times every graph was dropped (buffers outgrown, parameters moved, `reset`)
+    resets: int = 0
+    # the last `RECENT_CAPTURES` captures, oldest first: "rows=.. seqs=.. seqlen<=.. inputs=..
+    # (C contexts, T targets, S timestamps, L last query times, I input gradient) (why; held)"
+    recent_captures: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -200,6 +206,8 @@ class EncoderGraphs:
     # ---- state ---------------------------------------------------------------------------------
     def reset(self) -> None:
         """Drops every graph and buffer (they are captured again on demand)."""
+        if self._entries:
+            self.stats.resets += 1
         self._entries.clear()
         self._seen.clear()
         self._buffers.clear()
@@ -257,16 +265,17 @@ class EncoderGraphs:
             self.stats.eager += 1
             return encoder.forward_eager(x, attn)
         entry = self._entries.get(key)
+        why = "first seen"
         if entry is not None and self._param_ptrs != tuple(p.data_ptr() for p in self.params):
             self.reset()  # parameters were replaced (e.g. moved): the graphs read stale addresses
-            entry = None
+            entry, why = None, "parameters moved"
         if entry is None:
             seen = self._seen.get(key, 0) + 1
             self._seen[key] = seen
             if seen < self.min_uses or len(self._entries) >= self.max_graphs:
                 self.stats.eager += 1
                 return encoder.forward_eager(x, attn)
-            entry = self._capture(encoder, key, x, attn)
+            entry = self._capture(encoder, key, x, attn, why)
             if entry is None:
                 self.stats.eager += 1
                 return encoder.forward_eager(x, attn)
@@ -321,7 +330,9 @@ class EncoderGraphs:
         return True
 
     # ---- buffers -------------------------------------------------------------------------------
-    def _ensure_capacity(self, encoder: nn.Module, key: GraphKey, x: torch.Tensor) -> None:
+    def _ensure_capacity(self, encoder: nn.Module, key: GraphKey, x: torch.Tensor) -> bool:
+        """Shared buffers large enough for ``key``; True when they had to be made anew (every
+        graph captured before is then dropped)."""
         buf = self._buffers.get("x")
         if (
             buf is not None
@@ -329,7 +340,7 @@ class EncoderGraphs:
             and buf.shape[1] == key.hidden
             and buf.dtype == key.dtype
         ):
-            return
+            return False
         if self._entries:
             logger.info(
                 "CUDA graphs: %d token rows outgrow the shared buffers (%d); capturing anew",
@@ -349,6 +360,7 @@ class EncoderGraphs:
         self.param_grads = [torch.zeros_like(p) for p in self.params]
         self._param_ptrs = tuple(p.data_ptr() for p in self.params)
         self._pool = torch.cuda.graph_pool_handle()
+        return True
 
     def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The one stream every capture (and its warm-up) runs on. The caching allocator hands a
@@ -426,7 +438,12 @@ class EncoderGraphs:
         return torch.autograd.grad(y, inputs, entry.grad_y, allow_unused=True)
 
     def _capture(
-        self, encoder: nn.Module, key: GraphKey, x: torch.Tensor, attn: AttentionInputs
+        self,
+        encoder: nn.Module,
+        key: GraphKey,
+        x: torch.Tensor,
+        attn: AttentionInputs,
+        why: str = "first seen",
     ) -> _Entry | None:
         """Captures ``key``'s pair of graphs; None (graphs then off, the reason logged) when that
         fails. Out of memory is tried once more after the allocator hands its cached free blocks
@@ -435,7 +452,7 @@ class EncoderGraphs:
         activations, docs/architecture.md)."""
         for attempt in (1, 2):
             try:
-                return self._capture_once(encoder, key, x, attn)
+                return self._capture_once(encoder, key, x, attn, why)
             except torch.OutOfMemoryError as exc:
                 error, retry = f"{type(exc).__name__}: {exc}", attempt == 1
             except Exception as exc:  # noqa: BLE001 - any capture failure: run eagerly, say why
@@ -456,12 +473,19 @@ class EncoderGraphs:
         return None
 
     def _capture_once(
-        self, encoder: nn.Module, key: GraphKey, x: torch.Tensor, attn: AttentionInputs
+        self,
+        encoder: nn.Module,
+        key: GraphKey,
+        x: torch.Tensor,
+        attn: AttentionInputs,
+        why: str = "first seen",
     ) -> _Entry:
         # the queued steps finish first, so that the seconds counted are the capture's own
         torch.cuda.synchronize(x.device)
         start = time.perf_counter()
-        self._ensure_capacity(encoder, key, x)
+        had = len(self._entries)
+        if self._ensure_capacity(encoder, key, x) and had:
+            why = f"buffers grew; {had} graphs dropped"
         entry = self._new_entry(key, x)
         self._load(entry, x, attn)
         entry.x.copy_(x)
@@ -505,5 +529,20 @@ class EncoderGraphs:
         self._entries[key] = entry
         self.stats.captures += 1
         self.stats.graphs = len(self._entries)
-        self.stats.capture_seconds += time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.stats.capture_seconds += took
+        flags = "".join(
+            c
+            for c, on in zip(
+                "CTSLI",
+                (key.contexts, key.targets, key.timestamps, key.last_query_time, key.input_grad),
+            )
+            if on
+        )
+        note = (
+            f"rows={key.rows} seqs={key.num_seqs} seqlen<={key.seqlen_bound} inputs={flags or '-'}"
+            f" autocast={key.autocast[0]} ({why}; {len(self._entries)} held)"
+        )
+        self.stats.recent_captures = (self.stats.recent_captures + [note])[-RECENT_CAPTURES:]
+        logger.info("CUDA graphs: captured %s in %.2f s", note, took)
         return entry

@@ -74,6 +74,7 @@ __all__ = [
     "reference_fwd",
     "reference_ln_bwd",
     "reference_ln_fwd",
+    "reference_residual_gemm",
     "reference_silu_chunk_major",
     "reference_silu_chunk_major_backward",
     "reference_silu_chunk_major_backward_into",
@@ -360,6 +361,18 @@ def reference_cast_colsum(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Te
     if x.dim() != 2:
         raise ValueError(f"cast_colsum: x must be 2-D [T, D]; got shape {tuple(x.shape)}")
     return x.to(dtype), x.float().sum(0)
+
+
+def reference_residual_gemm(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """PyTorch twin of torch.ops.hstu_lnmd.residual_gemm: x + y w^T in fp32 (x fp32 [T, N], y
+    [T, K], w [N, K]; 16-bit products are exact in fp32, so the op differs only by the order of
+    its fp32 additions)."""
+    if x.dim() != 2 or y.dim() != 2 or w.dim() != 2:
+        raise ValueError(
+            f"residual_gemm: x, y, w must be 2-D; got shapes {tuple(x.shape)}, "
+            f"{tuple(y.shape)}, {tuple(w.shape)}"
+        )
+    return torch.addmm(x.float(), y.float(), w.float().t())
 
 
 def reference_ln_fwd(

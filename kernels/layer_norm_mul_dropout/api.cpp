@@ -49,6 +49,13 @@
 //
 // x: fp32 [T, D], D a multiple of 8 (last dim contiguous, row stride a multiple of 8, 16-byte
 // aligned); y = x.to(dtype) (bf16/fp16, contiguous); colsum = x.sum(0) in fp32, same pass.
+//
+//   residual_gemm(x, y, w) -> out
+//
+// out = x + y w^T in fp32 (fp32 accumulation) from one cuBLASLt matmul that reads x as its C
+// matrix and writes a new out (residual_gemm.cpp): no copy of x first, as torch.addmm makes.
+// x: fp32 [T, N]; y: bf16/fp16 [T, K]; w: y's dtype [N, K]; each with a contiguous last dim and
+// a row stride >= its row length; out: fp32 [T, N] contiguous.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -62,6 +69,7 @@
 #include <vector>
 
 #include "launch.h"
+#include "residual_gemm.h"
 
 namespace {
 
@@ -601,6 +609,55 @@ std::tuple<Tensor, Tensor> cast_colsum_cuda(const Tensor& x, c10::ScalarType dty
   return {y, sum_partials(partials, 1)[0]};
 }
 
+// A 2-D operand of residual_gemm: its checks, with the fix in each message.
+void check_gemm_operand(const Tensor& t, const char* name, const Tensor& x) {
+  const std::string n(name);
+  LNMD_VALUE(t.is_cuda(), "residual_gemm: " + n + " must be a CUDA tensor; got device " +
+                              t.device().str());
+  LNMD_VALUE(t.device() == x.device(), "residual_gemm: " + n + " is on " + t.device().str() +
+                                           " but x is on " + x.device().str());
+  LNMD_VALUE(t.dim() == 2, "residual_gemm: " + n + " must be 2-D; got shape " + shape_of(t));
+  if (t.numel() == 0) return;
+  LNMD_VALUE(t.stride(1) == 1, "residual_gemm: " + n +
+                                   " must have a contiguous last dim (stride 1); got stride " +
+                                   std::to_string(t.stride(1)) + " (call .contiguous())");
+  LNMD_VALUE(t.size(0) == 1 || t.stride(0) >= t.size(1),
+             "residual_gemm: " + n + " row stride must be >= its row length; got " +
+                 std::to_string(t.stride(0)) + " for shape " + shape_of(t) +
+                 " (call .contiguous())");
+}
+
+Tensor residual_gemm_cuda(const Tensor& x, const Tensor& y, const Tensor& w) {
+  check_gemm_operand(x, "x", x);
+  check_gemm_operand(y, "y", x);
+  check_gemm_operand(w, "w", x);
+  LNMD_TYPE(x.scalar_type() == at::kFloat,
+            "residual_gemm: x (the residual stream) must be float32; got " + dtype_of(x));
+  LNMD_TYPE(y.scalar_type() == at::kBFloat16 || y.scalar_type() == at::kHalf,
+            "residual_gemm: y must be bfloat16 or float16; got " + dtype_of(y));
+  LNMD_TYPE(w.scalar_type() == y.scalar_type(),
+            "residual_gemm: w has dtype " + dtype_of(w) + " but y has " + dtype_of(y) +
+                " (cast w to y's dtype)");
+  LNMD_VALUE(y.size(0) == x.size(0), "residual_gemm: y has " + std::to_string(y.size(0)) +
+                                         " rows but x has " + std::to_string(x.size(0)));
+  LNMD_VALUE(w.size(0) == x.size(1) && w.size(1) == y.size(1),
+             "residual_gemm: w must be [N, K] = [" + std::to_string(x.size(1)) + ", " +
+                 std::to_string(y.size(1)) + "] for x " + shape_of(x) + " and y " + shape_of(y) +
+                 "; got " + shape_of(w));
+  LNMD_VALUE(x.size(1) > 0 && y.size(1) > 0,
+             "residual_gemm: N and K must be positive; got x " + shape_of(x) + ", y " +
+                 shape_of(y));
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.size(0) == 0) return out;
+  lnmd::residual_gemm_lt(x, y, w, out);
+  return out;
+}
+
+Tensor residual_gemm_meta(const Tensor& x, const Tensor& y, const Tensor& w) {
+  return at::empty_symint(x.sym_sizes(), x.options().dtype(at::kFloat));
+}
+
 std::tuple<Tensor, Tensor> cast_colsum_meta(const Tensor& x, c10::ScalarType dtype) {
   return {at::empty_symint(x.sym_sizes(), x.options().dtype(dtype)),
           at::empty_symint({x.sym_size(1)}, x.options().dtype(at::kFloat))};
@@ -664,6 +721,7 @@ TORCH_LIBRARY(hstu_lnmd, m) {
   m.def("silu_chunk_major_backward_into(Tensor dv, Tensor dq, Tensor dk, Tensor z, "
         "Tensor(a!) dz, bool bias_grad) -> Tensor");
   m.def("cast_colsum(Tensor x, ScalarType dtype) -> (Tensor, Tensor)");
+  m.def("residual_gemm(Tensor x, Tensor y, Tensor w) -> Tensor");
   m.def("ln_fwd(Tensor x, Tensor weight, Tensor bias, float eps, ScalarType dtype) -> "
         "(Tensor, Tensor, Tensor)");
   m.def("ln_bwd(Tensor dn, Tensor x, Tensor mean, Tensor rstd, Tensor weight, Tensor dres) -> "
@@ -677,6 +735,7 @@ TORCH_LIBRARY_IMPL(hstu_lnmd, CUDA, m) {
   m.impl("silu_chunk_major_backward", &silu_bwd_cuda);
   m.impl("silu_chunk_major_backward_into", &silu_bwd_into_cuda);
   m.impl("cast_colsum", &cast_colsum_cuda);
+  m.impl("residual_gemm", &residual_gemm_cuda);
   m.impl("ln_fwd", &ln_fwd_cuda);
   m.impl("ln_bwd", &ln_bwd_cuda);
 }
@@ -688,6 +747,7 @@ TORCH_LIBRARY_IMPL(hstu_lnmd, Meta, m) {
   m.impl("silu_chunk_major_backward", &silu_bwd_meta);
   m.impl("silu_chunk_major_backward_into", &silu_bwd_into_meta);
   m.impl("cast_colsum", &cast_colsum_meta);
+  m.impl("residual_gemm", &residual_gemm_meta);
   m.impl("ln_fwd", &ln_fwd_meta);
   m.impl("ln_bwd", &ln_bwd_meta);
 }

@@ -367,7 +367,7 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
                     and (graphs.disabled or graphs.replays > before.replays)
                 )
             )
-        trainer._resolve(pending)
+        flops = [row["flops"] for row in trainer._resolve(pending)]
         _sync(trainer)
         wall = time.perf_counter() - start
     rank, world = trainer.info.rank, trainer.info.world_size
@@ -394,7 +394,7 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:30]
     host = _host_ops(events)
     waits = _host_waits(events)
-    steady = _steady_steps(events, clean)
+    steady = _steady_steps(events, clean, flops, trainer.info.world_size)
     # a profiled step that captured a graph (a token count seen for the first time) also ran its
     # warm-up passes eagerly: its kernels count about twice
     graph_counts = {}
@@ -461,14 +461,21 @@ def _host_ops(events: list) -> dict:
 STEP_MARK = "bench_step_"  # record_function name of profiled step i: STEP_MARK + str(i)
 
 
-def _steady_steps(events: list, clean: list[bool]) -> dict:
+def _steady_steps(
+    events: list, clean: list[bool], flops: list[float] | None = None, world: int = 1
+) -> dict:
     """GPU time of the profiled steps that captured nothing (``clean[i]``), from a chrome trace
     whose steps were issued inside `STEP_MARK` annotations: every kernel, copy and fill is charged
-    to the step whose host range issued it (CUDA runtime call -> correlation id -> GPU event).
+    to the step during whose host range it was issued, from any thread (CUDA runtime call ->
+    correlation id -> GPU event; the step waits for its backward, which autograd's threads
+    launch).
     A step's GPU period runs from its first GPU event to the next step's; periods are taken where
     both steps are clean. Per step: ``steady_gpu_step_ms`` (mean period), ``steady_kernel_ms``,
     ``steady_copy_ms`` (copies and fills, which are not kernels), ``steady_gpu_idle_ms`` (period
-    less both: the GPU waiting for the host), over ``steady_steps`` periods."""
+    less both: the GPU waiting for the host), over ``steady_steps`` periods; with the steps'
+    ``flops`` (all ranks), ``steady_tflops_per_gpu`` (over the periods) and
+    ``steady_kernel_tflops_per_gpu`` (over the kernel time alone), which compare runs whose
+    profiled batches differ."""
     marks = sorted(
         (e for e in events if str(e.get("name", "")).startswith(STEP_MARK) and "dur" in e
          and e.get("cat") == "user_annotation"),
@@ -479,8 +486,8 @@ def _steady_steps(events: list, clean: list[bool]) -> dict:
         if e.get("cat") != "cuda_runtime" or "dur" not in e:
             continue
         corr = e.get("args", {}).get("correlation")
-        for m in marks:
-            if m["ts"] <= e["ts"] <= m["ts"] + m["dur"] and m.get("tid") == e.get("tid"):
+        for m in marks:  # any thread: the backward's launches come from autograd's threads
+            if m["ts"] <= e["ts"] <= m["ts"] + m["dur"]:
                 step_of_corr[corr] = int(m["name"][len(STEP_MARK) :])
                 break
     n = len(clean)
@@ -507,13 +514,18 @@ def _steady_steps(events: list, clean: list[bool]) -> dict:
     period = sum(first[i + 1] - first[i] for i in pairs) / len(pairs) / 1e3
     k = sum(kern[i] for i in pairs) / len(pairs) / 1e3
     c = sum(copy[i] for i in pairs) / len(pairs) / 1e3
-    return {
+    out = {
         "steady_steps": len(pairs),
         "steady_gpu_step_ms": period,
         "steady_kernel_ms": k,
         "steady_copy_ms": c,
         "steady_gpu_idle_ms": period - k - c,
     }
+    if flops is not None and len(flops) == n:
+        f = sum(flops[i] for i in pairs) / len(pairs) / max(world, 1)
+        out["steady_tflops_per_gpu"] = f / (period * 1e-3) / 1e12 if period > 0 else 0.0
+        out["steady_kernel_tflops_per_gpu"] = f / (k * 1e-3) / 1e12 if k > 0 else 0.0
+    return out
 
 
 # CUDA runtime calls that block the host until the GPU reaches them (a device-to-host copy

@@ -163,6 +163,10 @@ def test_steady_steps_charge_gpu_work_to_the_issuing_step(load_script):
     assert both["steady_steps"] == 3
     assert both["steady_gpu_step_ms"] == pytest.approx((1.0 + 0.9 + 1.0) / 3)
     assert bench._steady_steps(events, [False] * 4) == {"steady_steps": 0}
+    # with the steps' FLOPs: 2e9 per step over a 1 ms period and 0.3 ms of kernels, two ranks
+    rated = bench._steady_steps(events, [True, True, False, True], [4e9] * 4, world=2)
+    assert rated["steady_tflops_per_gpu"] == pytest.approx(2.0)
+    assert rated["steady_kernel_tflops_per_gpu"] == pytest.approx(2e9 / 0.3e-3 / 1e12)
 
 
 class _FakeGraphs:

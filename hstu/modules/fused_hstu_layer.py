@@ -377,7 +377,7 @@ def _residual_gemm(
     w_aug = torch.cat((w_c, F.pad(b_c.to(w_c.dtype).unsqueeze(1), (0, _BIAS_COLUMNS - 1))), 1)
     if x.device.type != "cuda":
         return lnmd.reference_residual_gemm(x, y_aug, w_aug)
-    op = _elementwise_ops(x, "residual_gemm")
+    op = _elementwise_ops(y_aug, "residual_gemm")  # y's dtype: x is the fp32 stream
     if op is not None:
         return op(x, y_aug, w_aug)
     return torch.addmm(x, y_aug, w_aug.t(), torch.float32)

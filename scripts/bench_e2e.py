@@ -483,7 +483,8 @@ def _steady_steps(
     )  # fmt: skip
     step_of_corr: dict = {}
     for e in events:
-        if e.get("cat") != "cuda_runtime" or "dur" not in e:
+        # runtime and driver API calls: cuBLAS launches its kernels through the driver API
+        if e.get("cat") not in ("cuda_runtime", "cuda_driver") or "dur" not in e:
             continue
         corr = e.get("args", {}).get("correlation")
         for m in marks:  # any thread: the backward's launches come from autograd's threads

@@ -134,8 +134,8 @@ def test_steady_steps_charge_gpu_work_to_the_issuing_step(load_script):
     def step(i, ts, dur):
         return {"cat": "user_annotation", "name": f"{mark}{i}", "ts": ts, "dur": dur, "tid": 1}
 
-    def launch(corr, ts):
-        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": 1,
+    def launch(corr, ts, cat="cuda_runtime", tid=1):
+        return {"cat": cat, "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid,
                 "args": {"correlation": corr}}  # fmt: skip
 
     def gpu(cat, corr, ts, dur):
@@ -143,12 +143,12 @@ def test_steady_steps_charge_gpu_work_to_the_issuing_step(load_script):
 
     events = [
         step(0, 0, 10), launch(1, 2), launch(2, 5),
-        step(1, 10, 10), launch(3, 12),
+        step(1, 10, 10), launch(3, 12), launch(7, 15, "cuda_driver", tid=2),  # cuBLAS, autograd
         step(2, 20, 10), launch(4, 22),
         step(3, 30, 10), launch(5, 32),
         launch(6, 50),  # outside every step: not charged
         gpu("kernel", 1, 100, 300), gpu("gpu_memcpy", 2, 400, 100),  # step 0: 500 us from 100
-        gpu("kernel", 3, 1100, 800),  # step 1 starts at 1100: period 1000 us
+        gpu("kernel", 3, 1100, 700), gpu("kernel", 7, 1800, 100),  # step 1 from 1100: 1000 us
         gpu("kernel", 4, 2000, 900), gpu("gpu_memset", 4, 2950, 10),  # step 2 (captured)
         gpu("kernel", 5, 3000, 100), gpu("kernel", 6, 1000, 5000),
     ]  # fmt: skip
@@ -162,6 +162,8 @@ def test_steady_steps_charge_gpu_work_to_the_issuing_step(load_script):
     both = bench._steady_steps(events, [True] * 4)  # periods 1000, 900, 1000 us
     assert both["steady_steps"] == 3
     assert both["steady_gpu_step_ms"] == pytest.approx((1.0 + 0.9 + 1.0) / 3)
+    # step 1's second kernel came from a driver-API launch on another thread
+    assert both["steady_kernel_ms"] == pytest.approx((0.3 + 0.8 + 0.9) / 3)
     assert bench._steady_steps(events, [False] * 4) == {"steady_steps": 0}
     # with the steps' FLOPs: 2e9 per step over a 1 ms period and 0.3 ms of kernels, two ranks
     rated = bench._steady_steps(events, [True, True, False, True], [4e9] * 4, world=2)

@@ -39,7 +39,7 @@ def test_sources_present_and_torch_free():
     for needed in ("TORCH_LIBRARY(hstu_lnmd", "TORCH_LIBRARY_IMPL(hstu_lnmd, CUDA", "Meta"):
         assert needed in api
     # the chunk-major SiLU and cast ops: schema, CUDA and Meta implementations
-    for op in ("silu_chunk_major", "silu_chunk_major_backward", "cast_colsum"):
+    for op in ("silu_chunk_major", "silu_chunk_major_backward", "cast_colsum", "residual_gemm"):
         assert f'm.def("{op}(' in api
         assert api.count(f'm.impl("{op}", ') == 2, op
 
@@ -73,7 +73,8 @@ def test_setup_builds_every_kernel_source():
         os.environ.clear()
         os.environ.update(env)
     names = sorted(os.path.relpath(s, "kernels/layer_norm_mul_dropout") for s in srcs)
-    assert names == sorted(["api.cpp", *CUDA_SOURCES]), names
+    # the torch glue: api.cpp and residual_gemm.cpp (cuBLASLt with torch's handle), then kernels
+    assert names == sorted(["api.cpp", "residual_gemm.cpp", *CUDA_SOURCES]), names
 
 
 @pytest.mark.parametrize("name", CUDA_SOURCES)

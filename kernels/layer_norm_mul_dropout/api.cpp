@@ -69,7 +69,13 @@
 #include <vector>
 
 #include "launch.h"
-#include "residual_gemm.h"
+
+namespace lnmd {
+// residual_gemm.cpp (host code calling cuBLASLt with torch's handle and workspace): out = x +
+// y w^T for the checked tensors of residual_gemm below (T, N, K > 0, out fp32 [T, N] contiguous).
+void residual_gemm_lt(const at::Tensor& x, const at::Tensor& y, const at::Tensor& w,
+                      at::Tensor& out);
+}  // namespace lnmd
 
 namespace {
 

@@ -15,7 +15,9 @@
 //
 // The matmul's algorithm comes from cuBLASLt's heuristic, asked once per shape, leading
 // dimensions, dtype, pointer alignment and device (cached with its descriptors); the workspace is
-// torch's cuBLASLt workspace for the current stream, as torch's own matmuls use it.
+// torch's cuBLASLt workspace for the current stream, as torch's own matmuls use it. Declared in
+// api.cpp, which checks the tensors first (this file, like api.cpp, is torch glue: the kernel
+// headers and .cu files stay torch-free).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
@@ -27,8 +29,6 @@
 #include <mutex>
 #include <string>
 #include <tuple>
-
-#include "residual_gemm.h"
 
 namespace lnmd {
 namespace {

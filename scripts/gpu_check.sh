@@ -11,7 +11,8 @@
 # Beauty, ML-100K from data/raw), inference (scripts/bench_inference.py), small
 # (scripts/bench_small.py, eager vs CUDA graphs), small-profile (the same with a profile),
 # hybrid-e2e (the e2e model with a 20M-row hybrid item table against 2M rows in HBM), e2e-graphs
-# (the e2e step eager and with CUDA graphs of the encoder), e2e-ab (the e2e step against another
+# (the e2e step eager and with CUDA graphs of the encoder), e2e-graph-sizes (eager against graphs
+# of 16 and 32 pad sizes, profiled), e2e-ab (the e2e step against another
 # tree's, E2E_BASE=<dir>), attn-bias (the relative bias's cost), hybrid
 # (scripts/bench_embedding.py --hybrid); A/B runs of one build (no
 # reference): attn-ab (dispatch order), attn-fwd256 (d256 forward tiles), dq-convert-ab (where dQ
@@ -82,6 +83,13 @@ step() {
     e2e) e2e_bench "$E2E_ITEMS" ;;
     e2e-graphs)  # the same, eager and with the encoder from CUDA graphs
       for g in False True; do e2e_bench "$E2E_ITEMS" "NetworkArgs.cuda_graphs=$g"; done ;;
+    e2e-graph-sizes)  # eager, then graphs padding to 16 and to 32 token counts per power of two
+      # (32: eager's own padding), each with a profile of 10 steps (its steady_* figures)
+      e2e_bench "$E2E_ITEMS" --profile "$out/prof_eager" --profile-steps 10 --out "$out/e2e_graph_sizes.jsonl"
+      for n in 16 32; do
+        e2e_bench "$E2E_ITEMS" "NetworkArgs.cuda_graphs=True" "NetworkArgs.cuda_graph_pad_sizes=$n" \
+          --profile "$out/prof_graphs$n" --profile-steps 10 --out "$out/e2e_graph_sizes.jsonl"
+      done ;;
     data)  # the public datasets, from copies in data/raw (ml-1m.txt.gz, Beauty.txt, ml-100k/u.data)
       python3 -m hstu.data.prepare --dataset sequences --source data/raw/ml-1m.txt.gz --output data/ml-1m
       python3 -m hstu.data.prepare --dataset amazon-beauty --source data/raw/Beauty.txt --output data/amazon-beauty

@@ -31,6 +31,7 @@ lengths) so long-sequence configs see long sequences. --device cpu runs a tiny c
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import gc
 import json
@@ -545,8 +546,10 @@ def _host_waits(events: list) -> dict:
     for e in events:
         if e.get("cat") == "cpu_op" and "dur" in e:
             ops_by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    for evs in ops_by_thread.values():
+    starts = {}
+    for tid, evs in ops_by_thread.items():
         evs.sort(key=lambda e: e["ts"])
+        starts[tid] = [e["ts"] for e in evs]
     count, total = 0, 0.0
     per: dict[str, list] = {}
     for e in events:
@@ -559,11 +562,13 @@ def _host_waits(events: list) -> dict:
         if not blocking:
             continue
         owner = "(none)"
-        for op in ops_by_thread.get((e.get("pid"), e.get("tid")), ()):
-            if op["ts"] > e["ts"]:
+        tid = (e.get("pid"), e.get("tid"))
+        ops = ops_by_thread.get(tid, [])
+        # the latest-starting operator that encloses the call is the innermost one
+        for i in range(bisect.bisect_right(starts.get(tid, []), e["ts"]) - 1, -1, -1):
+            if ops[i]["ts"] + ops[i]["dur"] >= e["ts"] + e["dur"]:
+                owner = ops[i]["name"]
                 break
-            if op["ts"] + op["dur"] >= e["ts"] + e["dur"]:
-                owner = op["name"]  # later starts are nested deeper: the innermost wins
         count += 1
         total += e["dur"]
         acc = per.setdefault(f"{owner} <- {name}", [0.0, 0])

@@ -237,6 +237,32 @@ def test_preprocessor_gradients_equal_to_device_reading(num_ctx, pad):
         assert torch.equal(a, b)
 
 
+def test_preprocessor_history_tokens_same_in_deterministic_mode():
+    """The action tokens join the history rows by index_add_ (one addition per row), or by the
+    sorted index_put_ under torch.use_deterministic_algorithms: same tokens and gradients."""
+    torch.manual_seed(2)
+    pre = SequencePreprocessor(8, 4, 12, 1)
+    batch = _random_batch(5, 6, ["f0"], max_cand=3)
+    ctx0 = [torch.randn(6, 8)]
+    items0 = _item_embeddings(batch, 8, 5)
+    results = []
+    before = torch.are_deterministic_algorithms_enabled()
+    for deterministic in (False, True):
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            pre.zero_grad()
+            values = items0.values().clone().requires_grad_()
+            items = JaggedTensor(values=values, lengths=items0.lengths())
+            x, layout = pre(batch, ctx0, items)
+            (x[: layout.num_tokens].cos()).sum().backward()
+        finally:
+            torch.use_deterministic_algorithms(before)
+        results.append([x.detach(), values.grad] + [p.grad.clone() for p in pre.parameters()])
+    assert results[0][0].abs().sum() > 0
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("n_bits", [1, 3, 8, 13])
 def test_action_tokens_match_per_token_product(n_bits):
     """The action tokens from the table of bit combinations (or, above MAX_COMBO_BITS, the

@@ -251,7 +251,8 @@ class SequencePreprocessor(nn.Module):
         # row gets exactly one addition, so index_add_ (one kernel on CUDA, its atomics touching
         # distinct rows) gives index_put_'s accumulate bit for bit without its index sort and
         # bounds checks (~20 launches; in the benchmark model's profile 0.17 ms of GPU time and
-        # ~0.6 ms of host time a step); deterministic mode keeps the sorted index_put_
+        # 0.63 ms of host time a step under the stack-recording profiler); deterministic mode
+        # keeps the sorted index_put_
         if torch.are_deterministic_algorithms_enabled():
             tok.index_put_((hist_index,), action_tok, accumulate=True)
         else:

@@ -435,17 +435,24 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
     }
 
 
-def _host_ops(events: list) -> dict:
-    """Top-level CPU operators of a chrome trace: the `cpu_op` events not inside another one
-    on the same thread."""
+def _ops_by_thread(events: list) -> dict:
+    """The `cpu_op` events of a chrome trace per (pid, tid), by start time, an enclosing
+    operator before the ones it encloses (longer first at equal starts)."""
     by_thread: dict = {}
     for e in events:
         if e.get("cat") == "cpu_op" and "dur" in e:
             by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    count, total = 0, 0.0
-    per: dict[str, list] = {}
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+    return by_thread
+
+
+def _host_ops(events: list) -> dict:
+    """Top-level CPU operators of a chrome trace: the `cpu_op` events not inside another one
+    on the same thread."""
+    count, total = 0, 0.0
+    per: dict[str, list] = {}
+    for evs in _ops_by_thread(events).values():
         end = float("-inf")
         for e in evs:
             if e["ts"] >= end:  # not nested in the previous top-level operator
@@ -542,14 +549,8 @@ def _host_waits(events: list) -> dict:
     innermost CPU operator around it on its thread ("(none)" outside every operator). A wait
     inside a step stops the host from queueing the next work ahead of the GPU, so the GPU idles
     while the host issues what follows."""
-    ops_by_thread: dict = {}
-    for e in events:
-        if e.get("cat") == "cpu_op" and "dur" in e:
-            ops_by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    starts = {}
-    for tid, evs in ops_by_thread.items():
-        evs.sort(key=lambda e: e["ts"])
-        starts[tid] = [e["ts"] for e in evs]
+    ops_by_thread = _ops_by_thread(events)
+    starts = {tid: [e["ts"] for e in evs] for tid, evs in ops_by_thread.items()}
     count, total = 0, 0.0
     per: dict[str, list] = {}
     for e in events:

@@ -368,13 +368,13 @@ def _bias_augmented(t: int, hd: int, dtype: torch.dtype, device: torch.device) -
 def _residual_gemm(
     x: torch.Tensor, y_aug: torch.Tensor, w_c: torch.Tensor, b_c: torch.Tensor
 ) -> torch.Tensor:
-    """x + y W^T + b in fp32 from one GEMM: [y | 1 | 0] [W | b | 0]^T accumulated onto x, with no
-    16-bit projection written and read back. On CUDA `torch.ops.hstu_lnmd.residual_gemm`
-    (cuBLASLt reading x as C and writing a new output: torch.addmm would first copy x into its
-    result, a read and write of the whole fp32 stream); with an extension built before that op,
-    addmm (fp32 output from 16-bit operands). On CPU (tests of the code path with the kernels'
-    twins) the op's twin, the same GEMM in fp32."""
-    w_aug = torch.cat((w_c, F.pad(b_c.to(w_c.dtype).unsqueeze(1), (0, _BIAS_COLUMNS - 1))), 1)
+    """x + y W^T + b in fp32 from one GEMM (W and b in y's dtype): [y | 1 | 0] [W | b | 0]^T
+    accumulated onto x, with no 16-bit projection written and read back. On CUDA
+    `torch.ops.hstu_lnmd.residual_gemm` (cuBLASLt reading x as C and writing a new output:
+    torch.addmm would first copy x into its result, a read and write of the whole fp32 stream);
+    with an extension built before that op, addmm (fp32 output from 16-bit operands). On CPU
+    (tests of the code path with the kernels' twins) the op's twin, the same GEMM in fp32."""
+    w_aug = torch.cat((w_c, F.pad(b_c.unsqueeze(1), (0, _BIAS_COLUMNS - 1))), 1)
     if x.device.type != "cuda":
         return lnmd.reference_residual_gemm(x, y_aug, w_aug)
     op = _elementwise_ops(y_aug, "residual_gemm")  # y's dtype: x is the fp32 stream

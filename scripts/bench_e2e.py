@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import dataclasses
 import gc
 import json
@@ -129,10 +130,20 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --profile: also record Python call stacks (python_function events in the "
         "trace: which Python code issues the host work; slows the profiled steps)",
     )
+    p.add_argument(
+        "--find-syncs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed steps, run N more with torch.cuda.set_sync_debug_mode('warn') and "
+        "report each call that made the host wait for the GPU by call site (sync_sites: the "
+        "innermost frame inside hstu/, the call, count per step); each such wait drains the "
+        "launch queue, so the GPU idles while the host issues what follows",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.profile_steps < 1:
         p.error("--steps and --profile-steps must be >= 1")
-    for name in ("warmup", "graph_warmup", "issue_probes"):
+    for name in ("warmup", "graph_warmup", "issue_probes", "find_syncs"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.profile_stack and not args.profile:
@@ -579,6 +590,44 @@ def _host_waits(events: list) -> dict:
     return {"count": count, "total_us": total, "top": top}
 
 
+def _sync_site(stack: list, message: str) -> str:
+    """A synchronising call's site: the innermost frame of the hstu package (file:line function,
+    "(outside hstu)" if none) and the first line of the warning that named the call."""
+    where = "(outside hstu)"
+    for frame in reversed(stack):
+        path = frame.filename.replace("\\", "/")
+        if "/hstu/" in path:
+            where = f"hstu/{path.rsplit('/hstu/', 1)[1]}:{frame.lineno} {frame.name}"
+            break
+    return f"{where} | {message.strip().splitlines()[0][:100] if message.strip() else '?'}"
+
+
+def _find_syncs(trainer, steps: int) -> list:
+    """Runs ``steps`` training steps with CUDA sync debugging on and counts the synchronising
+    calls per call site (`_sync_site`), most frequent first, as [site, calls per step]. Calls
+    made on the autograd engine's threads are reported where the engine replays their warnings
+    (the backward call)."""
+    import traceback
+    import warnings
+
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        sites[_sync_site(traceback.extract_stack()[:-1], str(message))] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                trainer.train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    _sync(trainer)
+    return [[site, n / steps] for site, n in sites.most_common(20)]
+
+
 def _sync(trainer) -> None:
     if trainer.device.type == "cuda":
         torch.cuda.synchronize(trainer.device)
@@ -652,6 +701,8 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
         elapsed = time.perf_counter() - start
         g1 = dataclasses.replace(graphs) if graphs is not None else None
         alone = _issue_alone(trainer, args.issue_probes, graphs)
+        if args.find_syncs and trainer.device.type == "cuda":
+            alone["sync_sites"] = _find_syncs(trainer, args.find_syncs)
     world = trainer.info.world_size
     tflops = flops / world / elapsed / 1e12
     graph_row = {}

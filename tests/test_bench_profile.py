@@ -294,3 +294,22 @@ def test_bench_e2e_profile_two_processes_trace_every_rank(tmp_path):
     assert run and run[0]["profile"]["steps"] == 1
     assert (prof_dir / "reference_w2_trace.json.gz").exists()
     assert (prof_dir / "reference_w2_rank1_trace.json.gz").exists()
+
+
+def test_sync_site_names_the_innermost_hstu_frame(load_script):
+    """--find-syncs reports each synchronising call by the innermost frame inside the hstu
+    package, whatever library frames (torch, the standard library) sit below it."""
+    import traceback
+
+    _sync_site = load_script("bench_e2e")._sync_site
+    FS = traceback.FrameSummary
+    stack = [
+        FS("/x/scripts/bench_e2e.py", 10, "main"),
+        FS("/repo/hstu/training/trainer.py", 457, "_train_step_async"),
+        FS("/repo/hstu/modules/preprocessor.py", 120, "forward"),
+        FS("/venv/site-packages/torch/_tensor.py", 50, "item"),
+    ]
+    site = _sync_site(stack, "called a synchronizing CUDA operation\nmore text")
+    assert site == "hstu/modules/preprocessor.py:120 forward | called a synchronizing CUDA operation"
+    assert _sync_site(stack[:1], "x").startswith("(outside hstu) | x")
+    assert _sync_site([], "").endswith("| ?")

@@ -1,11 +1,14 @@
 // HSTU attention forward for SM90 (H100/H200) with warpgroup MMAs (wgmma): the algorithm of
-// hstu_fwd_kernel (fwd_kernel.h) for the training call, with both GEMMs read by the tensor cores
-// straight from shared memory:
+// hstu_fwd_kernel (fwd_kernel.h) for the training call:
 //   per CTA kBlockM = 128 query rows (one 64-row half per warpgroup), walking its key blocks from
-//   the highest down (K/V double-buffered: the next block streams in during this one):
-//     S = Q K^T                         (asynchronous, waited)
-//     P = SiLU(alpha S) / scale, masked -> shared memory as Element (each warpgroup its rows)
-//     O += P V                          (V read MN-major, the whole head dim per warpgroup)
+//   the highest down:
+//     S = Q K^T                  (Q and K read by the tensor cores from shared memory)
+//     P = SiLU(alpha S) / scale, masked, converted to Element in registers
+//     O += P V                   (P from registers as the A operand, V read MN-major from shared
+//                                 memory, the whole head dim per warpgroup)
+//   S of key block c is issued together with O += P V of block c - 1, so the SiLU of block c
+//   runs while the tensor cores multiply the previous P. K and V stream one block apart (K of
+//   c + 1 and V of c load during block c), double-buffered: 192 KB of shared memory.
 // Used where the build carries sm_90a code on a 9.0 device, for calls without the relative bias
 // and without a cache (q_cu_seqlens, seq_lens, key splits); launch.h picks the SM80 kernel then.
 #pragma once
@@ -36,15 +39,22 @@ struct FwdTraitsSm90 : Sm90Traits<Element_, kHeadDim_, kBlockM_, kBlockN_> {
   // V as (head dim, keys): the B operand of P V, MN-major.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
-  using SmemLayoutP = SmemTileK<Element, kBlockM, kBlockN>;
 
   using TiledMmaS = GmmaTiled<Element, kBlockN, GMMA::Major::K, GMMA::Major::K, 2, 1>;
-  using TiledMmaO = GmmaTiled<Element, kHeadDim, GMMA::Major::K, GMMA::Major::MN, 2, 1>;
+  // O += P V with P from registers (the A operand of a register-sourced wgmma).
+  using TiledMmaO = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, _16>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  // P's registers as the A operand: the S accumulator ((2 cols, 2 rows, kBlockN / 8 column
+  // groups), 1, 1) converted to Element is, register for register, the A fragment
+  // ((2 k, 2 rows, 2 k halves), 1, kBlockN / 16 k-blocks) of the 64 x kHeadDim x 16 wgmma.
+  using LayoutPRegs = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>,
+                             Stride<Stride<_1, _2, _4>, _0, _8>>;
 
   static constexpr int kSmemQ = int(size(SmemLayoutQ{})) * sizeof(Element);
   static constexpr int kSmemKV = int(size(SmemLayoutKV{})) * sizeof(Element);
-  static constexpr int kSmemP = int(size(SmemLayoutP{})) * sizeof(Element);
-  static constexpr int kSmemSize = kSmemQ + 4 * kSmemKV + kSmemP;
+  static constexpr int kSmemSize = kSmemQ + 4 * kSmemKV;
 };
 
 template <typename T, int D>
@@ -54,12 +64,16 @@ struct FwdConfigSm90 {
 template <typename T>
 struct FwdConfigSm90<T, 256> {
   static constexpr bool kEnabled = true;
-  using type = FwdTraitsSm90<T, 256, 128, 64>;  // 208 KB
+  using type = FwdTraitsSm90<T, 256, 128, 64>;  // 192 KB
 };
 
-// Barrier of one warpgroup's 128 threads (ids 1 and 2; 0 is __syncthreads).
-__device__ __forceinline__ void warpgroup_barrier(int wg) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory");
+// Issues acc (+)= A B with A from registers (tCrA) over all k-slices as one wgmma batch.
+template <bool kZero, class TiledMma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void gmma_issue_rs(TiledMma& mma, FragA& tCrA, FragB const& tCrB,
+                                              Acc& acc) {
+  warpgroup_fence_operand(tCrA);
+  gmma_issue<kZero>(mma, tCrA, tCrB, acc);
+  warpgroup_fence_operand(tCrA);
 }
 
 template <typename Kt>
@@ -106,9 +120,7 @@ __global__ void __launch_bounds__(256, 1) hstu_fwd_kernel_sm90(const __grid_cons
   Element* smem_q = reinterpret_cast<Element*>(smem_);
   Element* smem_k = smem_q + Kt::kSmemQ / sizeof(Element);  // 2 stages
   Element* smem_v = smem_k + 2 * kKVElems;                   // 2 stages
-  Element* smem_p = smem_v + 2 * kKVElems;
   Tensor sQ = make_tensor(make_smem_ptr(smem_q), typename Kt::SmemLayoutQ{});
-  Tensor sP = make_tensor(make_smem_ptr(smem_p), typename Kt::SmemLayoutP{});
   auto sK = [&](int stage) {
     return make_tensor(make_smem_ptr(smem_k + stage * kKVElems), typename Kt::SmemLayoutKV{});
   };
@@ -129,10 +141,6 @@ __global__ void __launch_bounds__(256, 1) hstu_fwd_kernel_sm90(const __grid_cons
     Tensor src = gmem_thr_copy.partition_S(row_tile(ptr, n * kBlockN, Int<kBlockN>{}));
     copy_rows_zfill(gmem_tiled_copy, src, dst, tKVcKV, L - n * kBlockN);
   };
-  auto load_kv = [&](int n, int stage) {
-    load_rows(k_ptr, sK(stage), n);
-    load_rows(v_ptr, sV(stage), n);
-  };
 
   typename Kt::TiledMmaS mma_s;
   auto thr_s = mma_s.get_thread_slice(tidx);
@@ -141,55 +149,84 @@ __global__ void __launch_bounds__(256, 1) hstu_fwd_kernel_sm90(const __grid_cons
   Tensor tSrK1 = thr_s.partition_fragment_B(sK(1));
   typename Kt::TiledMmaO mma_o;
   auto thr_o = mma_o.get_thread_slice(tidx);
-  Tensor tOrP = thr_o.partition_fragment_A(sP);
   Tensor tOrVt0 = thr_o.partition_fragment_B(sVt(0));
   Tensor tOrVt1 = thr_o.partition_fragment_B(sVt(1));
   Tensor acc_o = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_o);
-
-  auto copy_P = make_tiled_copy_C(typename Kt::SmemCopyAtomR2S{}, mma_s);
-  auto thr_copy_P = copy_P.get_thread_slice(tidx);
-  Tensor tPsP = thr_copy_P.partition_D(sP);
+  Tensor tOrP = make_tensor<Element>(typename Kt::LayoutPRegs{});
   Tensor tScS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-
-  int n_block = below(n_hi);
-  {
-    Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
-    copy_rows_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(row_tile(q_ptr, m0, Int<kBlockM>{})),
-                    tQsQ, tQcQ, L - m0);
-  }
-  if (n_block >= n_lo) load_kv(n_block, 0);
-  cute::cp_async_fence();
 
   const float half_alpha = 0.5f * p.alpha;
   const float inv_scale = p.inv_scale_ptr ? *p.inv_scale_ptr : p.inv_scale;
   const float half_alpha_scale = 0.5f * p.alpha * inv_scale;
-  const int wg = tidx / 128;
-  int stage = 0;
-  while (n_block >= n_lo) {
-    const int n0 = n_block * kBlockN;
-    const int next = below(n_block);
-    cute::cp_async_wait<0>();
-    fence_async_shared();
-    __syncthreads();  // this block's K/V (and Q) visible; every GEMM of the last block is done
-    if (next >= n_lo) load_kv(next, stage ^ 1);
-    cute::cp_async_fence();
-    Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    gmma_issue<true>(mma_s, tSrQ, stage ? tSrK1 : tSrK0, acc_s);
-    gmma_wait<0>(acc_s);
+  // SiLU and the mask of key block n0's S, in place.
+  auto silu_mask = [&](auto& acc_s, int n0) {
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) {
       acc_s(i) = silu_scaled(acc_s(i), half_alpha, half_alpha_scale);
     }
     if (!mk.tile_full(m0, m1, n0, n0 + kBlockN)) apply_mask_gmma(mk, tScS, m0, n0, acc_s);
+  };
+  auto to_p = [&](auto const& acc_s) {
     Tensor rP = convert_fragment<Element>(acc_s);
-    copy(copy_P, thr_copy_P.retile_S(rP), tPsP);
+    CUTE_UNROLL
+    for (int i = 0; i < size(rP); ++i) tOrP(i) = rP(i);
+  };
+
+  // Key block c (c = 0, 1, ... from the highest down) uses K stage c % 2 and V stage c % 2.
+  // While S of block c and O += P V of block c - 1 run, K of block c + 1 and V of block c load.
+  int n_block = below(n_hi);
+  if (n_block >= n_lo) {  // (every non-empty row block has a key block)
+    {
+      Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
+      copy_rows_zfill(gmem_tiled_copy, gmem_thr_copy.partition_S(row_tile(q_ptr, m0, Int<kBlockM>{})),
+                      tQsQ, tQcQ, L - m0);
+    }
+    load_rows(k_ptr, sK(0), n_block);
+    cute::cp_async_fence();
+    int next = below(n_block);
+    if (next >= n_lo) load_rows(k_ptr, sK(1), next);
+    load_rows(v_ptr, sV(0), n_block);
+    cute::cp_async_fence();
+    cute::cp_async_wait<1>();
     fence_async_shared();
-    warpgroup_barrier(wg);  // the warpgroup's P rows written (the other's are its own)
-    gmma_issue<false>(mma_o, tOrP, stage ? tOrVt1 : tOrVt0, acc_o);
-    gmma_wait<0>(acc_o);
-    stage ^= 1;
+    __syncthreads();  // Q and K of block 0 visible
+    {
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      gmma_issue<true>(mma_s, tSrQ, tSrK0, acc_s);
+      gmma_wait<0>(acc_s);
+      silu_mask(acc_s, n_block * kBlockN);
+      to_p(acc_s);
+    }
+    int stage = 1;  // the stage of block c = 1
     n_block = next;
+    while (n_block >= n_lo) {
+      const int n0 = n_block * kBlockN;
+      next = below(n_block);
+      cute::cp_async_wait<0>();
+      fence_async_shared();
+      // K of this block and V of the previous one visible; block c - 1's GEMMs (which read
+      // K stage c - 1 and V stage c - 2, the two stages loaded next) are done.
+      __syncthreads();
+      if (next >= n_lo) load_rows(k_ptr, sK(stage ^ 1), next);
+      load_rows(v_ptr, sV(stage), n_block);
+      cute::cp_async_fence();
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      gmma_issue<true>(mma_s, tSrQ, stage ? tSrK1 : tSrK0, acc_s);
+      gmma_issue_rs<false>(mma_o, tOrP, stage ? tOrVt0 : tOrVt1, acc_o);
+      gmma_wait<1>(acc_s);
+      silu_mask(acc_s, n0);  // while the tensor cores run the previous block's P V
+      gmma_wait<0>(acc_o);
+      to_p(acc_s);  // the previous P's registers are free once its GEMM is done
+      stage ^= 1;
+      n_block = next;
+    }
+    // The last block's O += P V (its V is in stage ^ 1).
+    cute::cp_async_wait<0>();
+    fence_async_shared();
+    __syncthreads();
+    gmma_issue_rs<false>(mma_o, tOrP, stage ? tOrVt0 : tOrVt1, acc_o);
+    gmma_wait<0>(acc_o);
   }
 
   // Epilogue: registers -> shared (reusing sQ) -> 16-byte global stores.

@@ -405,7 +405,9 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
             end = max(end, e["ts"] + e["dur"])
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:30]
     host = _host_ops(events)
+    sites = _host_sites(events)
     waits = _host_waits(events)
+    gaps = _idle_gaps(events)
     steady = _steady_steps(events, clean, flops, trainer.info.world_size)
     # a profiled step that captured a graph (a token count seen for the first time) also ran its
     # warm-up passes eagerly: its kernels count about twice
@@ -436,12 +438,30 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
         "top_host_ops_ms_per_step": [
             [name[:80], t / 1e3 / n, c / n] for name, (t, c) in host["top"]
         ],
+        # with --profile-stack: the same top-level operators by the innermost frame of the hstu
+        # package that called them (which code issues the host work)
+        **(
+            {
+                "top_host_sites_ms_per_step": [
+                    [name[:140], t / 1e3 / n, c / n] for name, (t, c) in sites["top"]
+                ]
+            }
+            if sites["top"]
+            else {}
+        ),
         # where the host blocks on the GPU: blocking calls per step, their time, the top ones
         # as "operator <- call"
         "host_waits_per_step": waits["count"] / n,
         "host_wait_ms_per_step": waits["total_us"] / 1e3 / n,
         "top_host_waits_ms_per_step": [
             [name[:100], t / 1e3 / n, c / n] for name, (t, c) in waits["top"]
+        ],
+        # where the GPU idles: its gaps charged to the operators that issued the work ending
+        # them ("top-level operator > innermost operator" on the issuing thread)
+        "idle_gaps_per_step": gaps["count"] / n,
+        "idle_gap_ms_per_step": gaps["total_us"] / 1e3 / n,
+        "top_idle_gaps_ms_per_step": [
+            [name[:140], t / 1e3 / n, c / n] for name, (t, c) in gaps["top"]
         ],
     }
 
@@ -475,6 +495,38 @@ def _host_ops(events: list) -> dict:
                 acc[1] += 1
     top = sorted(((k, (v[0], v[1])) for k, v in per.items()), key=lambda kv: -kv[1][0])[:15]
     return {"count": count, "total_us": total, "top": top}
+
+
+def _hstu_frames(events: list) -> dict:
+    """The python_function events (recorded with --profile-stack) of the hstu package per
+    (pid, tid), by start time."""
+    frames: dict = {}
+    for e in events:
+        if e.get("cat") == "python_function" and "dur" in e and _is_hstu_frame(str(e.get("name"))):
+            frames.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for evs in frames.values():
+        evs.sort(key=lambda e: e["ts"])
+    return frames
+
+
+def _host_sites(events: list) -> dict:
+    """The top-level CPU operators (as `_host_ops`) grouped by the innermost hstu frame around
+    each (`_python_site`); empty without Python stacks in the trace."""
+    frames = _hstu_frames(events)
+    per: dict[str, list] = {}
+    if frames:
+        for tid, evs in _ops_by_thread(events).items():
+            mine = frames.get(tid, [])
+            end = float("-inf")
+            for e in evs:
+                if e["ts"] >= end:
+                    end = e["ts"] + e["dur"]
+                    site = _python_site(mine, e["ts"], e["dur"]) or "(outside hstu)"
+                    acc = per.setdefault(site, [0.0, 0])
+                    acc[0] += e["dur"]
+                    acc[1] += 1
+    top = sorted(((k, (v[0], v[1])) for k, v in per.items()), key=lambda kv: -kv[1][0])[:20]
+    return {"top": top}
 
 
 STEP_MARK = "bench_step_"  # record_function name of profiled step i: STEP_MARK + str(i)
@@ -548,20 +600,111 @@ def _steady_steps(
     return out
 
 
+_GAP_MIN_US = 2.0  # shorter gaps between GPU work are the launch pipeline's own
+
+
+def _idle_gaps(events: list, min_us: float = _GAP_MIN_US) -> dict:
+    """Where the GPU idles in a chrome trace: each gap of at least ``min_us`` in the union of
+    kernels, copies and fills (all streams) is charged to the GPU work that ends it, named by the
+    operators that issued it: the launch's correlation id gives the runtime or driver call, whose
+    thread's top-level and innermost enclosing CPU operators name the site ("top > innermost",
+    "(no operator)" outside every operator). The work after a gap is what the host issued too
+    late, so these names say which host code the GPU waited for."""
+    gpu = sorted(
+        (e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation"))
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    )
+    launch = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e:
+            corr = e.get("args", {}).get("correlation")
+            if corr is not None:
+                launch[corr] = ((e.get("pid"), e.get("tid")), e["ts"])
+    ops_by_thread = _ops_by_thread(events)
+    starts = {tid: [e["ts"] for e in evs] for tid, evs in ops_by_thread.items()}
+
+    def issuer(corr) -> str:
+        if corr not in launch:
+            return "(unknown launch)"
+        tid, ts = launch[corr]
+        ops = ops_by_thread.get(tid, [])
+        enclosing = [
+            op
+            for op in ops[: bisect.bisect_right(starts.get(tid, []), ts)]
+            if op["ts"] + op["dur"] >= ts
+        ]
+        if not enclosing:
+            return "(no operator)"
+        top, inner = enclosing[0]["name"], enclosing[-1]["name"]
+        return top if top == inner else f"{top} > {inner}"
+
+    count, total = 0, 0.0
+    per: dict[str, list] = {}
+    end = None
+    for start, finish, corr in gpu:
+        if end is not None and start - end >= min_us:
+            gap = start - end
+            count += 1
+            total += gap
+            acc = per.setdefault(issuer(corr), [0.0, 0])
+            acc[0] += gap
+            acc[1] += 1
+        end = finish if end is None else max(end, finish)
+    top = sorted(((k, (v[0], v[1])) for k, v in per.items()), key=lambda kv: -kv[1][0])[:15]
+    return {"count": count, "total_us": total, "top": top}
+
+
 # CUDA runtime calls that block the host until the GPU reaches them (a device-to-host copy
 # into pageable memory waits too; cudaMemcpyAsync counts when it took this long)
 _WAIT_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 _COPY_WAIT_US = 20.0
 
 
+def _python_site(frames: list, ts: float, dur: float) -> str:
+    """The innermost of ``frames`` (python_function events of the hstu package on one thread,
+    sorted by start) that encloses [ts, ts + dur], as "hstu/<file>(<line>): <function>"; "" if
+    none does."""
+    best = None
+    # frames are sorted by start: walk back from the last one starting at or before ts
+    i = bisect.bisect_right(frames, ts, key=lambda f: f["ts"]) - 1
+    while i >= 0:
+        f = frames[i]
+        if f["ts"] + f["dur"] >= ts + dur:
+            best = f
+            break
+        i -= 1
+    if best is None:
+        return ""
+    name = str(best["name"])
+    return name if name.startswith("hstu/") else "hstu/" + name.rsplit("/hstu/", 1)[1]
+
+
+def _is_hstu_frame(name: str) -> bool:
+    """Whether a python_function event's name ("<file>(<line>): <function>", the file relative
+    to the working directory or absolute) is a frame of the hstu package."""
+    return name.startswith("hstu/") or "/hstu/" in name.split("(", 1)[0]
+
+
 def _host_waits(events: list) -> dict:
     """Where the host waits for the GPU in a chrome trace: the blocking CUDA runtime calls
     (synchronisations, and copies that took at least `_COPY_WAIT_US`), each charged to the
-    innermost CPU operator around it on its thread ("(none)" outside every operator). A wait
+    innermost CPU operator around it on its thread ("(none)" outside every operator) and, in a
+    trace with Python stacks (--profile-stack), to the innermost frame of the hstu package
+    ("... @ hstu/<file>(<line>): <function>"); a copy also names its GPU side's direction and
+    memory ("[Memcpy HtoD (Pageable -> Device)]"). A wait
     inside a step stops the host from queueing the next work ahead of the GPU, so the GPU idles
     while the host issues what follows."""
     ops_by_thread = _ops_by_thread(events)
     starts = {tid: [e["ts"] for e in evs] for tid, evs in ops_by_thread.items()}
+    py_by_thread = _hstu_frames(events)  # Python frames, recorded with --profile-stack
+    # the GPU side of each copy names its direction and memory ("Memcpy HtoD (Pageable ->
+    # Device)": a pageable source, which the copy call stages and may wait for)
+    copy_kind = {
+        e.get("args", {}).get("correlation"): e.get("name")
+        for e in events
+        if e.get("cat") == "gpu_memcpy"
+    }
     count, total = 0, 0.0
     per: dict[str, list] = {}
     for e in events:
@@ -575,6 +718,8 @@ def _host_waits(events: list) -> dict:
             continue
         owner = "(none)"
         tid = (e.get("pid"), e.get("tid"))
+        site = _python_site(py_by_thread.get(tid, []), e["ts"], e["dur"])
+        kind = copy_kind.get(e.get("args", {}).get("correlation"))
         ops = ops_by_thread.get(tid, [])
         # the latest-starting operator that encloses the call is the innermost one
         for i in range(bisect.bisect_right(starts.get(tid, []), e["ts"]) - 1, -1, -1):
@@ -583,7 +728,8 @@ def _host_waits(events: list) -> dict:
                 break
         count += 1
         total += e["dur"]
-        acc = per.setdefault(f"{owner} <- {name}", [0.0, 0])
+        key = f"{owner} <- {name}" + (f" [{kind}]" if kind else "") + (f" @ {site}" if site else "")
+        acc = per.setdefault(key, [0.0, 0])
         acc[0] += e["dur"]
         acc[1] += 1
     top = sorted(((k, (v[0], v[1])) for k, v in per.items()), key=lambda kv: -kv[1][0])[:12]

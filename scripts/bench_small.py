@@ -60,8 +60,15 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         'operators) into the row\'s "profile"',
     )
     p.add_argument("--profile-steps", type=int, default=20)
+    p.add_argument(
+        "--profile-stack",
+        action="store_true",
+        help="with --profile: also record Python call stacks (the row's "
+        "top_host_sites_ms_per_step: host time by the hstu code that issued it)",
+    )
     args = p.parse_args(argv)
-    args.profile_stack = False
+    if args.profile_stack and not args.profile:
+        p.error("--profile-stack needs --profile DIR")
     if args.steps < 1 or args.evals < 1 or args.steps % args.evals:
         p.error(f"--steps ({args.steps}) must be a positive multiple of --evals ({args.evals})")
     if not 0 < args.first_steps < args.steps:

@@ -313,3 +313,93 @@ def test_sync_site_names_the_innermost_hstu_frame(load_script):
     assert site == "hstu/modules/preprocessor.py:120 forward | called a synchronizing CUDA operation"
     assert _sync_site(stack[:1], "x").startswith("(outside hstu) | x")
     assert _sync_site([], "").endswith("| ?")
+
+
+def test_idle_gaps_charge_each_gap_to_the_operator_that_issued_the_next_work(load_script):
+    _idle_gaps = load_script("bench_e2e")._idle_gaps
+
+    def op(name, ts, dur, tid=1):
+        return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+    def launch(corr, ts, tid=1, cat="cuda_runtime"):
+        return {"cat": cat, "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "pid": 0,
+                "tid": tid, "args": {"correlation": corr}}  # fmt: skip
+
+    def gpu(corr, ts, dur, cat="kernel"):
+        return {"cat": cat, "name": "k", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = [
+        op("aten::linear", 0, 50),
+        op("aten::mm", 5, 40),  # nested: the innermost
+        launch(1, 10),
+        op("Optimizer.step", 100, 30, tid=2),  # another thread issues the second kernel
+        launch(2, 110, tid=2, cat="cuda_driver"),
+        launch(3, 200),  # outside every operator
+        gpu(1, 20, 30),  # 20..50
+        gpu(2, 60, 10),  # gap 10, charged to the optimizer
+        gpu(3, 71, 5, cat="gpu_memset"),  # gap 1 < 2 us: the launch pipeline's own
+        gpu(9, 76, 4),  # no launch event known
+        gpu(4, 100, 50),  # gap 20, launch 4 unknown too
+        gpu(5, 120, 10),  # inside the previous kernel's span (another stream): no gap
+    ]
+    gaps = _idle_gaps(events)
+    assert gaps["count"] == 2 and gaps["total_us"] == 30
+    assert dict(gaps["top"]) == {"(unknown launch)": (20, 1), "Optimizer.step": (10, 1)}
+    events.append(gpu(6, 160, 5))  # gap 10 after 150, issued from outside every operator
+    events.append(launch(6, 140))
+    events.append(gpu(7, 170, 1))  # gap 5, issued inside aten::linear > aten::mm
+    events.append(launch(7, 30))
+    top = dict(_idle_gaps(events)["top"])
+    assert top["(no operator)"] == (10, 1)
+    assert top["aten::linear > aten::mm"] == (5, 1)
+
+
+def test_host_waits_name_the_copy_kind_and_the_hstu_frame(load_script):
+    """With Python stacks in the trace (--profile-stack), a blocking copy is charged to the
+    innermost frame of the hstu package around it, and its GPU side names the copy's kind."""
+    _host_waits = load_script("bench_e2e")._host_waits
+    events = [
+        {"cat": "cpu_op", "name": "aten::copy_", "ts": 10, "dur": 50, "pid": 0, "tid": 1},
+        {"cat": "python_function", "name": "hstu/data/batch.py(86): to", "ts": 0, "dur": 100,
+         "pid": 0, "tid": 1},
+        {"cat": "python_function", "name": "/x/site-packages/torchrec/jagged.py(9): to",
+         "ts": 5, "dur": 80, "pid": 0, "tid": 1},
+        {"cat": "python_function", "name": "/repo/hstu/x.py(1): f", "ts": 0, "dur": 5,
+         "pid": 0, "tid": 1},  # ends before the copy
+        {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 20, "dur": 30, "pid": 0,
+         "tid": 1, "args": {"correlation": 7}},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "ts": 40, "dur": 2,
+         "args": {"correlation": 7}},
+    ]  # fmt: skip
+    top = dict(_host_waits(events)["top"])
+    assert top == {
+        "aten::copy_ <- cudaMemcpyAsync [Memcpy HtoD (Pageable -> Device)]"
+        " @ hstu/data/batch.py(86): to": (30, 1)
+    }
+    bench = load_script("bench_e2e")
+    assert bench._is_hstu_frame("/repo/hstu/modules/a.py(3): g")
+    assert not bench._is_hstu_frame("/venv/site-packages/torch/nn/a.py(3): hstu")
+
+
+def test_host_sites_group_top_level_operators_by_the_innermost_hstu_frame(load_script):
+    _host_sites = load_script("bench_e2e")._host_sites
+
+    def ev(cat, name, ts, dur, tid=1):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+    events = [
+        ev("python_function", "hstu/models/loss.py(10): forward", 0, 100),
+        ev("python_function", "hstu/models/loss.py(20): norm", 10, 20),
+        ev("python_function", "/venv/torch/functional.py(5): norm", 12, 15),  # not hstu
+        ev("cpu_op", "aten::linalg_vector_norm", 14, 10),  # inside norm
+        ev("cpu_op", "aten::div", 40, 5),  # inside forward only
+        ev("cpu_op", "aten::mul", 41, 2),  # nested in aten::div: not top level
+        ev("cpu_op", "aten::add", 200, 4),  # outside every hstu frame
+    ]
+    top = dict(_host_sites(events)["top"])
+    assert top == {
+        "hstu/models/loss.py(20): norm": (10, 1),
+        "hstu/models/loss.py(10): forward": (5, 1),
+        "(outside hstu)": (4, 1),
+    }
+    assert _host_sites([ev("cpu_op", "aten::add", 0, 1)])["top"] == []

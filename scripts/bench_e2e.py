@@ -466,67 +466,97 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
     }
 
 
-def _ops_by_thread(events: list) -> dict:
-    """The `cpu_op` events of a chrome trace per (pid, tid), by start time, an enclosing
-    operator before the ones it encloses (longer first at equal starts)."""
+class _Nest:
+    """One thread's properly nested trace events (CPU operators or Python frames), sorted by
+    start, an enclosing event before the ones it encloses (longer first at equal starts), with
+    the top-level ones apart: which events enclose a span is then found by bisection."""
+
+    def __init__(self, evs: list) -> None:
+        self.evs = sorted(evs, key=lambda e: (e["ts"], -e["dur"]))
+        self.tops, end = [], float("-inf")
+        for e in self.evs:
+            if e["ts"] >= end:  # not inside the previous top-level event
+                end = e["ts"] + e["dur"]
+                self.tops.append(e)
+
+    @staticmethod
+    def _last_from(evs: list, ts: float) -> int:
+        return bisect.bisect_right(evs, ts, key=lambda e: e["ts"]) - 1
+
+    def top(self, ts: float, dur: float) -> dict | None:
+        """The top-level event enclosing [ts, ts + dur] (None if none does)."""
+        i = self._last_from(self.tops, ts)
+        if i >= 0 and self.tops[i]["ts"] + self.tops[i]["dur"] >= ts + dur:
+            return self.tops[i]
+        return None
+
+    def innermost(self, ts: float, dur: float) -> dict | None:
+        """The latest-starting event enclosing [ts, ts + dur] (None if none does): walks back
+        from the last event starting by ts, at most to the enclosing top-level one."""
+        top = self.top(ts, dur)
+        if top is None:
+            return None
+        i = self._last_from(self.evs, ts)
+        while self.evs[i] is not top and self.evs[i]["ts"] + self.evs[i]["dur"] < ts + dur:
+            i -= 1
+        return self.evs[i]
+
+
+def _nests(events: list, keep) -> dict:
+    """`_Nest` per (pid, tid) of the trace events with a duration that ``keep`` accepts."""
     by_thread: dict = {}
     for e in events:
-        if e.get("cat") == "cpu_op" and "dur" in e:
+        if "dur" in e and keep(e):
             by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    for evs in by_thread.values():
-        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-    return by_thread
+    return {tid: _Nest(evs) for tid, evs in by_thread.items()}
+
+
+def _ops_by_thread(events: list) -> dict:
+    """The `cpu_op` events of a chrome trace, a `_Nest` per thread."""
+    return _nests(events, lambda e: e.get("cat") == "cpu_op")
+
+
+def _hstu_frames(events: list) -> dict:
+    """The python_function events (recorded with --profile-stack) of the hstu package, a `_Nest`
+    per thread."""
+    return _nests(
+        events,
+        lambda e: e.get("cat") == "python_function" and _is_hstu_frame(str(e.get("name"))),
+    )
+
+
+def _top_by(key, ops: dict) -> list:
+    """Top-level operators of ``ops`` (`_ops_by_thread`) summed by ``key(tid, op)``: [(key,
+    (total us, count))], largest first."""
+    per: dict[str, list] = {}
+    for tid, nest in ops.items():
+        for e in nest.tops:
+            acc = per.setdefault(key(tid, e), [0.0, 0])
+            acc[0] += e["dur"]
+            acc[1] += 1
+    return sorted(((k, (v[0], v[1])) for k, v in per.items()), key=lambda kv: -kv[1][0])
 
 
 def _host_ops(events: list) -> dict:
     """Top-level CPU operators of a chrome trace: the `cpu_op` events not inside another one
     on the same thread."""
-    count, total = 0, 0.0
-    per: dict[str, list] = {}
-    for evs in _ops_by_thread(events).values():
-        end = float("-inf")
-        for e in evs:
-            if e["ts"] >= end:  # not nested in the previous top-level operator
-                end = e["ts"] + e["dur"]
-                count += 1
-                total += e["dur"]
-                acc = per.setdefault(e["name"], [0.0, 0])
-                acc[0] += e["dur"]
-                acc[1] += 1
-    top = sorted(((k, (v[0], v[1])) for k, v in per.items()), key=lambda kv: -kv[1][0])[:15]
-    return {"count": count, "total_us": total, "top": top}
-
-
-def _hstu_frames(events: list) -> dict:
-    """The python_function events (recorded with --profile-stack) of the hstu package per
-    (pid, tid), by start time."""
-    frames: dict = {}
-    for e in events:
-        if e.get("cat") == "python_function" and "dur" in e and _is_hstu_frame(str(e.get("name"))):
-            frames.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    for evs in frames.values():
-        evs.sort(key=lambda e: e["ts"])
-    return frames
+    ops = _ops_by_thread(events)
+    tops = [e for nest in ops.values() for e in nest.tops]
+    top = _top_by(lambda tid, e: e["name"], ops)[:15]
+    return {"count": len(tops), "total_us": sum(e["dur"] for e in tops), "top": top}
 
 
 def _host_sites(events: list) -> dict:
     """The top-level CPU operators (as `_host_ops`) grouped by the innermost hstu frame around
     each (`_python_site`); empty without Python stacks in the trace."""
     frames = _hstu_frames(events)
-    per: dict[str, list] = {}
-    if frames:
-        for tid, evs in _ops_by_thread(events).items():
-            mine = frames.get(tid, [])
-            end = float("-inf")
-            for e in evs:
-                if e["ts"] >= end:
-                    end = e["ts"] + e["dur"]
-                    site = _python_site(mine, e["ts"], e["dur"]) or "(outside hstu)"
-                    acc = per.setdefault(site, [0.0, 0])
-                    acc[0] += e["dur"]
-                    acc[1] += 1
-    top = sorted(((k, (v[0], v[1])) for k, v in per.items()), key=lambda kv: -kv[1][0])[:20]
-    return {"top": top}
+    if not frames:
+        return {"top": []}
+
+    def site(tid, e):
+        return _python_site(frames.get(tid), e["ts"], e["dur"]) or "(outside hstu)"
+
+    return {"top": _top_by(site, _ops_by_thread(events))[:20]}
 
 
 STEP_MARK = "bench_step_"  # record_function name of profiled step i: STEP_MARK + str(i)
@@ -621,23 +651,18 @@ def _idle_gaps(events: list, min_us: float = _GAP_MIN_US) -> dict:
             corr = e.get("args", {}).get("correlation")
             if corr is not None:
                 launch[corr] = ((e.get("pid"), e.get("tid")), e["ts"])
-    ops_by_thread = _ops_by_thread(events)
-    starts = {tid: [e["ts"] for e in evs] for tid, evs in ops_by_thread.items()}
+    ops = _ops_by_thread(events)
 
     def issuer(corr) -> str:
         if corr not in launch:
             return "(unknown launch)"
         tid, ts = launch[corr]
-        ops = ops_by_thread.get(tid, [])
-        enclosing = [
-            op
-            for op in ops[: bisect.bisect_right(starts.get(tid, []), ts)]
-            if op["ts"] + op["dur"] >= ts
-        ]
-        if not enclosing:
+        nest = ops.get(tid)
+        top = nest.top(ts, 0) if nest else None
+        if top is None:
             return "(no operator)"
-        top, inner = enclosing[0]["name"], enclosing[-1]["name"]
-        return top if top == inner else f"{top} > {inner}"
+        inner = nest.innermost(ts, 0)
+        return top["name"] if inner is top else f"{top['name']} > {inner['name']}"
 
     count, total = 0, 0.0
     per: dict[str, list] = {}
@@ -661,23 +686,18 @@ _WAIT_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
 _COPY_WAIT_US = 20.0
 
 
-def _python_site(frames: list, ts: float, dur: float) -> str:
-    """The innermost of ``frames`` (python_function events of the hstu package on one thread,
-    sorted by start) that encloses [ts, ts + dur], as "hstu/<file>(<line>): <function>"; "" if
-    none does."""
-    best = None
-    # frames are sorted by start: walk back from the last one starting at or before ts
-    i = bisect.bisect_right(frames, ts, key=lambda f: f["ts"]) - 1
-    while i >= 0:
-        f = frames[i]
-        if f["ts"] + f["dur"] >= ts + dur:
-            best = f
-            break
-        i -= 1
-    if best is None:
-        return ""
-    name = str(best["name"])
-    return name if name.startswith("hstu/") else "hstu/" + name.rsplit("/hstu/", 1)[1]
+def _python_site(frames: _Nest | None, ts: float, dur: float) -> str:
+    """The innermost of ``frames`` (one thread's hstu frames, `_hstu_frames`) that encloses
+    [ts, ts + dur], as "hstu/<file>(<line>): <function>"; "" if none does."""
+    best = frames.innermost(ts, dur) if frames is not None else None
+    return "" if best is None else _hstu_relative(str(best["name"]))
+
+
+def _hstu_relative(path: str) -> str:
+    """``path`` (a file, or a frame name starting with one) from the hstu package on:
+    "hstu/<...>"."""
+    path = path.replace("\\", "/")
+    return path if path.startswith("hstu/") else "hstu/" + path.rsplit("/hstu/", 1)[1]
 
 
 def _is_hstu_frame(name: str) -> bool:
@@ -695,9 +715,8 @@ def _host_waits(events: list) -> dict:
     memory ("[Memcpy HtoD (Pageable -> Device)]"). A wait
     inside a step stops the host from queueing the next work ahead of the GPU, so the GPU idles
     while the host issues what follows."""
-    ops_by_thread = _ops_by_thread(events)
-    starts = {tid: [e["ts"] for e in evs] for tid, evs in ops_by_thread.items()}
-    py_by_thread = _hstu_frames(events)  # Python frames, recorded with --profile-stack
+    ops = _ops_by_thread(events)
+    frames = _hstu_frames(events)  # Python frames, recorded with --profile-stack
     # the GPU side of each copy names its direction and memory ("Memcpy HtoD (Pageable ->
     # Device)": a pageable source, which the copy call stages and may wait for)
     copy_kind = {
@@ -716,16 +735,11 @@ def _host_waits(events: list) -> dict:
         )
         if not blocking:
             continue
-        owner = "(none)"
         tid = (e.get("pid"), e.get("tid"))
-        site = _python_site(py_by_thread.get(tid, []), e["ts"], e["dur"])
+        inner = ops[tid].innermost(e["ts"], e["dur"]) if tid in ops else None
+        owner = "(none)" if inner is None else inner["name"]
+        site = _python_site(frames.get(tid), e["ts"], e["dur"])
         kind = copy_kind.get(e.get("args", {}).get("correlation"))
-        ops = ops_by_thread.get(tid, [])
-        # the latest-starting operator that encloses the call is the innermost one
-        for i in range(bisect.bisect_right(starts.get(tid, []), e["ts"]) - 1, -1, -1):
-            if ops[i]["ts"] + ops[i]["dur"] >= e["ts"] + e["dur"]:
-                owner = ops[i]["name"]
-                break
         count += 1
         total += e["dur"]
         key = f"{owner} <- {name}" + (f" [{kind}]" if kind else "") + (f" @ {site}" if site else "")
@@ -741,9 +755,8 @@ def _sync_site(stack: list, message: str) -> str:
     "(outside hstu)" if none) and the first line of the warning that named the call."""
     where = "(outside hstu)"
     for frame in reversed(stack):
-        path = frame.filename.replace("\\", "/")
-        if "/hstu/" in path:
-            where = f"hstu/{path.rsplit('/hstu/', 1)[1]}:{frame.lineno} {frame.name}"
+        if "/hstu/" in frame.filename.replace("\\", "/"):
+            where = f"{_hstu_relative(frame.filename)}:{frame.lineno} {frame.name}"
             break
     return f"{where} | {message.strip().splitlines()[0][:100] if message.strip() else '?'}"
 
@@ -847,7 +860,7 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
         elapsed = time.perf_counter() - start
         g1 = dataclasses.replace(graphs) if graphs is not None else None
         alone = _issue_alone(trainer, args.issue_probes, graphs)
-        if args.find_syncs and trainer.device.type == "cuda":
+        if args.find_syncs:  # (main refuses it off CUDA)
             alone["sync_sites"] = _find_syncs(trainer, args.find_syncs)
     world = trainer.info.world_size
     tflops = flops / world / elapsed / 1e12
@@ -924,6 +937,11 @@ def main(argv: list[str] | None = None) -> int:
     if "LOCAL_RANK" not in os.environ and (len(args.nproc) > 1 or args.nproc[0] > 1):
         return _sweep(args, list(argv if argv is not None else sys.argv[1:]))
     device_type = resolve_device(args.device)
+    if args.find_syncs and device_type != "cuda":
+        raise SystemExit(
+            f"--find-syncs needs a CUDA device (CUDA sync debugging); this run is on {device_type}: "
+            "drop the flag or run on a GPU"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     _patch_data(args)

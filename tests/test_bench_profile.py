@@ -253,6 +253,23 @@ def test_profile_taken_again_while_profiled_steps_captured(load_script, monkeypa
     assert bench._profile(None, None, "x") == {"steps": 2, "profile_attempts": 1}
 
 
+def test_bench_e2e_find_syncs_needs_cuda():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--device", "cpu",
+         "--find-syncs", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "--find-syncs needs a CUDA device" in proc.stderr
+
+
+def test_bench_small_profile_stack_needs_profile():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_small.py"), "--profile-stack"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--profile-stack needs --profile" in proc.stderr
+
+
 def test_bench_e2e_profile_stack_needs_profile():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--profile-stack"],
@@ -270,6 +287,7 @@ def test_bench_e2e_profile_stack_needs_profile():
         ("--profile-steps", "0", "--profile-steps must be >= 1"),
         ("--issue-probes", "-1", "--issue-probes must be >= 0"),
         ("--graph-warmup", "-2", "--graph-warmup must be >= 0"),
+        ("--find-syncs", "-1", "--find-syncs must be >= 0"),
     ],
 )
 def test_bench_e2e_rejects_bad_step_counts(flag, value, message):

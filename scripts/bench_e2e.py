@@ -131,6 +131,24 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         "trace: which Python code issues the host work; slows the profiled steps)",
     )
     p.add_argument(
+        "--profile-gpu-only",
+        action="store_true",
+        help="with --profile: record the GPU activity and the CUDA calls only, not the CPU "
+        "operators (the host then runs close to its unprofiled speed, so the GPU's idle gaps are "
+        "those of the timed steps; gaps are named by the kernels around them)",
+    )
+    p.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed steps, N more steps each issued into an idle GPU under cProfile, "
+        "the backward on the calling thread (torch.autograd.set_multithreading_enabled(False)) "
+        "so that its Python is profiled too: host_profile lists the functions taking the most "
+        "host time per step (own time and with callees); with --profile DIR the whole table "
+        "goes to DIR/<path>_host_profile.txt",
+    )
+    p.add_argument(
         "--find-syncs",
         type=int,
         default=0,
@@ -143,11 +161,15 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1 or args.profile_steps < 1:
         p.error("--steps and --profile-steps must be >= 1")
-    for name in ("warmup", "graph_warmup", "issue_probes", "find_syncs"):
+    for name in ("warmup", "graph_warmup", "issue_probes", "find_syncs", "host_profile"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.profile_stack and not args.profile:
         p.error("--profile-stack needs --profile DIR (it adds Python stacks to that trace)")
+    if args.profile_gpu_only and not args.profile:
+        p.error("--profile-gpu-only needs --profile DIR")
+    if args.profile_gpu_only and args.profile_stack:
+        p.error("--profile-gpu-only records no CPU operators, so no Python stacks: drop one")
     return args
 
 
@@ -292,7 +314,7 @@ def _run_path(path: str, args: argparse.Namespace, device_type: str, world: int)
         trainer = None
         try:
             trainer = Trainer(cfg, device_type)
-            row = _time_trainer(trainer, args)
+            row = _time_trainer(trainer, args, path)
             emb = cfg.embedding
             row.update(
                 path=path,
@@ -356,9 +378,11 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
 
     out_dir = Path(args.profile)
     out_dir.mkdir(parents=True, exist_ok=True)
-    acts = [ProfilerActivity.CPU]
+    acts = [] if args.profile_gpu_only else [ProfilerActivity.CPU]
     if trainer.device.type == "cuda":
         acts.append(ProfilerActivity.CUDA)
+    if not acts:
+        raise ValueError("--profile-gpu-only needs a CUDA device")
     n = args.profile_steps
     graphs = trainer.graph_stats()
     g0 = dataclasses.replace(graphs) if graphs is not None else None
@@ -395,15 +419,17 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
         (e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"]
     )
     per_name: dict[str, float] = {}
+    calls: dict[str, int] = {}
     for e in kernels:
         per_name[e["name"]] = per_name.get(e["name"], 0.0) + e["dur"]
+        calls[e["name"]] = calls.get(e["name"], 0) + 1
     idle = 0.0
     if kernels:
         end = kernels[0]["ts"] + kernels[0]["dur"]
         for e in kernels[1:]:
             idle += max(0.0, e["ts"] - end)
             end = max(end, e["ts"] + e["dur"])
-    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:30]
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:40]
     host = _host_ops(events)
     sites = _host_sites(events)
     waits = _host_waits(events)
@@ -430,7 +456,9 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
         **steady,
         "kernel_ms_per_step": sum(per_name.values()) / 1e3 / n,
         "gpu_idle_ms_per_step_between_kernels": idle / 1e3 / n,
-        "top_kernels_ms_per_step": [[name[:120], t / 1e3 / n] for name, t in top],
+        "kernels_per_step": len(kernels) / n,
+        # [name, ms per step, calls per step]
+        "top_kernels_ms_per_step": [[name[:120], t / 1e3 / n, calls[name] / n] for name, t in top],
         # host side: operators called from Python (not nested in another operator) per step,
         # and the ones taking the most host time (inclusive of what they dispatch)
         "host_ops_per_step": host["count"] / n,
@@ -639,9 +667,10 @@ def _idle_gaps(events: list, min_us: float = _GAP_MIN_US) -> dict:
     operators that issued it: the launch's correlation id gives the runtime or driver call, whose
     thread's top-level and innermost enclosing CPU operators name the site ("top > innermost",
     "(no operator)" outside every operator). The work after a gap is what the host issued too
-    late, so these names say which host code the GPU waited for."""
+    late, so these names say which host code the GPU waited for. A trace without CPU operators
+    (--profile-gpu-only) names each gap "previous -> next" by the GPU work around it."""
     gpu = sorted(
-        (e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation"))
+        (e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation"), str(e.get("name")))
         for e in events
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
     )
@@ -652,6 +681,9 @@ def _idle_gaps(events: list, min_us: float = _GAP_MIN_US) -> dict:
             if corr is not None:
                 launch[corr] = ((e.get("pid"), e.get("tid")), e["ts"])
     ops = _ops_by_thread(events)
+    # a trace without CPU operators (--profile-gpu-only): the gap is named by the GPU work on
+    # both sides of it instead ("previous -> next")
+    by_kernels = not ops
 
     def issuer(corr) -> str:
         if corr not in launch:
@@ -667,15 +699,18 @@ def _idle_gaps(events: list, min_us: float = _GAP_MIN_US) -> dict:
     count, total = 0, 0.0
     per: dict[str, list] = {}
     end = None
-    for start, finish, corr in gpu:
+    last = ""  # the GPU work that finished last before the gap
+    for start, finish, corr, name in gpu:
         if end is not None and start - end >= min_us:
             gap = start - end
             count += 1
             total += gap
-            acc = per.setdefault(issuer(corr), [0.0, 0])
+            site = f"{last[:60]} -> {name[:70]}" if by_kernels else issuer(corr)
+            acc = per.setdefault(site, [0.0, 0])
             acc[0] += gap
             acc[1] += 1
-        end = finish if end is None else max(end, finish)
+        if end is None or finish >= end:
+            end, last = finish, name
     top = sorted(((k, (v[0], v[1])) for k, v in per.items()), key=lambda kv: -kv[1][0])[:15]
     return {"count": count, "total_us": total, "top": top}
 
@@ -833,7 +868,62 @@ def _issue_alone(trainer, probes: int, graphs) -> dict:
     return {"host_issue_alone_ms": 1e3 * times[len(times) // 2], "issue_probes": len(times)}
 
 
-def _time_trainer(trainer, args: argparse.Namespace) -> dict:
+def _host_profile(trainer, args: argparse.Namespace, path: str, steps: int, top: int = 25) -> dict:
+    """``steps`` training steps, each issued into an idle GPU (synchronised before it), under
+    cProfile with the autograd engine on the calling thread: where the host's time to issue a
+    step goes, Python and the torch calls it makes, backward included. Returns the ``top``
+    functions by own time and by time with callees, per step; the whole table goes to
+    ``<--profile>/<path>_host_profile.txt`` when --profile is given."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    pending = []
+    with torch.autograd.set_multithreading_enabled(False):
+        for _ in range(steps):
+            _sync(trainer)
+            prof.enable()
+            pending.append(trainer._train_step_async())
+            prof.disable()
+    trainer._resolve(pending)
+    _sync(trainer)
+    stats = pstats.Stats(prof)
+    total = stats.total_tt  # seconds inside the profiled regions
+
+    def name(key) -> str:
+        file, line, fn = key
+        file = file.replace("\\", "/")
+        if "/hstu/" in file:
+            file = _hstu_relative(file)
+        elif "/site-packages/" in file:
+            file = file.rsplit("/site-packages/", 1)[1]
+        return f"{file}:{line}({fn})" if line else fn
+
+    rows = [(name(k), tt, ct, nc) for k, (_, nc, tt, ct, _) in stats.stats.items()]
+
+    def table(col: int) -> list:
+        picked = sorted(rows, key=lambda r: -r[col])[:top]
+        return [[r[0][:120], 1e3 * r[1] / steps, 1e3 * r[2] / steps, r[3] / steps] for r in picked]
+
+    if args.profile:
+        from pathlib import Path
+
+        out = Path(args.profile)
+        out.mkdir(parents=True, exist_ok=True)
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(200)
+        (out / f"{path}_host_profile.txt").write_text(buf.getvalue())
+    # [function, own ms per step, ms per step with callees, calls per step]
+    return {
+        "steps": steps,
+        "ms_per_step": 1e3 * total / steps,
+        "top_own": table(1),
+        "top_cumulative": table(2),
+    }
+
+
+def _time_trainer(trainer, args: argparse.Namespace, path: str = "compiled") -> dict:
     # the garbage-collection policy of Trainer.fit (TrainerArgs.gc_interval) applies here too
     graphs = trainer.graph_stats()
     with trainer.gc:
@@ -860,6 +950,8 @@ def _time_trainer(trainer, args: argparse.Namespace) -> dict:
         elapsed = time.perf_counter() - start
         g1 = dataclasses.replace(graphs) if graphs is not None else None
         alone = _issue_alone(trainer, args.issue_probes, graphs)
+        if args.host_profile:
+            alone["host_profile"] = _host_profile(trainer, args, path, args.host_profile)
         if args.find_syncs:  # (main refuses it off CUDA)
             alone["sync_sites"] = _find_syncs(trainer, args.find_syncs)
     world = trainer.info.world_size

@@ -372,6 +372,31 @@ def test_idle_gaps_charge_each_gap_to_the_operator_that_issued_the_next_work(loa
     assert top["aten::linear > aten::mm"] == (5, 1)
 
 
+def test_idle_gaps_without_cpu_operators_name_the_gpu_work_around_each_gap(load_script):
+    """--profile-gpu-only traces hold no CPU operators: a gap is named "previous -> next" by the
+    GPU work that finished last before it and the work that ends it."""
+    _idle_gaps = load_script("bench_e2e")._idle_gaps
+
+    def gpu(name, ts, dur, cat="kernel"):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": ts}}
+
+    events = [
+        gpu("gemm", 0, 100),
+        gpu("short_other_stream", 10, 5),  # ends before gemm: gemm is still the last one
+        gpu("embedding_fwd", 110, 20),  # gap 10 after gemm
+        gpu("ln", 131, 10),  # gap 1: the launch pipeline's own
+        gpu("Memcpy HtoD", 150, 5, cat="gpu_memcpy"),  # gap 9 after ln
+        gpu("embedding_fwd", 175, 5),  # gap 20 after the copy
+    ]
+    gaps = _idle_gaps(events)
+    assert gaps["count"] == 3 and gaps["total_us"] == 39
+    assert dict(gaps["top"]) == {
+        "Memcpy HtoD -> embedding_fwd": (20, 1),
+        "gemm -> embedding_fwd": (10, 1),
+        "ln -> Memcpy HtoD": (9, 1),
+    }
+
+
 def test_host_waits_name_the_copy_kind_and_the_hstu_frame(load_script):
     """With Python stacks in the trace (--profile-stack), a blocking copy is charged to the
     innermost frame of the hstu package around it, and its GPU side names the copy's kind."""
@@ -421,3 +446,39 @@ def test_host_sites_group_top_level_operators_by_the_innermost_hstu_frame(load_s
         "(outside hstu)": (4, 1),
     }
     assert _host_sites([ev("cpu_op", "aten::add", 0, 1)])["top"] == []
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--profile-gpu-only"], "--profile-gpu-only needs --profile DIR"),
+        (["--profile", "x", "--profile-gpu-only", "--profile-stack"], "no Python stacks"),
+        (["--host-profile", "-1"], "--host-profile must be >= 0"),
+    ],
+)
+def test_bench_e2e_profile_option_errors(argv, message):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), *argv],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+@pytest.mark.cpu_only
+def test_bench_e2e_host_profile_lists_the_step_functions(tmp_path):
+    """--host-profile on CPU: cProfile over synchronised steps, the backward on the calling
+    thread, so the fused layer's Python backward is in the table as well as its forward."""
+    prof_dir = tmp_path / "prof"
+    proc = _run_bench(prof_dir, "--host-profile", "2", "--issue-probes", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")][-1]
+    hp = row["host_profile"]
+    assert hp["steps"] == 2 and hp["ms_per_step"] > 0
+    for key in ("top_own", "top_cumulative"):
+        assert 0 < len(hp[key]) <= 25 and all(len(r) == 4 for r in hp[key])
+    cum = [r[2] for r in hp["top_cumulative"]]
+    assert cum == sorted(cum, reverse=True) and cum[0] <= hp["ms_per_step"] * 1.01
+    names = " ".join(r[0] for r in hp["top_cumulative"])
+    assert "_train_step_async" in names
+    text = (prof_dir / "reference_host_profile.txt").read_text()
+    assert "hstu/training/trainer.py" in text and "(backward)" in text

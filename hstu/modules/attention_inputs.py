@@ -103,7 +103,8 @@ class AttentionInputs:
         copies when the model runs on CUDA and they exist (no sync), else the device tensors,
         always the device tensors under CUDA graph capture (a captured host->device copy would
         replay stale bytes)."""
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        # (torch.cuda.is_available() costs microseconds per call: the device type decides)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if device.type == "cuda" and self.host_seq_offsets is not None and not capturing:
             return self.host_seq_offsets, self.host_num_contexts, self.host_num_targets
         return self.seq_offsets, self.num_contexts, self.num_targets

@@ -68,9 +68,11 @@ one fallback: a stage that fails to compile switches every layer to the eager st
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -270,7 +272,7 @@ def _kernel_layout(g: torch.Tensor) -> torch.Tensor:
 
 def _kernel_rows(g: torch.Tensor, t: int, hd: int, dtype: torch.dtype) -> torch.Tensor:
     """``g`` as the [T, hd] rows the SiLU backward kernel reads, in ``dtype``."""
-    return _kernel_layout(g.reshape(t, hd).to(dtype))
+    return _kernel_layout(_cast(g.reshape(t, hd), dtype))
 
 
 def _silu_backward(spec: _LayerSpec, grads, z: torch.Tensor, hd: int, dt_bias: torch.dtype):
@@ -278,7 +280,7 @@ def _silu_backward(spec: _LayerSpec, grads, z: torch.Tensor, hd: int, dt_bias: t
     pass when the SiLU kernels run, else aten.silu_backward per block and dz.sum(0)."""
     if spec.silu_ops is not None:
         dz, d_bias = spec.silu_ops[1](*_silu_grad_rows(spec, grads, z, hd), z, True)
-        return dz, d_bias.to(dt_bias)
+        return dz, _cast(d_bias, dt_bias)
     dz = torch.empty_like(z)
     _silu_backward_into(dz, grads, z, hd)
     return dz, dz.sum(0, dtype=torch.float32).to(dt_bias)
@@ -298,10 +300,12 @@ def _activations(spec: _LayerSpec, z: torch.Tensor, hd: int):
 
 
 def _split_activations(spec: _LayerSpec, act: torch.Tensor, z: torch.Tensor, hd: int):
-    """(u, (v, q, k)) of a saved ``act`` (see `_activations`)."""
+    """(u, (v, q, k)) of a saved ``act`` (see `_activations`); one unbind, not an indexing call
+    per block."""
+    blocks = act.unbind(0)
     if spec.silu_into is not None:
-        return z[:, :hd], (act[0], act[1], act[2])
-    return act[0], (act[1], act[2], act[3])
+        return z[:, :hd], blocks
+    return blocks[0], blocks[1:]
 
 
 def _u_silu_kwarg(spec: _LayerSpec) -> dict:
@@ -312,7 +316,7 @@ def _u_silu_kwarg(spec: _LayerSpec) -> dict:
 def _silu_backward_vqk(spec: _LayerSpec, dz, grads, z: torch.Tensor, hd: int, dt_bias):
     """dz's v, q, k blocks from dv, dq, dk (its u block is written already) and the uvqk bias
     gradient in dt_bias: one `silu_chunk_major_backward_into` pass."""
-    return spec.silu_into(*_silu_grad_rows(spec, grads, z, hd), z, dz, True).to(dt_bias)
+    return _cast(spec.silu_into(*_silu_grad_rows(spec, grads, z, hd), z, dz, True), dt_bias)
 
 
 def _dq_accum(spec: _LayerSpec) -> bool:
@@ -340,7 +344,7 @@ def _output_grad(spec: _LayerSpec, dout: torch.Tensor, cdtype: torch.dtype, dt_b
     over an fp32 dout when the cast kernel runs, else a cast and a sum of the cast."""
     if spec.cast_op is not None and dout.dtype == torch.float32 and cdtype != torch.float32:
         dproj, d_bias = spec.cast_op(_kernel_layout(dout), cdtype)
-        return dproj, d_bias.to(dt_bias)
+        return dproj, _cast(d_bias, dt_bias)
     dproj = dout.to(cdtype)
     return dproj, dproj.sum(0, dtype=torch.float32).to(dt_bias)
 
@@ -633,7 +637,7 @@ def _attention_backward(
             **extra,
         )
         # fp32 from the kernel (empty for an absent weight); back to the parameters' dtype
-        d_w = [None if w is None else g.to(w.dtype) for w, g in zip(weights, (d_pos, d_time))]
+        d_w = [None if w is None else _cast(g, w.dtype) for w, g in zip(weights, (d_pos, d_time))]
         return dq, dk, dv, *d_w
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     w_leaves = [None if w is None else w.detach().requires_grad_(True) for w in weights]
@@ -659,6 +663,12 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: itself when it already is (``Tensor.to`` returns it too, but a call
+    through the binding costs host time: the layer makes ~20 such casts per step and layer)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class _FusedHSTUFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -671,7 +681,9 @@ class _FusedHSTUFunction(torch.autograd.Function):
             hd = spec.num_heads * spec.head_dim
             shape = (t, spec.num_heads, spec.head_dim)
             if spec.ln_ops is not None:
-                n_c, mean1, rstd1 = spec.ln_ops[0](x, w_in.float(), b_in.float(), spec.eps, cdtype)
+                n_c, mean1, rstd1 = spec.ln_ops[0](
+                    x, _cast(w_in, torch.float32), _cast(b_in, torch.float32), spec.eps, cdtype
+                )
                 mean1, rstd1 = mean1.view(-1, 1), rstd1.view(-1, 1)
             else:
                 n_c, mean1, rstd1 = _stage(
@@ -679,14 +691,14 @@ class _FusedHSTUFunction(torch.autograd.Function):
                     compile_stages=spec.stage_compile,
                 )  # fmt: skip
             # cast once; backward reuses the casts (no-ops when the weights are already cdtype)
-            w_uvqk_c, w_out_c = w_uvqk.to(cdtype), w_out.to(cdtype)
-            z = F.linear(n_c, w_uvqk_c, b_uvqk.to(cdtype))
+            w_uvqk_c, w_out_c = _cast(w_uvqk, cdtype), _cast(w_out, cdtype)
+            z = F.linear(n_c, w_uvqk_c, _cast(b_uvqk, cdtype))
             act, u, (v_, q_, k_) = _activations(spec, z, hd)
             if t > 0:
                 attn = _attention_forward(
                     spec, q_.view(shape), k_.view(shape), v_.view(shape), w_pos, w_time
                 )
-                attn = attn.reshape(t, hd).to(cdtype)
+                attn = _cast(attn.reshape(t, hd), cdtype)
             else:
                 attn = act.new_zeros((0, hd))
             p = spec.dropout if (spec.training and t > 0) else 0.0
@@ -703,7 +715,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
                 rgemm = spec.residual_gemm and x.dtype == torch.float32 and t > 0
                 y_aug = _bias_augmented(t, hd, cdtype, dev) if rgemm else None
                 y_c, mean2, rstd2 = spec.gate_ops[0](
-                    attn, u, w_attn.float(), b_attn.float(), spec.eps, p, *seed,
+                    attn, u, _cast(w_attn, torch.float32), _cast(b_attn, torch.float32), spec.eps, p, *seed,
                     **_seed_offset_kwarg(seed_offset), **_u_silu_kwarg(spec),
                     **({} if y_aug is None else {"y_out": y_aug[:, :hd]}),
                 )  # fmt: skip
@@ -721,9 +733,9 @@ class _FusedHSTUFunction(torch.autograd.Function):
                     compile_stages=spec.stage_compile,
                 )  # fmt: skip
             if y_aug is not None:
-                out = _residual_gemm(x, y_aug, w_out_c, b_out.to(cdtype))
+                out = _residual_gemm(x, y_aug, w_out_c, _cast(b_out, cdtype))
             else:
-                out = _residual(x, F.linear(y_c, w_out_c, b_out.to(cdtype)))
+                out = _residual(x, F.linear(y_c, w_out_c, _cast(b_out, cdtype)))
 
         ctx.spec, ctx.cdtype, ctx.scale, ctx.p, ctx.seed = spec, cdtype, scale, p, seed
         ctx.seed_offset = seed_offset
@@ -743,7 +755,14 @@ class _FusedHSTUFunction(torch.autograd.Function):
         spec, cdtype, scale = ctx.spec, ctx.cdtype, ctx.scale
         dt_w_uvqk, dt_b_uvqk, dt_w_out, dt_b_out = ctx.param_dtypes
         dev = x.device
-        with torch.autocast(dev.type, enabled=False):
+        # autograd runs the backward with autocast off unless the caller's backward() sits in
+        # an autocast region: only then is a region that disables it needed
+        no_autocast = (
+            torch.autocast(dev.type, enabled=False)
+            if torch.is_autocast_enabled(dev.type)
+            else contextlib.nullcontext()
+        )
+        with no_autocast:
             t = x.shape[0]
             hd = spec.num_heads * spec.head_dim
             shape = (t, spec.num_heads, spec.head_dim)
@@ -762,7 +781,8 @@ class _FusedHSTUFunction(torch.autograd.Function):
             if spec.gate_ops is not None:
                 into = {} if dz is None else {"du_out": dz[:, :hd], **_u_silu_kwarg(spec)}
                 d_attn, du, d_w_attn, d_b_attn, y_c = spec.gate_ops[1](
-                    dy, attn, u, w_attn.float(), b_attn.float(), mean2, rstd2, ctx.p, *ctx.seed,
+                    dy, attn, u, _cast(w_attn, torch.float32), _cast(b_attn, torch.float32), mean2, rstd2, ctx.p,
+                    *ctx.seed,
                     True, **_seed_offset_kwarg(ctx.seed_offset), **into,
                 )  # fmt: skip
             else:
@@ -775,7 +795,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
                     cdtype, compile_stages=spec.stage_compile,
                 )  # fmt: skip
             del dy
-            d_w_out = (dproj.t() @ y_c).to(dt_w_out)
+            d_w_out = _cast(dproj.t() @ y_c, dt_w_out)
             del y_c
 
             # attention (q, k, v: contiguous views of the chunk-major SiLU output)
@@ -803,7 +823,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
                     "recompute_norm", dev, x, mean1, rstd1, w_in, b_in, cdtype,
                     compile_stages=spec.stage_compile,
                 )  # fmt: skip
-            d_w_uvqk = (dz.t() @ n_c).to(dt_w_uvqk)
+            d_w_uvqk = _cast(dz.t() @ n_c, dt_w_uvqk)
             dn = dz @ w_uvqk_c
             del dz
 
@@ -813,7 +833,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
                 if dres.dtype != torch.float32 or not dres.is_contiguous():
                     dres = dres.float().contiguous()  # e.g. the expanded gradient of a sum()
                 dx, d_w_in, d_b_in = spec.ln_ops[1](
-                    dn, x, mean1.view(-1), rstd1.view(-1), w_in.float(), dres
+                    dn, x, mean1.view(-1), rstd1.view(-1), _cast(w_in, torch.float32), dres
                 )
             else:
                 dx, d_w_in, d_b_in = _stage(
@@ -822,12 +842,12 @@ class _FusedHSTUFunction(torch.autograd.Function):
                 )  # fmt: skip
         return (
             dx,
-            d_w_in.to(w_in.dtype),
-            d_b_in.to(b_in.dtype),
+            _cast(d_w_in, w_in.dtype),
+            _cast(d_b_in, b_in.dtype),
             d_w_uvqk,
             d_b_uvqk,
-            d_w_attn.to(w_attn.dtype),
-            d_b_attn.to(b_attn.dtype),
+            _cast(d_w_attn, w_attn.dtype),
+            _cast(d_b_attn, b_attn.dtype),
             d_w_out,
             d_b_out,
             d_pos,
@@ -873,12 +893,36 @@ def _gate_ops(mode: str, x: torch.Tensor, inner: int):
     return ops
 
 
-def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
-    """Runs ``layer``'s parameters through the fused Function."""
-    if attn.max_seqlen < 0:
-        raise ValueError(f"max_seqlen must be >= 0; got {attn.max_seqlen}")
-    alpha = 1.0 / math.sqrt(layer.head_dim) if layer.alpha is None else float(layer.alpha)
-    scaling = attn.max_seqlen if layer.scaling_seqlen is None else layer.scaling_seqlen
+# per layer: the ops `_layer_ops` chose, by key (beside the layer, not in its __dict__: a copy
+# or a pickle of the layer carries no op handles)
+_LAYER_OPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layer_ops(layer: FusedHSTULayer, x: torch.Tensor) -> dict:
+    """The ops one call of ``layer`` runs (attention kernel or reference, elementwise kernels or
+    PyTorch stages), chosen for x's device, dtype, compute dtype and layout and the layer's
+    settings; chosen once per such key and kept on the layer (the choice is the same at every
+    step, and making it costs host time at every layer call)."""
+    key = (
+        x.device,
+        x.dtype,
+        _compute_dtype(x),
+        x.is_contiguous(),
+        layer.attention_type,
+        layer.reference_attention,
+        layer.elementwise_kernels,
+        layer.layernorm_kernel,
+        layer.gate_kernel,
+        layer.num_heads,
+        layer.head_dim,
+        layer.hidden_size,
+    )
+    cache = _LAYER_OPS.get(layer)
+    if cache is None:
+        cache = _LAYER_OPS[layer] = {}
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
     inner = layer.num_heads * layer.head_dim
     if layer.attention_type == "softmax":
         attention_fn, attn_ops = softmax_attention, None
@@ -892,6 +936,25 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
     use_ln_kernel = elementwise and layer.layernorm_kernel
     gate_ops = _gate_ops(layer.gate_kernel, x, inner)
     silu_ops = _silu_ops(x, inner) if elementwise else None
+    hit = cache[key] = {
+        "attention_fn": attention_fn,
+        "attn_ops": attn_ops,
+        "gate_ops": gate_ops,
+        "silu_ops": silu_ops,
+        "silu_into": _silu_into_op(x, silu_ops, gate_ops),
+        "cast_op": _cast_op(x, layer.hidden_size) if elementwise else None,
+        "ln_ops": _ln_ops(x, layer.hidden_size) if use_ln_kernel else None,
+    }
+    return hit
+
+
+def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
+    """Runs ``layer``'s parameters through the fused Function."""
+    if attn.max_seqlen < 0:
+        raise ValueError(f"max_seqlen must be >= 0; got {attn.max_seqlen}")
+    alpha = 1.0 / math.sqrt(layer.head_dim) if layer.alpha is None else float(layer.alpha)
+    scaling = attn.max_seqlen if layer.scaling_seqlen is None else layer.scaling_seqlen
+    ops = _layer_ops(layer, x)
     spec = _LayerSpec(
         num_heads=layer.num_heads,
         head_dim=layer.head_dim,
@@ -901,7 +964,7 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
         recompute_input_layernorm=layer.recompute_input_layernorm,
         recompute_uvqk_silu=layer.recompute_uvqk_silu,
         attn=attn,
-        attention_fn=attention_fn,
+        attention_fn=ops["attention_fn"],
         attn_kwargs={
             "target_group_size": int(layer.target_group_size),
             "window_size": int(layer.window_size),
@@ -912,13 +975,13 @@ def fused_hstu_layer(layer: FusedHSTULayer, x: torch.Tensor, attn: AttentionInpu
             "alpha_arg": layer.alpha,
             "scaling_arg": layer.scaling_seqlen,
         },
-        attn_ops=attn_ops,
+        attn_ops=ops["attn_ops"],
         stage_compile=layer.stage_compile,
-        gate_ops=gate_ops,
-        silu_ops=silu_ops,
-        silu_into=_silu_into_op(x, silu_ops, gate_ops),
-        cast_op=_cast_op(x, layer.hidden_size) if elementwise else None,
-        ln_ops=_ln_ops(x, layer.hidden_size) if use_ln_kernel else None,
+        gate_ops=ops["gate_ops"],
+        silu_ops=ops["silu_ops"],
+        silu_into=ops["silu_into"],
+        cast_op=ops["cast_op"],
+        ln_ops=ops["ln_ops"],
         rel_bias=layer.relative_bias,
         dense_bias=layer.attention_type == "softmax",
         residual_gemm=layer.residual_gemm,

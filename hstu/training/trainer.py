@@ -441,7 +441,10 @@ class Trainer:
         summed over ranks through a gloo group), the loss, gradient
         norm and attention lengths stay on the device until `_resolve`."""
         self.gc.step()
-        self.model.train()
+        if not self.model.training:
+            # after an evaluation (model.eval() sets every module): one recursive pass then, not
+            # a walk over the whole module tree at every step (host time the GPU waits for)
+            self.model.train()
         # pinned already on GPU (PrefetchIterator); sparse_input: its embedding input dist,
         # started during the previous step (SparseDistPipeline)
         host_batch, sparse_input = next(self.pipeline)

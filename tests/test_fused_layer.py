@@ -794,3 +794,32 @@ def test_serving_weight_casts_are_kept_until_the_weights_change():
         w2, _ = fused._serving_weights("uvqk", torch.bfloat16)
     assert w2 is not w
     torch.testing.assert_close(w2, fused.uvqk.weight.detach().to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_layer_ops_are_chosen_once_per_layer_and_input_kind(monkeypatch):
+    """The ops a fused layer runs are chosen at its first call for an input kind (device,
+    dtypes, layout, the layer's settings) and kept: later calls do not choose again; a changed
+    setting or another input dtype chooses anew; the kept choice stays beside the layer, not in
+    it (a deep copy works and chooses for itself)."""
+    import copy
+
+    calls = []
+    real = fused_mod._gate_ops
+    monkeypatch.setattr(
+        fused_mod, "_gate_ops", lambda mode, x, inner: calls.append(mode) or real(mode, x, inner)
+    )
+    _, fused = _pair()
+    attn = _layout([5, 3])
+    x = torch.randn(8, HIDDEN)
+    out1 = fused(x, attn)
+    out2 = fused(x, attn)
+    assert len(calls) == 1 and torch.equal(out1, out2)
+    fused(x.double().float(), attn)  # same kind of input
+    assert len(calls) == 1
+    fused.gate_kernel = "compiled"
+    fused(x, attn)
+    assert calls == ["auto", "compiled"]
+    twin = copy.deepcopy(fused)
+    assert "_ops_cache" not in twin.__dict__
+    torch.testing.assert_close(twin(x, attn), fused(x, attn))
+    assert len(calls) == 3  # the copy chose for itself

@@ -252,3 +252,41 @@ def test_resume_keeps_this_runs_optimizer_implementation(tmp_path):
         assert trainer.fit().losses[-1][0] == 3
     finally:
         trainer.close()
+
+
+def test_train_mode_is_set_after_evaluation_not_at_every_step(tmp_path, monkeypatch):
+    """A training step puts the model in train mode only when it is not (after an evaluation):
+    the walk over every module is not repeated at each step, and dropout is on again after
+    `evaluate()` switched every module to eval."""
+    from hstu.training.trainer import Trainer
+
+    cfg = _cfg(
+        "ranking",
+        tmp_path,
+        "TrainerArgs.max_train_iters=4",
+        "TrainerArgs.train_batch_size=16",
+        "TrainerArgs.ckpt_save_interval=-1",
+        "TrainerArgs.max_eval_iters=1",
+    )
+    trainer = Trainer(cfg, "cpu")
+    try:
+        calls = []
+        real_train = torch.nn.Module.train
+        monkeypatch.setattr(
+            torch.nn.Module,
+            "train",
+            lambda self, mode=True: calls.append(mode) or real_train(self, mode),
+        )
+        trainer.train_step()
+        trainer.train_step()
+        assert calls == [], "model.train() walked the module tree at every step"
+        trainer.evaluate()
+        assert not any(m.training for m in trainer.model.modules())
+        calls.clear()
+        trainer.train_step()
+        assert calls and all(m.training for m in trainer.model.modules())
+        calls.clear()
+        trainer.train_step()
+        assert calls == []
+    finally:
+        trainer.close()

@@ -10,7 +10,12 @@ from model_helpers import small_model
 
 from hstu.config.args import NetworkArgs
 from hstu.modules.graphed_encoder import GRAPH_PAD_SIZES_PER_OCTAVE, EncoderGraphs
-from hstu.modules.preprocessor import PAD_SEQUENCE_TOKENS, _attention_inputs, padded_token_count
+from hstu.modules.preprocessor import (
+    PAD_SEQUENCE_TOKENS,
+    HostLengths,
+    _index_layout,
+    padded_token_count,
+)
 
 
 def test_padded_token_count_bounds():
@@ -42,19 +47,21 @@ def test_coarser_padding_for_graphs(per_octave):
 def test_padding_rows_go_into_short_sequences():
     """2000 padding rows after two sequences: 8 padding sequences of at most 256 tokens (not one
     of 2000: the attention's cost grows with the square of the length), the same on both sides."""
-    offs = torch.tensor([0, 3000, 4000])
-    attn = _attention_inputs(
-        offs.clone(), offs.clone(), 4096, 0, torch.tensor([0, 0]), torch.tensor([0, 0]), False, 6000
-    )
+    attn = _layout([3000, 1000], 4096, 6000)
     lengths = attn.host_seq_offsets.diff().tolist()
     assert lengths == [3000, 1000] + [PAD_SEQUENCE_TOKENS] * 7 + [2000 - 7 * PAD_SEQUENCE_TOKENS]
     assert attn.padding_sequences == 8 and torch.equal(attn.seq_offsets, attn.host_seq_offsets)
     # a short max_seqlen bounds them further
-    offs = torch.tensor([0, 80, 100])
-    attn = _attention_inputs(
-        offs.clone(), offs.clone(), 100, 0, torch.tensor([0, 0]), torch.tensor([0, 0]), False, 350
-    )
+    attn = _layout([80, 20], 100, 350)
     assert attn.host_seq_offsets.diff().tolist() == [80, 20, 100, 100, 50]
+
+
+def _layout(lengths: list[int], max_seqlen: int, rows: int):
+    """The attention layout of history-only samples of ``lengths`` padded to ``rows``."""
+    items = torch.tensor(lengths, dtype=torch.int64)
+    host = HostLengths(items=items, history=items.clone(), candidates=torch.zeros_like(items))
+    lay = _index_layout(host, 0, rows, max_seqlen, 1 << 20, False, torch.device("cpu"))
+    return lay.attention_inputs(max_seqlen)
 
 
 def _model(task: str, pad: str, *extra: str):
@@ -139,3 +146,75 @@ def test_bad_cuda_graph_pad_sizes_names_the_setting(bad):
 def test_bad_pad_tokens_value_names_the_binding():
     with pytest.raises(ValueError, match="pad_tokens"):
         _model("ranking", "sometimes")
+
+
+def _device_layout_twin(items, hist, cand, f, rows, max_seqlen, max_positions):
+    """The layout's index tensors as the preprocessor derived them with torch ops from the
+    lengths before they moved to the host (`_index_layout` must give the same values)."""
+    from hstu.modules.preprocessor import segment_ranges
+
+    b = items.numel()
+    n_items, n_hist = int(items.sum()), int(hist.sum())
+    offsets = torch.zeros(b + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(items + f, 0)
+    item_offsets = torch.zeros(b + 1, dtype=torch.long)
+    item_offsets[1:] = torch.cumsum(items, 0)
+    sample = torch.repeat_interleave(torch.arange(b), items, output_size=n_items)
+    pos = torch.arange(n_items) - item_offsets[:-1][sample]
+    out = {
+        "item_offsets": item_offsets,
+        "history_lengths": hist,
+        "sample": sample,
+        "pos": pos,
+        "is_history": pos < hist[sample],
+        "dest": offsets[:-1][sample] + f + pos,
+        "position_ids": torch.minimum(pos, hist[sample]).clamp(max=max_positions - 1),
+        "history_index": segment_ranges(item_offsets[:-1], hist, n_hist),
+        "candidate_index": segment_ranges(item_offsets[:-1] + hist, cand, n_items - n_hist),
+        "ctx_rows": (offsets[:-1].view(b, 1) + torch.arange(f)).view(-1) if f else None,
+    }
+    pad = rows - int(offsets[-1])
+    chunk = max(1, min(max_seqlen, PAD_SEQUENCE_TOKENS))
+    n_pad = -(-pad // chunk) if pad > 0 else 0
+    steps = torch.clamp(torch.arange(1, n_pad + 1) * chunk, max=pad)
+    out["seq_offsets"] = torch.cat([offsets, offsets[-1] + steps])
+    zeros = torch.zeros(n_pad, dtype=torch.long)
+    out["num_contexts"] = torch.cat([torch.full((b,), f), zeros]) if f else None
+    out["num_targets"] = torch.cat([cand, zeros]) if bool((cand > 0).any()) else None
+    return out, n_pad
+
+
+@pytest.mark.parametrize("f", [0, 3])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_index_layout_equals_the_device_formulas(f, seed):
+    """Random batches (empty samples, candidate-free ones, positions clamped): every tensor of
+    the host-built layout equals the torch formulas it replaced, the host twins equal the device
+    tensors, and the attention inputs carry them."""
+    g = torch.Generator().manual_seed(seed)
+    b = 7
+    hist = torch.randint(0, 40, (b,), generator=g)
+    cand = torch.randint(0, 4, (b,), generator=g) * (torch.arange(b) % 3 != 0)
+    hist[0] = 0
+    items = hist + cand
+    max_positions = 30  # below some histories: the positions clamp
+    tokens = int((items + f).sum())
+    max_seqlen = int((items + f).max())
+    rows = padded_token_count(tokens) + 300
+    host = HostLengths(items=items, history=hist, candidates=cand)
+    has_targets = bool((cand > 0).any())
+    lay = _index_layout(host, f, rows, max_seqlen, max_positions, has_targets, torch.device("cpu"))
+    want, n_pad = _device_layout_twin(items, hist, cand, f, rows, max_seqlen, max_positions)
+    for name, ref in want.items():
+        got = getattr(lay, name)
+        if ref is None:
+            assert got is None, name
+            continue
+        assert got.dtype == ref.dtype and torch.equal(got, ref), name
+    assert lay.padding_sequences == n_pad > 0
+    attn = lay.attention_inputs(max_seqlen)
+    assert torch.equal(attn.host_seq_offsets, attn.seq_offsets)
+    assert int(attn.seq_offsets[-1]) == rows
+    if f:
+        assert torch.equal(attn.host_num_contexts, attn.num_contexts)
+    if has_targets:
+        assert torch.equal(attn.host_num_targets, attn.num_targets)

@@ -6,11 +6,19 @@ import it without import cycles; `hstu.modules.hstu_layer` re-exports it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["AttentionInputs"]
+
+
+@functools.cache
+def _cuda_available() -> bool:
+    """torch.cuda.is_available(), asked once (it costs microseconds per call, and the layers ask
+    for their metadata at every call)."""
+    return torch.cuda.is_available()
 
 
 @dataclass
@@ -103,8 +111,9 @@ class AttentionInputs:
         copies when the model runs on CUDA and they exist (no sync), else the device tensors,
         always the device tensors under CUDA graph capture (a captured host->device copy would
         replay stale bytes)."""
-        # (torch.cuda.is_available() costs microseconds per call: the device type decides)
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        capturing = (
+            device.type == "cuda" and _cuda_available() and torch.cuda.is_current_stream_capturing()
+        )
         if device.type == "cuda" and self.host_seq_offsets is not None and not capturing:
             return self.host_seq_offsets, self.host_num_contexts, self.host_num_targets
         return self.seq_offsets, self.num_contexts, self.num_targets

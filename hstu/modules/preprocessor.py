@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor
@@ -191,8 +192,9 @@ class SequencePreprocessor(nn.Module):
         ``pad_sizes_per_octave``: how finely token padding rounds (`padded_token_count`).
 
         Sizes, maxima and the jagged offsets handed to the attention kernel come from the batch's
-        CPU twin; the device tensors are derived from the device lengths with those sizes given,
-        so the forward reads nothing back from the GPU (see docs/architecture.md).
+        CPU twin, and so do the layout's index tensors (computed on the host, sent in one
+        non-blocking copy: `_index_layout`), so the forward reads nothing back from the GPU (see
+        docs/architecture.md).
 
         Token padding (``pad_tokens``, on CUDA by default): x gets `padded_token_count(T)` rows;
         the extra rows are zeros, grouped into trailing padding sequences of at most
@@ -206,9 +208,7 @@ class SequencePreprocessor(nn.Module):
         f = self.num_contextual
         host = host_lengths(batch)
         seq_host = host.items + f
-        offsets_host = torch.zeros(b + 1, dtype=torch.long)
-        offsets_host[1:] = torch.cumsum(seq_host, 0)
-        num_tokens = int(offsets_host[-1])
+        num_tokens = int(seq_host.sum())
         max_seqlen = int(seq_host.max()) if b > 0 else 0
         needed = int((host.history + (host.candidates > 0).long()).max()) if b > 0 else 0
         if needed > self.max_positions:
@@ -217,32 +217,18 @@ class SequencePreprocessor(nn.Module):
                 f"has {self.max_positions} (NetworkArgs.num_position_embeddings, default "
                 f"DatasetArgs.max_history_seqlen + 1)"
             )
-        n_items = int(host.items.sum())
-        n_hist = int(host.history.sum())
-        n_cand = n_items - n_hist
         has_targets = bool((host.candidates > 0).any())
 
-        item_lengths = items.lengths().long()
-        hist_lengths = batch.features[ACTION_FEATURE].lengths().long().to(device)
-        num_cand = batch.num_candidates.long().to(device)
-        seq_lengths = item_lengths + f
-        offsets = torch.zeros(b + 1, dtype=torch.long, device=device)
-        offsets[1:] = torch.cumsum(seq_lengths, 0)
-        item_offsets = torch.zeros(b + 1, dtype=torch.long, device=device)
-        item_offsets[1:] = torch.cumsum(item_lengths, 0)
-        sample = torch.repeat_interleave(
-            torch.arange(b, device=device), item_lengths, output_size=n_items
-        )
-        pos = torch.arange(n_items, device=device) - item_offsets[:-1][sample]
-        is_hist = pos < hist_lengths[sample]
-        dest = offsets[:-1][sample] + f + pos
-        # item indices of the history tokens (the first hist_lengths[s] items of sample s) and of
-        # the candidates (the rest), with their counts known on the host
-        hist_index = segment_ranges(item_offsets[:-1], hist_lengths, n_hist)
-        cand_index = segment_ranges(item_offsets[:-1] + hist_lengths, num_cand, n_cand)
+        pad = self.pad_tokens == "on" or (self.pad_tokens == "auto" and device.type == "cuda")
+        rows = padded_token_count(num_tokens, pad_sizes_per_octave) if pad else num_tokens
+        # every index tensor of the layout from the host lengths, in one host->device copy
+        lay = _index_layout(host, f, rows, max_seqlen, self.max_positions, has_targets, device)
+        item_offsets, sample, pos = lay.item_offsets, lay.sample, lay.pos
+        hist_lengths, dest = lay.history_lengths, lay.dest
+        hist_index, cand_index, ctx_rows = lay.history_index, lay.candidate_index, lay.ctx_rows
 
         values = items.values()
-        pos_ids = torch.minimum(pos, hist_lengths[sample]).clamp(max=self.max_positions - 1)
+        pos_ids = lay.position_ids
         scaled = values * self.item_scale if self.item_scale != 1.0 else values
         tok = scaled + self.position_embedding(pos_ids)
         actions = batch.features[ACTION_FEATURE].values().to(device)
@@ -258,17 +244,9 @@ class SequencePreprocessor(nn.Module):
         else:
             tok.index_add_(0, hist_index, action_tok)
 
-        pad = self.pad_tokens == "on" or (self.pad_tokens == "auto" and device.type == "cuda")
-        rows = padded_token_count(num_tokens, pad_sizes_per_octave) if pad else num_tokens
-        # row of contextual token i of sample s: ctx_rows[s * F + i]
-        ctx_rows = (
-            (offsets[:-1].view(b, 1) + torch.arange(f, device=device)).view(-1) if f else None
-        )
         x = _AssembleTokens.apply(rows, num_tokens, dest, ctx_rows, tok, *contextual)
         x = self.dropout(x)
-        attn = _attention_inputs(
-            offsets, offsets_host, max_seqlen, f, num_cand, host.candidates, has_targets, rows
-        )
+        attn = lay.attention_inputs(max_seqlen)
         if self.timestamps:
             attn.timestamps = self._token_timestamps(batch, dest, ctx_rows, item_offsets, rows)
             target_ts = batch.target_timestamps
@@ -284,7 +262,7 @@ class SequencePreprocessor(nn.Module):
             item_dest=dest,
             item_sample=sample,
             item_pos=pos,
-            is_history=is_hist,
+            is_history=lay.is_history,
             history_lengths=hist_lengths,
             num_tokens=num_tokens,
             item_offsets=item_offsets,
@@ -361,56 +339,120 @@ class _AssembleTokens(torch.autograd.Function):
         return (None, None, None, None, d_tok, *d_ctx)
 
 
-def _attention_inputs(
-    offsets: torch.Tensor,
-    offsets_host: torch.Tensor,
-    max_seqlen: int,
-    f: int,
-    num_cand: torch.Tensor,
-    host_cand: torch.Tensor,
-    has_targets: bool,
-    rows: int,
-) -> AttentionInputs:
-    """The attention layout of the batch's sequences plus, when ``rows`` exceeds their token
-    count, trailing padding sequences of at most min(max_seqlen, `PAD_SEQUENCE_TOKENS`) tokens
-    covering the extra rows (no contextual tokens, no targets; the attention scaling unchanged).
-    Short ones: the attention's work grows with the square of a sequence's length; 2048 padding
-    rows in one sequence would add ~6% to the attention work of the benchmark model's batches
-    (estimated from the squares of their lengths, not timed). Built on both sides without
-    copies: no host<->GPU sync."""
-    b = offsets.numel() - 1
-    pad = rows - int(offsets_host[-1])
-    chunk = max(1, min(max_seqlen, PAD_SEQUENCE_TOKENS))
-    n_pad = -(-pad // chunk) if pad > 0 else 0
-    dev = offsets.device
-    if n_pad:
-        steps_host = torch.clamp(torch.arange(1, n_pad + 1) * chunk, max=pad)
-        steps = torch.clamp(torch.arange(1, n_pad + 1, device=dev) * chunk, max=pad)
-        offsets_host = torch.cat([offsets_host, offsets_host[-1] + steps_host])
-        offsets = torch.cat([offsets, offsets[-1:] + steps])
+@dataclass
+class _IndexLayout:
+    """The index tensors of a batch's layout on the device (views of one buffer copied from the
+    host), with the attention's host twins (CPU int64)."""
 
-    def per_seq(dev_vals: torch.Tensor, host_vals: torch.Tensor):
-        """[b] values + zeros for the padding sequences, on the device and on the host."""
-        if not n_pad:
-            return dev_vals, host_vals
-        return (
-            torch.cat([dev_vals, dev_vals.new_zeros(n_pad)]),
-            torch.cat([host_vals, host_vals.new_zeros(n_pad)]),
+    item_offsets: torch.Tensor  # [B+1] sample starts in the item list
+    history_lengths: torch.Tensor  # [B]
+    sample: torch.Tensor  # [N_items]
+    pos: torch.Tensor  # [N_items] position inside the sample's items
+    is_history: torch.Tensor  # [N_items] bool
+    dest: torch.Tensor  # [N_items] row in x
+    position_ids: torch.Tensor  # [N_items] min(pos, h), at most max_positions - 1
+    history_index: torch.Tensor  # [N_hist] item indices of the history tokens
+    candidate_index: torch.Tensor  # [N_cand] item indices of the candidates
+    ctx_rows: torch.Tensor | None  # [B*F] row of contextual token i of sample s at s*F + i
+    seq_offsets: torch.Tensor  # [B+1+P] with the trailing padding sequences
+    num_contexts: torch.Tensor | None  # [B+P]
+    num_targets: torch.Tensor | None  # [B+P]
+    host_seq_offsets: torch.Tensor
+    host_num_contexts: torch.Tensor | None
+    host_num_targets: torch.Tensor | None
+    padding_sequences: int
+
+    def attention_inputs(self, max_seqlen: int) -> AttentionInputs:
+        return AttentionInputs(
+            seq_offsets=self.seq_offsets,
+            max_seqlen=max_seqlen,
+            num_contexts=self.num_contexts,
+            num_targets=self.num_targets,
+            host_seq_offsets=self.host_seq_offsets,
+            host_num_contexts=self.host_num_contexts,
+            host_num_targets=self.host_num_targets,
+            padding_sequences=self.padding_sequences,
         )
 
-    contexts = targets = (None, None)
-    if f > 0:
-        contexts = per_seq(torch.full((b,), f, dtype=torch.long, device=dev), torch.full((b,), f))
-    if has_targets:
-        targets = per_seq(num_cand, host_cand.to(torch.int64))
-    return AttentionInputs(
-        seq_offsets=offsets,
-        max_seqlen=max_seqlen,
-        num_contexts=contexts[0],
-        num_targets=targets[0],
-        host_seq_offsets=offsets_host,
-        host_num_contexts=contexts[1],
-        host_num_targets=targets[1],
+
+def _index_layout(
+    host: HostLengths,
+    f: int,
+    rows: int,
+    max_seqlen: int,
+    max_positions: int,
+    has_targets: bool,
+    device: torch.device,
+) -> _IndexLayout:
+    """Every index tensor of the layout, computed with NumPy from the host lengths and sent to
+    ``device`` as one int64 buffer (pinned, non-blocking on CUDA): one copy instead of ~40 small
+    device ops and their launches, and still no read back from the GPU.
+
+    The attention layout: the batch's sequences plus, when ``rows`` exceeds their token count,
+    trailing padding sequences of at most min(max_seqlen, `PAD_SEQUENCE_TOKENS`) tokens covering
+    the extra rows (no contextual tokens, no targets; the attention scaling unchanged). Short
+    ones: the attention's work grows with the square of a sequence's length; 2048 padding rows in
+    one sequence would add ~6% to the attention work of the benchmark model's batches (estimated
+    from the squares of their lengths, not timed)."""
+    items = host.items.numpy().astype(np.int64, copy=False)
+    hist = host.history.numpy().astype(np.int64, copy=False)
+    cand = host.candidates.numpy().astype(np.int64, copy=False)
+    b = items.shape[0]
+    offsets = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(items + f, out=offsets[1:])
+    item_offsets = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(items, out=item_offsets[1:])
+    sample = np.repeat(np.arange(b, dtype=np.int64), items)
+    pos = np.arange(sample.shape[0], dtype=np.int64) - item_offsets[:-1][sample]
+    hist_of = hist[sample]
+    is_hist = pos < hist_of
+    # the history items of a sample come first (host_lengths checks items = history +
+    # candidates), so these are its first h item indices and the rest
+    history_index = np.flatnonzero(is_hist).astype(np.int64, copy=False)
+    candidate_index = np.flatnonzero(~is_hist).astype(np.int64, copy=False)
+    dest = offsets[:-1][sample] + f + pos
+    position_ids = np.minimum(np.minimum(pos, hist_of), max_positions - 1)
+    ctx_rows = (offsets[:-1, None] + np.arange(f, dtype=np.int64)).reshape(-1) if f else None
+    pad = rows - int(offsets[-1])
+    chunk = max(1, min(max_seqlen, PAD_SEQUENCE_TOKENS))
+    n_pad = -(-pad // chunk) if pad > 0 else 0
+    steps = np.minimum(np.arange(1, n_pad + 1, dtype=np.int64) * chunk, pad)
+    seq_offsets = np.concatenate([offsets, offsets[-1] + steps])
+    zeros = np.zeros(n_pad, dtype=np.int64)
+    contexts = np.concatenate([np.full(b, f, dtype=np.int64), zeros]) if f > 0 else None
+    targets = np.concatenate([cand, zeros]) if has_targets else None
+    parts = {
+        "item_offsets": item_offsets,
+        "history_lengths": hist,
+        "sample": sample,
+        "pos": pos,
+        "is_history": is_hist.astype(np.int64),
+        "dest": dest,
+        "position_ids": position_ids,
+        "history_index": history_index,
+        "candidate_index": candidate_index,
+        "ctx_rows": ctx_rows,
+        "seq_offsets": seq_offsets,
+        "num_contexts": contexts,
+        "num_targets": targets,
+    }
+    present = {k: v for k, v in parts.items() if v is not None}
+    sizes = [v.shape[0] for v in present.values()]
+    cuda = device.type == "cuda"
+    buf = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=cuda)
+    np.concatenate(list(present.values()), out=buf.numpy())
+    on_dev = buf.to(device, non_blocking=cuda) if buf.device != device else buf
+    dev = dict(zip(present, torch.split(on_dev, sizes)))
+    dev["is_history"] = dev["is_history"].bool()
+
+    def host_twin(a: np.ndarray | None) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(a)
+
+    return _IndexLayout(
+        **{k: dev.get(k) for k in parts},
+        host_seq_offsets=torch.from_numpy(seq_offsets),
+        host_num_contexts=host_twin(contexts),
+        host_num_targets=host_twin(targets),
         padding_sequences=n_pad,
     )
 

@@ -253,6 +253,15 @@ def test_profile_taken_again_while_profiled_steps_captured(load_script, monkeypa
     assert bench._profile(None, None, "x") == {"steps": 2, "profile_attempts": 1}
 
 
+def test_bench_e2e_profile_gpu_only_needs_cuda():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--device", "cpu",
+         "--profile", "x", "--profile-gpu-only"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "--profile-gpu-only traces GPU work only" in proc.stderr
+
+
 def test_bench_e2e_find_syncs_needs_cuda():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--device", "cpu",

@@ -61,7 +61,7 @@ def _layout(lengths: list[int], max_seqlen: int, rows: int):
     items = torch.tensor(lengths, dtype=torch.int64)
     host = HostLengths(items=items, history=items.clone(), candidates=torch.zeros_like(items))
     lay = _index_layout(host, 0, rows, max_seqlen, 1 << 20, False, torch.device("cpu"))
-    return lay.attention_inputs(max_seqlen)
+    return lay.attn
 
 
 def _model(task: str, pad: str, *extra: str):
@@ -205,13 +205,15 @@ def test_index_layout_equals_the_device_formulas(f, seed):
     lay = _index_layout(host, f, rows, max_seqlen, max_positions, has_targets, torch.device("cpu"))
     want, n_pad = _device_layout_twin(items, hist, cand, f, rows, max_seqlen, max_positions)
     for name, ref in want.items():
-        got = getattr(lay, name)
+        got = getattr(
+            lay.attn if name in ("seq_offsets", "num_contexts", "num_targets") else lay, name
+        )
         if ref is None:
             assert got is None, name
             continue
         assert got.dtype == ref.dtype and torch.equal(got, ref), name
-    assert lay.padding_sequences == n_pad > 0
-    attn = lay.attention_inputs(max_seqlen)
+    attn = lay.attn
+    assert attn.padding_sequences == n_pad > 0
     assert torch.equal(attn.host_seq_offsets, attn.seq_offsets)
     assert int(attn.seq_offsets[-1]) == rows
     if f:

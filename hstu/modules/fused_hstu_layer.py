@@ -901,8 +901,8 @@ _LAYER_OPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _layer_ops(layer: FusedHSTULayer, x: torch.Tensor) -> dict:
     """The ops one call of ``layer`` runs (attention kernel or reference, elementwise kernels or
     PyTorch stages), chosen for x's device, dtype, compute dtype and layout and the layer's
-    settings; chosen once per such key and kept on the layer (the choice is the same at every
-    step, and making it costs host time at every layer call)."""
+    settings; chosen once per such key and kept beside the layer in `_LAYER_OPS` (the choice is
+    the same at every step, and making it costs host time at every layer call)."""
     key = (
         x.device,
         x.dtype,

@@ -246,7 +246,7 @@ class SequencePreprocessor(nn.Module):
 
         x = _AssembleTokens.apply(rows, num_tokens, dest, ctx_rows, tok, *contextual)
         x = self.dropout(x)
-        attn = lay.attention_inputs(max_seqlen)
+        attn = lay.attn
         if self.timestamps:
             attn.timestamps = self._token_timestamps(batch, dest, ctx_rows, item_offsets, rows)
             target_ts = batch.target_timestamps
@@ -342,7 +342,8 @@ class _AssembleTokens(torch.autograd.Function):
 @dataclass
 class _IndexLayout:
     """The index tensors of a batch's layout on the device (views of one buffer copied from the
-    host), with the attention's host twins (CPU int64)."""
+    host) and the attention inputs (their offsets, contexts and targets from the same buffer,
+    with CPU int64 twins)."""
 
     item_offsets: torch.Tensor  # [B+1] sample starts in the item list
     history_lengths: torch.Tensor  # [B]
@@ -354,25 +355,7 @@ class _IndexLayout:
     history_index: torch.Tensor  # [N_hist] item indices of the history tokens
     candidate_index: torch.Tensor  # [N_cand] item indices of the candidates
     ctx_rows: torch.Tensor | None  # [B*F] row of contextual token i of sample s at s*F + i
-    seq_offsets: torch.Tensor  # [B+1+P] with the trailing padding sequences
-    num_contexts: torch.Tensor | None  # [B+P]
-    num_targets: torch.Tensor | None  # [B+P]
-    host_seq_offsets: torch.Tensor
-    host_num_contexts: torch.Tensor | None
-    host_num_targets: torch.Tensor | None
-    padding_sequences: int
-
-    def attention_inputs(self, max_seqlen: int) -> AttentionInputs:
-        return AttentionInputs(
-            seq_offsets=self.seq_offsets,
-            max_seqlen=max_seqlen,
-            num_contexts=self.num_contexts,
-            num_targets=self.num_targets,
-            host_seq_offsets=self.host_seq_offsets,
-            host_num_contexts=self.host_num_contexts,
-            host_num_targets=self.host_num_targets,
-            padding_sequences=self.padding_sequences,
-        )
+    attn: AttentionInputs  # the sequences plus the padding ones, with their host twins
 
 
 def _index_layout(
@@ -445,16 +428,18 @@ def _index_layout(
     dev = dict(zip(present, torch.split(on_dev, sizes)))
     dev["is_history"] = dev["is_history"].bool()
 
-    def host_twin(a: np.ndarray | None) -> torch.Tensor | None:
-        return None if a is None else torch.from_numpy(a)
-
-    return _IndexLayout(
-        **{k: dev.get(k) for k in parts},
+    attn = AttentionInputs(
+        seq_offsets=dev["seq_offsets"],
+        max_seqlen=max_seqlen,
+        num_contexts=dev.get("num_contexts"),
+        num_targets=dev.get("num_targets"),
         host_seq_offsets=torch.from_numpy(seq_offsets),
-        host_num_contexts=host_twin(contexts),
-        host_num_targets=host_twin(targets),
+        host_num_contexts=None if contexts is None else torch.from_numpy(contexts),
+        host_num_targets=None if targets is None else torch.from_numpy(targets),
         padding_sequences=n_pad,
     )
+    attention = ("seq_offsets", "num_contexts", "num_targets")
+    return _IndexLayout(**{k: dev.get(k) for k in parts if k not in attention}, attn=attn)
 
 
 def item_values(batch: Batch) -> torch.Tensor:

@@ -74,6 +74,8 @@ FUSED_LAYER_SWITCHES: tuple[str, ...] = (
 )
 # token padding of the jagged batch: "auto" on CUDA only, "on" everywhere, "off" never
 PAD_TOKENS: tuple[str, ...] = ("auto", "on", "off")
+# NetworkArgs.cuda_graph_scope: what a CUDA graph replays
+CUDA_GRAPH_SCOPES: tuple[str, ...] = ("step", "encoder")
 SPARSE_OPTIMIZERS: tuple[str, ...] = ("sgd", "adam", "adagrad", "rowwise_adagrad")
 INITIALIZERS: tuple[str, ...] = ("normal", "uniform", "truncated_normal", "constant")
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu")
@@ -423,6 +425,10 @@ class NetworkArgs:
     # (a power of two; one graph pair per count: fewer counts, fewer captures and more padding
     # rows, up to 1/count more; the eager step pads to 32)
     cuda_graph_pad_sizes: int = 8
+    # with cuda_graphs: "step" replays the whole training step (forward, loss, backward,
+    # optimizer; hstu.training.step_graphs) where it can (retrieval with plain tables, Adam), the
+    # encoder's forward + backward elsewhere; "encoder": the encoder only
+    cuda_graph_scope: str = "step"
 
     def __post_init__(self) -> None:
         _int(self, "num_layers", min_value=1, max_value=INT32_MAX, why=_MEM)
@@ -488,6 +494,7 @@ class NetworkArgs:
         _bool(self, "final_layernorm")
         _bool(self, "use_contextual_features")
         _choice(self, "pad_tokens", PAD_TOKENS)
+        _choice(self, "cuda_graph_scope", CUDA_GRAPH_SCOPES)
         _bool(self, "cuda_graphs")
         sizes = _int(
             self,

@@ -32,6 +32,10 @@ class Batch:
       (`SequenceData.has_timestamps`, e.g. SASRec-style files).
     target_timestamps: retrieval evaluation only, [B] int64 time of each held-out next item (the
       time of the request the query answers); None otherwise and without real timestamps.
+    sample_weights: [B] float32 weight of each sample's loss terms, or None (all 1). Padding
+      samples (`hstu.training.step_graphs.pad_batch`, which gives a batch the fixed shapes of a
+      CUDA graph of the training step) carry 0: they add nothing to the loss or its gradients.
+      Retrieval training only.
     global_counts: training batches from a `BatchIterator` given per-sample loss counts: (loss
       terms, samples) of the whole global batch, all ranks together, known without communication
       (the trainer then skips its per-step host all-reduce of the local counts).
@@ -49,6 +53,7 @@ class Batch:
     target_item_ids: torch.Tensor | None = None
     timestamps: torch.Tensor | None = None
     target_timestamps: torch.Tensor | None = None
+    sample_weights: torch.Tensor | None = None
     global_counts: tuple[float, float] | None = field(default=None, compare=False)
     host: Batch | None = field(default=None, repr=False, compare=False)
 

@@ -405,7 +405,11 @@ class EmbeddingStack(nn.Module):
 
     # ---- lookup ----------------------------------------------------------------------------
     def _feature_ids(
-        self, batch: Batch | None, extra_ids: torch.Tensor | None, device
+        self,
+        batch: Batch | None,
+        extra_ids: torch.Tensor | None,
+        device,
+        extra_host_ids: torch.Tensor | None = None,
     ) -> tuple[int, dict[str, _FeatureIds]]:
         """The ids of every feature in ``self.features`` (batch features + extra ids) with their
         per-key counts taken from the host (no device->host read)."""
@@ -455,7 +459,7 @@ class EmbeddingStack(nn.Module):
                 values=extra.to(dev),
                 lengths=extra_lengths,
                 count=extra.numel(),
-                host_values=extra if extra.device.type == "cpu" else None,
+                host_values=extra if extra.device.type == "cpu" else extra_host_ids,
             )
         return b, parts
 
@@ -492,15 +496,17 @@ class EmbeddingStack(nn.Module):
         batch: Batch | None,
         extra_ids: torch.Tensor | None = None,
         sparse_input: SparseInput | None = None,
+        extra_host_ids: torch.Tensor | None = None,
     ) -> dict[str, JaggedTensor]:
         """feature -> JaggedTensor of [n, hidden_size] rows (table padding columns dropped).
+        ``extra_host_ids``: ``extra_ids`` on the CPU, where known (their range is checked there).
 
         The KJTs handed to the tables carry their per-key lengths and offsets (from the host),
         and the dynamic tables get the CPU ids, so no lookup step reads sizes back from the GPU
         (torchrec's own sharded input dist still may, see docs/architecture.md).
         ``sparse_input``: this batch's input dist started ahead (`start_input_dist`)."""
         device = batch.user_ids.device if batch is not None else extra_ids.device
-        b, parts = self._feature_ids(batch, extra_ids, device)
+        b, parts = self._feature_ids(batch, extra_ids, device, extra_host_ids)
         keys = self.features
         known = {k: parts[k].host_values for k in keys if parts[k].host_values is not None}
         dyn = [k for k in keys if k in self.dynamic_features]

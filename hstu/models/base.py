@@ -90,11 +90,13 @@ class GenerativeRecommender(nn.Module):
         batch: Batch,
         extra_ids: torch.Tensor | None = None,
         sparse_input: SparseInput | None = None,
+        extra_host_ids: torch.Tensor | None = None,
     ):
         """Returns (encoder output [T, D], layout, item embeddings [N_items, D], extra emb or
-        None). ``sparse_input``: the batch's embedding input dist started ahead of the step."""
+        None). ``sparse_input``: the batch's embedding input dist started ahead of the step;
+        ``extra_host_ids``: ``extra_ids`` on the CPU where known (their range is checked there)."""
         with record_function("hstu/lookup"):
-            emb = self.embeddings(batch, extra_ids, sparse_input)
+            emb = self.embeddings(batch, extra_ids, sparse_input, extra_host_ids=extra_host_ids)
         contextual = [emb[name].values() for name in self.contextual_names]
         items = emb[ITEM_FEATURE]
         # a call the encoder may replay from CUDA graphs (one pair per token count) rounds the

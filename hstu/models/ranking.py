@@ -57,6 +57,11 @@ class RankingGR(GenerativeRecommender):
         summed over tasks and candidates, divided by ``loss_normalizer`` (default: the number of
         candidates here; the trainer passes global count / world size so that data-parallel
         gradient averaging gives exactly the global mean)."""
+        if batch.sample_weights is not None:
+            raise ValueError(
+                "RankingGR: Batch.sample_weights (padding samples of a graphed training step) "
+                "are supported by retrieval only"
+            )
         y, layout, _, _ = self.encode(batch, sparse_input=sparse_input)
         index = layout.candidate_index
         n_cand = index.numel()

@@ -24,6 +24,7 @@ class NegativeSample(NamedTuple):
     ids: torch.Tensor  # [R, K] sampled item id of each row's negatives
     index: torch.Tensor  # [R, K] position of each negative among the looked-up rows
     whole_corpus: bool  # lookup_ids is the whole corpus (index = corpus position)
+    host_lookup_ids: torch.Tensor | None = None  # lookup_ids on the CPU, where known
 
 
 class RetrievalGR(GenerativeRecommender):
@@ -64,6 +65,9 @@ class RetrievalGR(GenerativeRecommender):
         if item_corpus.numel() == 0:
             raise ValueError("the item corpus is empty: the dataset has no interactions")
         self.register_buffer("item_corpus", item_corpus.long().clone(), persistent=False)
+        # the same ids on the CPU: the item table checks a whole-corpus lookup's ids there, not
+        # by reading their min / max back from the GPU at every step
+        self._host_corpus = item_corpus.detach().to("cpu", torch.int64).clone()
         self.num_negatives = num_negatives
         self.temperature = temperature
         self.negative_sampling = negative_sampling
@@ -82,7 +86,8 @@ class RetrievalGR(GenerativeRecommender):
             0, corpus.numel(), (num_rows, self.num_negatives), device=corpus.device
         )
         if corpus.numel() <= self.num_negatives * self.hidden_size:
-            return NegativeSample(corpus, corpus[offsets], offsets, whole_corpus=True)
+            host = self._host_corpus if self._host_corpus.numel() == corpus.numel() else None
+            return NegativeSample(corpus, corpus[offsets], offsets, True, host)
         uniq, inverse = torch.unique(offsets, return_inverse=True)
         return NegativeSample(corpus[uniq], corpus[offsets], inverse, whole_corpus=False)
 
@@ -114,7 +119,10 @@ class RetrievalGR(GenerativeRecommender):
         if self.training:
             sampled = self._sample_negatives(rows)
         y, layout, item_emb, neg_emb = self.encode(
-            batch, sampled.lookup_ids if sampled is not None else None, sparse_input
+            batch,
+            sampled.lookup_ids if sampled is not None else None,
+            sparse_input,
+            extra_host_ids=sampled.host_lookup_ids if sampled is not None else None,
         )
         ids = item_values(batch).to(y.device)
         out: dict[str, torch.Tensor] = {"num_tokens": torch.tensor(layout.num_tokens)}
@@ -125,6 +133,12 @@ class RetrievalGR(GenerativeRecommender):
         pos_ids = ids[src + 1]
         pos = self.normalize(item_emb[src + 1])
         pos_logit = (q * pos).sum(-1, keepdim=True) / self.temperature
+        # padding samples (Batch.sample_weights 0, a graphed step's fixed shapes): their rows
+        # count nothing and are no in-batch negatives of the others
+        weights = None
+        if batch.sample_weights is not None:
+            sample_w = batch.sample_weights.to(y.device, torch.float32)
+            weights = sample_w.index_select(0, layout.item_sample.index_select(0, src))
         logits = [pos_logit]
         if sampled is not None and neg_emb is not None and q.shape[0] > 0:
             neg_ids = sampled.ids
@@ -138,15 +152,16 @@ class RetrievalGR(GenerativeRecommender):
             logits.append(neg_logit)
         if self.negative_sampling in ("in_batch", "mixed") and self.training:
             ib_logit = q @ pos.t() / self.temperature
-            ib_logit = ib_logit.masked_fill(
-                pos_ids.view(-1, 1) == pos_ids.view(1, -1), float("-inf")
-            )
+            same = pos_ids.view(-1, 1) == pos_ids.view(1, -1)
+            if weights is not None:
+                same = same | (weights == 0).view(1, -1)
+            ib_logit = ib_logit.masked_fill(same, float("-inf"))
             logits.append(ib_logit)
         all_logits = torch.cat(logits, dim=1)
         n = all_logits.shape[0]
         if n > 0:
             per = -torch.log_softmax(all_logits, dim=1)[:, 0]
-            total = per.sum()
+            total = per.sum() if weights is None else (per * weights).sum()
         else:
             total = y.sum() * 0.0
         out["loss"] = total / (loss_normalizer if loss_normalizer else max(1, n))

@@ -26,6 +26,7 @@ from hstu.modules.attention_inputs import AttentionInputs
 
 __all__ = [
     "HostLengths",
+    "StaticLayout",
     "SequenceLayout",
     "SequencePreprocessor",
     "host_lengths",
@@ -162,6 +163,45 @@ class SequencePreprocessor(nn.Module):
         self.position_embedding = nn.Embedding(max_positions, hidden_size)
         nn.init.normal_(self.position_embedding.weight, std=position_init_std)
         self.dropout = nn.Dropout(dropout)
+        # set only while a CUDA graph of the training step is captured (`StaticLayout`)
+        self.static: StaticLayout | None = None
+
+    def _sizes(
+        self, batch: Batch, device: torch.device, pad_sizes_per_octave: int
+    ) -> tuple[HostLengths, int, int, bool, int]:
+        """(host lengths, tokens, longest sequence, any targets, rows of x) of ``batch``."""
+        b = batch.batch_size
+        host = host_lengths(batch)
+        seq_host = host.items + self.num_contextual
+        num_tokens = int(seq_host.sum())
+        max_seqlen = int(seq_host.max()) if b > 0 else 0
+        needed = int((host.history + (host.candidates > 0).long()).max()) if b > 0 else 0
+        if needed > self.max_positions:
+            raise ValueError(
+                f"a sample needs {needed} positions (history + 1 for its candidates) but the model "
+                f"has {self.max_positions} (NetworkArgs.num_position_embeddings, default "
+                f"DatasetArgs.max_history_seqlen + 1)"
+            )
+        has_targets = bool((host.candidates > 0).any())
+        pad = self.pad_tokens == "on" or (self.pad_tokens == "auto" and device.type == "cuda")
+        rows = padded_token_count(num_tokens, pad_sizes_per_octave) if pad else num_tokens
+        return host, num_tokens, max_seqlen, has_targets, rows
+
+    def host_index(
+        self,
+        batch: Batch,
+        device: torch.device | str,
+        pad_sizes_per_octave: int = PAD_SIZES_PER_OCTAVE,
+    ) -> np.ndarray:
+        """The int64 values that the forward of ``batch`` on ``device`` copies to the device as
+        its layout's index buffer (`StaticLayout.index`), computed on the host."""
+        host, _, max_seqlen, has_targets, rows = self._sizes(
+            batch, torch.device(device), pad_sizes_per_octave
+        )
+        parts, _ = _host_index(
+            host, self.num_contextual, rows, max_seqlen, self.max_positions, has_targets
+        )
+        return np.concatenate([v for v in parts.values() if v is not None])
 
     def action_tokens(self, actions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[N] action words -> [N, D]: the sum of the action_embedding rows of the word's low
@@ -204,25 +244,14 @@ class SequencePreprocessor(nn.Module):
         gradients are exactly zero and add nothing to the weight gradients.
         `AttentionInputs.padding_sequences` counts them."""
         device = items.values().device
-        b = batch.batch_size
         f = self.num_contextual
-        host = host_lengths(batch)
-        seq_host = host.items + f
-        num_tokens = int(seq_host.sum())
-        max_seqlen = int(seq_host.max()) if b > 0 else 0
-        needed = int((host.history + (host.candidates > 0).long()).max()) if b > 0 else 0
-        if needed > self.max_positions:
-            raise ValueError(
-                f"a sample needs {needed} positions (history + 1 for its candidates) but the model "
-                f"has {self.max_positions} (NetworkArgs.num_position_embeddings, default "
-                f"DatasetArgs.max_history_seqlen + 1)"
-            )
-        has_targets = bool((host.candidates > 0).any())
-
-        pad = self.pad_tokens == "on" or (self.pad_tokens == "auto" and device.type == "cuda")
-        rows = padded_token_count(num_tokens, pad_sizes_per_octave) if pad else num_tokens
+        host, num_tokens, max_seqlen, has_targets, rows = self._sizes(
+            batch, device, pad_sizes_per_octave
+        )
         # every index tensor of the layout from the host lengths, in one host->device copy
-        lay = _index_layout(host, f, rows, max_seqlen, self.max_positions, has_targets, device)
+        lay = _index_layout(
+            host, f, rows, max_seqlen, self.max_positions, has_targets, device, self.static
+        )
         item_offsets, sample, pos = lay.item_offsets, lay.sample, lay.pos
         hist_lengths, dest = lay.history_lengths, lay.dest
         hist_index, cand_index, ctx_rows = lay.history_index, lay.candidate_index, lay.ctx_rows
@@ -340,6 +369,20 @@ class _AssembleTokens(torch.autograd.Function):
 
 
 @dataclass
+class StaticLayout:
+    """Device memory that a CUDA graph of the training step reads its layout from
+    (`hstu.training.step_graphs`): while `SequencePreprocessor.static` holds one, the forward
+    takes the index tensors as views of ``index`` (which the graph's owner fills from
+    `SequencePreprocessor.host_index` before each replay) instead of copying them from the host,
+    and hands the attention ``seqlen_bound`` as its longest sequence with the scaling
+    1 / longest sequence read from ``inv_max_seqlen``."""
+
+    index: torch.Tensor  # int64 [n], `host_index`'s values
+    seqlen_bound: int
+    inv_max_seqlen: torch.Tensor  # float32 [1]
+
+
+@dataclass
 class _IndexLayout:
     """The index tensors of a batch's layout on the device (views of one buffer copied from the
     host) and the attention inputs (their offsets, contexts and targets from the same buffer,
@@ -366,10 +409,12 @@ def _index_layout(
     max_positions: int,
     has_targets: bool,
     device: torch.device,
+    static: StaticLayout | None = None,
 ) -> _IndexLayout:
     """Every index tensor of the layout, computed with NumPy from the host lengths and sent to
     ``device`` as one int64 buffer (pinned, non-blocking on CUDA): one copy instead of ~40 small
-    device ops and their launches, and still no read back from the GPU.
+    device ops and their launches, and still no read back from the GPU. With ``static`` the
+    tensors are views of ``static.index`` instead (filled by the caller: nothing is copied).
 
     The attention layout: the batch's sequences plus, when ``rows`` exceeds their token count,
     trailing padding sequences of at most min(max_seqlen, `PAD_SEQUENCE_TOKENS`) tokens covering
@@ -377,6 +422,51 @@ def _index_layout(
     ones: the attention's work grows with the square of a sequence's length; 2048 padding rows in
     one sequence would add ~6% to the attention work of the benchmark model's batches (estimated
     from the squares of their lengths, not timed)."""
+    parts, host_attn = _host_index(host, f, rows, max_seqlen, max_positions, has_targets)
+    seq_offsets, contexts, targets, n_pad = host_attn
+    present = {k: v for k, v in parts.items() if v is not None}
+    sizes = [v.shape[0] for v in present.values()]
+    if static is not None:
+        if static.index.numel() != sum(sizes) or static.index.device != device:
+            raise RuntimeError(
+                f"the static layout buffer holds {static.index.numel()} values on "
+                f"{static.index.device}; this batch's layout needs {sum(sizes)} on {device}"
+            )
+        on_dev = static.index
+    else:
+        cuda = device.type == "cuda"
+        buf = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=cuda)
+        np.concatenate(list(present.values()), out=buf.numpy())
+        on_dev = buf.to(device, non_blocking=cuda) if buf.device != device else buf
+    dev = dict(zip(present, torch.split(on_dev, sizes)))
+    dev["is_history"] = dev["is_history"].bool()
+
+    attn = AttentionInputs(
+        seq_offsets=dev["seq_offsets"],
+        max_seqlen=max_seqlen if static is None else static.seqlen_bound,
+        num_contexts=dev.get("num_contexts"),
+        num_targets=dev.get("num_targets"),
+        host_seq_offsets=torch.from_numpy(seq_offsets),
+        host_num_contexts=None if contexts is None else torch.from_numpy(contexts),
+        host_num_targets=None if targets is None else torch.from_numpy(targets),
+        padding_sequences=n_pad,
+        inv_max_seqlen=None if static is None else static.inv_max_seqlen,
+    )
+    attention = ("seq_offsets", "num_contexts", "num_targets")
+    return _IndexLayout(**{k: dev.get(k) for k in parts if k not in attention}, attn=attn)
+
+
+def _host_index(
+    host: HostLengths,
+    f: int,
+    rows: int,
+    max_seqlen: int,
+    max_positions: int,
+    has_targets: bool,
+) -> tuple[dict[str, np.ndarray | None], tuple]:
+    """The layout's index arrays (name -> int64 array, None where absent, in the order of the
+    device buffer) and the attention's host arrays (seq_offsets, contexts, targets, padding
+    sequences) for `_index_layout`."""
     items = host.items.numpy().astype(np.int64, copy=False)
     hist = host.history.numpy().astype(np.int64, copy=False)
     cand = host.candidates.numpy().astype(np.int64, copy=False)
@@ -419,27 +509,7 @@ def _index_layout(
         "num_contexts": contexts,
         "num_targets": targets,
     }
-    present = {k: v for k, v in parts.items() if v is not None}
-    sizes = [v.shape[0] for v in present.values()]
-    cuda = device.type == "cuda"
-    buf = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=cuda)
-    np.concatenate(list(present.values()), out=buf.numpy())
-    on_dev = buf.to(device, non_blocking=cuda) if buf.device != device else buf
-    dev = dict(zip(present, torch.split(on_dev, sizes)))
-    dev["is_history"] = dev["is_history"].bool()
-
-    attn = AttentionInputs(
-        seq_offsets=dev["seq_offsets"],
-        max_seqlen=max_seqlen,
-        num_contexts=dev.get("num_contexts"),
-        num_targets=dev.get("num_targets"),
-        host_seq_offsets=torch.from_numpy(seq_offsets),
-        host_num_contexts=None if contexts is None else torch.from_numpy(contexts),
-        host_num_targets=None if targets is None else torch.from_numpy(targets),
-        padding_sequences=n_pad,
-    )
-    attention = ("seq_offsets", "num_contexts", "num_targets")
-    return _IndexLayout(**{k: dev.get(k) for k in parts if k not in attention}, attn=attn)
+    return parts, (seq_offsets, contexts, targets, n_pad)
 
 
 def item_values(batch: Batch) -> torch.Tensor:

@@ -58,6 +58,7 @@ from hstu.training.reshard import (
     upgrade_state_keys,
 )
 from hstu.training.rundir import config_identity, mark_started, setup_run_dir
+from hstu.training.step_graphs import StepGraphs, graph_safe_optimizer, step_graphs_unsupported
 
 __all__ = ["TrainResult", "Trainer", "run_training"]
 
@@ -202,6 +203,21 @@ class Trainer:
         self.num_dense_params = sum(p.numel() for p in dense)
         self.dense_params = dense
         self.optimizer = build_dense_optimizer(dense, cfg.optimizer)
+        # CUDA graphs of the whole step where they apply (before the scheduler: the learning
+        # rate becomes a device tensor that it fills); the encoder's own graphs otherwise
+        self.step_graphs: StepGraphs | None = None
+        self._no_step_graphs = self._step_graphs_unsupported()
+        if not self._no_step_graphs:
+            self.step_graphs = StepGraphs(
+                self.core,
+                self._optimize,
+                dense,
+                self.device,
+                autocast=self._autocast,
+                pad_sizes_per_octave=net.cuda_graph_pad_sizes,
+            )
+            graph_safe_optimizer(self.optimizer, self.device)
+            self.core.encoder.graphs = None  # inside the step's graphs
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, t.max_train_iters)
         self.autocast_dtype = _DTYPES[cfg.network.dtype_str] if self.device.type == "cuda" else None
         self.stack_shape = StackShape(
@@ -222,6 +238,8 @@ class Trainer:
         self.step = 0
         if t.ckpt_load_dir:
             self._load_checkpoint(t.ckpt_load_dir)
+            if self.step_graphs is not None:
+                graph_safe_optimizer(self.optimizer, self.device)  # the loaded groups' flags
         if self.info.is_main:
             mark_started(self.run, cfg)  # from now on a run of the same name gets a new directory
         if self.info.is_main:
@@ -461,6 +479,20 @@ class Trainer:
         else:
             batch = host_batch.to(self.device)
         normalizer = max(global_count, 1.0) / self.info.world_size
+        if self.step_graphs is not None:
+            done = self.step_graphs.step(host_batch, normalizer)
+            if done is not None:
+                loss_sum, grad_norm, lengths, tokens = done
+                self.scheduler.step()
+                return _PendingStep(
+                    loss_sum=loss_sum,
+                    global_count=float(global_count),
+                    samples=float(samples),
+                    local_tokens=float(tokens),
+                    lengths=lengths,
+                    grad_norm=grad_norm,
+                    task_losses=None,
+                )
         with record_function("hstu/forward"), self._autocast():
             out = self.model(batch, loss_normalizer=normalizer, sparse_input=sparse_input)
         with record_function("hstu/backward"):
@@ -473,7 +505,8 @@ class Trainer:
             )
             self.optimizer.step()
             self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            # the step graphs hold the gradients' addresses: zeroed in place then
+            self.optimizer.zero_grad(set_to_none=self.step_graphs is None)
         loss_sum = out["loss_sum"].detach().to(torch.float64).reshape(1)
         if self.info.world_size > 1:
             torch.distributed.all_reduce(loss_sum)  # queued on the stream, no host wait
@@ -488,6 +521,35 @@ class Trainer:
             lengths=lengths,
             grad_norm=grad_norm,
             task_losses=task_losses,
+        )
+
+    def _optimize(self, batch: Batch, normalizer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step that `StepGraphs` captures (and runs eagerly on a padded batch): forward,
+        backward, clipping, optimizer, gradients zeroed in place. Returns (loss sum as float64
+        [1], gradient norm or None), device tensors. The scheduler steps outside."""
+        with record_function("hstu/forward"), self._autocast():
+            out = self.model(batch, loss_normalizer=normalizer)
+        with record_function("hstu/backward"):
+            out["loss"].backward()
+        with record_function("hstu/optimizer"):
+            grad_norm = clip_grad_norm(
+                self.dense_params, self.cfg.optimizer.grad_clip_norm, as_tensor=True
+            )
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=False)
+        return out["loss_sum"].detach().to(torch.float64).reshape(1), grad_norm
+
+    def _step_graphs_unsupported(self) -> str:
+        """Why this run's training step is not graphed whole ("" when it is)."""
+        net = self.cfg.network
+        if self.device.type != "cuda":
+            return "CPU"
+        if not net.cuda_graphs:
+            return "NetworkArgs.cuda_graphs=False"
+        if net.cuda_graph_scope != "step":
+            return f"NetworkArgs.cuda_graph_scope={net.cuda_graph_scope!r}"
+        return step_graphs_unsupported(
+            self.core, self.cfg.optimizer.optimizer_str, self.cfg.task, self.info.world_size
         )
 
     def _resolve(self, pending: list[_PendingStep]) -> list[dict[str, float]]:
@@ -623,6 +685,8 @@ class Trainer:
         return result
 
     def _graphs_choice(self) -> str:
+        if self.step_graphs is not None:
+            return "on (the whole training step replayed per batch shape)"
         if getattr(self.core.encoder, "graphs", None) is None:
             if not self.cfg.network.cuda_graphs:
                 return "off (NetworkArgs.cuda_graphs=False)"
@@ -631,10 +695,16 @@ class Trainer:
             return "n/a (CPU)"
         if self.info.world_size > 1:
             return "off (several processes)"
+        step = self._no_step_graphs
+        if self.cfg.network.cuda_graph_scope == "step" and step:
+            return f"on (encoder forward+backward per input shape; not the whole step: {step})"
         return "on (encoder forward+backward replayed per input shape)"
 
     def graph_stats(self):
-        """The encoder's `GraphStats` (CUDA graphs), or None where it has no graphs."""
+        """The `GraphStats` of the step's CUDA graphs, else of the encoder's, or None where
+        nothing is graphed."""
+        if self.step_graphs is not None:
+            return self.step_graphs.stats
         graphs = getattr(self.core.encoder, "graphs", None)
         return None if graphs is None else graphs.stats
 
@@ -642,19 +712,22 @@ class Trainer:
         stats = self.graph_stats()
         if stats is None or self.device.type != "cuda" or not self.info.is_main:
             return
+        what = "training step" if self.step_graphs is not None else "encoder"
         if stats.disabled:
-            logger.info("CUDA graphs of the encoder: off (%s)", stats.disabled)
+            logger.info("CUDA graphs of the %s: off (%s)", what, stats.disabled)
             return
+        runner = self.step_graphs if self.step_graphs is not None else self.core.encoder.graphs
         logger.info(
-            "CUDA graphs of the encoder: %d captures (%d shapes held) took %.1f s in all "
+            "CUDA graphs of the %s: %d captures (%d shapes held) took %.1f s in all "
             "(one-time, inside the first steps of each shape); %d steps replayed, %d eager "
             "(shapes seen once, or over the limit of %d)",
+            what,
             stats.captures,
             stats.graphs,
             stats.capture_seconds,
             stats.replays,
             stats.eager,
-            self.core.encoder.graphs.max_graphs,
+            runner.max_graphs,
         )
 
     def _fit_loop(self, result: TrainResult, bar: tqdm) -> None:

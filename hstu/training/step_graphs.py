@@ -1,0 +1,485 @@
+"""CUDA graphs of the whole training step: forward, loss, backward and optimizer in one replay.
+
+A small model's step (ML-1M: 2 layers of width 50, batch 128) issues ~550 kernels that take
+~3 ms of GPU time, but the host needs ~10 ms to issue them (docs/benchmarks.md): graphing the
+encoder alone (`hstu.modules.graphed_encoder`) leaves the embeddings, the preprocessor, the loss,
+the autograd engine and the optimizer on the host. `StepGraphs` captures all of it, per batch
+shape, and replays it with one launch; the host only pads the batch, lays out its indices with
+NumPy and copies one buffer.
+
+Shapes. A graph replays fixed shapes, so `pad_batch` gives every batch a shape from a small set:
+its token count is rounded up to ``pad_sizes_per_octave`` counts per power of two
+(`padded_token_count`, the same rounding as the encoder's graphs) by appending padding samples
+(at least one, the sample count rounded up to a multiple of `SEQ_GRAIN`, none longer than the
+batch's longest sample, so the longest sequence and the attention's scaling stay the batch's
+own). Each padding sample repeats the batch's first item and carries
+`Batch.sample_weights` 0: its loss terms are multiplied by 0 and it is no in-batch negative of
+the others, so it adds nothing to the loss or to any gradient (the attention is per sequence,
+every other op per row). `StepKey` = the padded sizes (samples, items, loss rows, values, the
+layout buffer) + the bound of the longest sequence (`seqlen_bound`, which sizes the attention's
+grid; the scaling 1 / longest sequence is read from device memory).
+
+Inputs. Everything the step reads from the host travels in one int64 buffer per key, filled by
+one non-blocking copy from pinned memory before each replay: the batch's features, lengths,
+user ids, timestamps, sample weights, the preprocessor's index layout
+(`SequencePreprocessor.host_index`, the same NumPy code as the eager step), the loss normalizer
+and 1 / the longest sequence. While capturing, the preprocessor reads its layout from that
+buffer (`StaticLayout`) instead of copying it. Random draws (negatives, dropout) come from
+torch's graph-safe generators and the gating kernel's device-side seed: each replay draws fresh
+ones. The learning rate is a device tensor that the scheduler fills (`graph_safe_optimizer`),
+the optimizer is torch's capturable fused Adam, and the gradients are fixed tensors zeroed in
+place after each step (never set to None: the graphs hold their addresses).
+
+When. A key's first batch runs eagerly (padded, so that it computes what the graph computes;
+it also creates the optimizer state); the second is captured (after one forward + backward on
+the capture stream, whose gradients are zeroed again) and replayed; later ones replay. Captures
+are counted and timed (`GraphStats`). Applies to retrieval training with plain embedding tables
+(trained by the dense optimizer), whole-corpus or in-batch negatives, Adam/AdamW, one CUDA
+process (`step_graphs_unsupported` names what is missing); elsewhere the encoder's graphs run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
+from hstu.modules.graphed_encoder import RECENT_CAPTURES, SEQ_GRAIN, GraphStats, seqlen_bound
+from hstu.modules.preprocessor import StaticLayout, host_lengths, padded_token_count
+
+__all__ = [
+    "PaddedBatch",
+    "StepGraphs",
+    "StepKey",
+    "graph_safe_optimizer",
+    "pad_batch",
+    "step_graphs_unsupported",
+]
+
+logger = logging.getLogger(__name__)
+
+# a step function: (device batch, loss normalizer) -> (loss sum, gradient norm or None); it runs
+# forward, backward, clipping, the optimizer step and zeroes the gradients in place
+StepFn = Callable[[Batch, "float | torch.Tensor"], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+@dataclass(frozen=True)
+class StepKey:
+    """The shapes a graph of the step replays (module docstring, "Shapes")."""
+
+    samples: int
+    items: int
+    loss_rows: int
+    values: int
+    index: int
+    seqlen_bound: int
+    timestamps: bool
+
+
+@dataclass
+class PaddedBatch:
+    """A CPU batch padded to a `StepKey`, with what the step reports about the real batch."""
+
+    batch: Batch
+    key: StepKey
+    max_seqlen: int  # the real batch's longest sequence (contextual tokens included)
+    real_lengths: torch.Tensor  # token lengths of the real sequences (FLOP accounting)
+    real_tokens: int
+    index: np.ndarray | None = None  # the preprocessor's layout of ``batch`` (`host_index`)
+
+
+def pad_batch(host: Batch, *, num_contextual: int, pad_sizes_per_octave: int) -> PaddedBatch | None:
+    """``host`` (a CPU retrieval training batch) with padding samples appended so that its
+    shapes are those of a `StepKey` (module docstring; ``index`` 0 until the caller lays the
+    batch out); None for a batch that a step graph does not take (candidates, labels,
+    evaluation targets, weights already set, no items)."""
+    if host.labels is not None or host.target_item_ids is not None:
+        return None
+    if host.sample_weights is not None or not host.is_on_cpu:
+        return None
+    lengths = host_lengths(host)
+    if bool((lengths.candidates > 0).any()):
+        return None
+    items = lengths.items.numpy()
+    b = int(items.shape[0])
+    total = int(items.sum())
+    if b == 0 or total == 0:
+        return None
+    f = int(num_contextual)
+    cap = int(items.max())  # no padding sample is longer than the longest real one
+    samples = -(-(b + 1) // SEQ_GRAIN) * SEQ_GRAIN
+    while True:
+        extra = samples - b
+        tokens = total + samples * f
+        # at least one item per padding sample: each then has h - 1 loss rows, a fixed count
+        rows = padded_token_count(tokens + extra, pad_sizes_per_octave)
+        pad_items = rows - tokens
+        if pad_items <= extra * cap:
+            break
+        samples += SEQ_GRAIN
+    pad_len = np.full(extra, pad_items // extra, dtype=np.int64)
+    pad_len[: pad_items % extra] += 1
+
+    kjt = host.features
+    keys = list(kjt.keys())
+    ctx_names = set(host.contextual_feature_names)
+    if ITEM_FEATURE not in keys or ACTION_FEATURE not in keys:
+        return None
+    values, lens = kjt.values(), kjt.lengths()
+    offsets, counts = kjt.offset_per_key(), kjt.length_per_key()
+    first_item = values[offsets[keys.index(ITEM_FEATURE)]]
+    new_values, new_lengths, new_counts = [], [], []
+    for k, name in enumerate(keys):
+        v = values[offsets[k] : offsets[k] + counts[k]]
+        ln = lens[k * b : (k + 1) * b]
+        if name in ctx_names:
+            pad_v = v[:1].expand(extra)  # the first sample's value (each sample has one)
+            pad_l = torch.ones(extra, dtype=ln.dtype)
+        elif name == ITEM_FEATURE:
+            pad_v = first_item.expand(pad_items)
+            pad_l = torch.from_numpy(pad_len).to(ln.dtype)
+        elif name == ACTION_FEATURE:
+            pad_v = torch.zeros(pad_items, dtype=v.dtype)
+            pad_l = torch.from_numpy(pad_len).to(ln.dtype)
+        else:
+            return None  # a feature whose padding this function does not know
+        new_values += [v, pad_v.to(v.dtype)]
+        new_lengths += [ln, pad_l]
+        new_counts.append(counts[k] + int(pad_l.sum()))
+    new_offsets = [0]
+    for c in new_counts:
+        new_offsets.append(new_offsets[-1] + c)
+    features = KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat(new_values),
+        lengths=torch.cat(new_lengths),
+        stride=samples,
+        length_per_key=new_counts,
+        offset_per_key=new_offsets,
+    )
+    timestamps = None
+    if host.timestamps is not None:
+        ts = host.timestamps
+        timestamps = torch.cat([ts, ts[:1].expand(pad_items)])  # one time: no gaps
+    weights = torch.cat([torch.ones(b), torch.zeros(extra)]).to(torch.float32)
+    padded = Batch(
+        features=features,
+        contextual_feature_names=list(host.contextual_feature_names),
+        num_candidates=torch.zeros(samples, dtype=host.num_candidates.dtype),
+        user_ids=torch.cat([host.user_ids, host.user_ids[:1].expand(extra)]),
+        timestamps=timestamps,
+        sample_weights=weights,
+        global_counts=host.global_counts,
+    )
+    hist = np.concatenate([lengths.history.numpy(), pad_len])
+    loss_rows = int(np.maximum(hist - 1, 0).sum())
+    real = torch.from_numpy(items.astype(np.int64) + f)
+    key = StepKey(
+        samples=samples,
+        items=total + pad_items,
+        loss_rows=loss_rows,
+        values=int(features.values().numel()),
+        index=0,
+        seqlen_bound=seqlen_bound(int(real.max())),
+        timestamps=timestamps is not None,
+    )
+    return PaddedBatch(
+        batch=padded,
+        key=key,
+        max_seqlen=int(real.max()),
+        real_lengths=real,
+        real_tokens=int(real.sum()),
+    )
+
+
+def step_graphs_unsupported(model, optimizer_str: str, task: str, world_size: int) -> str:
+    """Why the whole training step of ``model`` cannot be graphed ("" when it can)."""
+    if task != "retrieval":
+        return f"the {task} task (step graphs: retrieval)"
+    if world_size > 1:
+        return "several processes (DDP)"
+    emb = model.embeddings
+    if emb.dynamic_features or emb.dense_tables is None:
+        return "dynamic or torchrec embedding tables (step graphs: plain tables)"
+    if getattr(model.encoder, "graphs", None) is None:
+        return "layers without the compiled attention"
+    if str(optimizer_str).lower() not in ("adam", "adamw"):
+        return f"OptimizerArgs.optimizer_str={optimizer_str!r} (step graphs: adam, adamw)"
+    sampling = model.negative_sampling
+    if sampling != "in_batch" and model.num_negatives > 0:
+        if model.item_corpus.numel() > model.num_negatives * model.hidden_size:
+            return (
+                "random negatives from a corpus larger than num_negatives * hidden_size (their "
+                "distinct ids are counted on the GPU)"
+            )
+    return ""
+
+
+def graph_safe_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Makes ``optimizer`` (fused Adam / AdamW) capturable: ``capturable=True`` and each group's
+    learning rate a device tensor that the scheduler fills in place (``initial_lr`` stays a
+    float, so the scheduler computes on the host). Call again after loading a state dict."""
+    for group in optimizer.param_groups:
+        lr = group["lr"]
+        value = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
+        group.setdefault("initial_lr", value)
+        if isinstance(group["initial_lr"], torch.Tensor):
+            group["initial_lr"] = float(group["initial_lr"].item())
+        group["lr"] = torch.tensor(value, dtype=torch.float32, device=device)
+        group["capturable"] = True
+
+
+@dataclass
+class _Entry:
+    key: StepKey
+    buffer: torch.Tensor  # int64, every input of the step (module docstring, "Inputs")
+    graph: torch.cuda.CUDAGraph | None = None
+    loss_sum: torch.Tensor | None = None
+    grad_norm: torch.Tensor | None = None
+
+
+def _float_bits(values: list[float]) -> np.ndarray:
+    return np.asarray(values, dtype=np.float64).view(np.int64)
+
+
+class StepGraphs:
+    """CUDA graphs of the training step, one per `StepKey` (module docstring).
+
+    ``step_fn(batch, normalizer)``: the trainer's step on a device batch (forward, backward,
+    clipping, optimizer, gradients zeroed in place); ``model``: the retrieval model (its
+    preprocessor lays out the batches); ``params``: the parameters whose gradients the graphs
+    hold; ``max_graphs``: graphs kept at most (later keys run eagerly)."""
+
+    def __init__(
+        self,
+        model,
+        step_fn: StepFn,
+        params: list[torch.nn.Parameter],
+        device: torch.device,
+        *,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+        pad_sizes_per_octave: int = 8,
+        max_graphs: int = 64,
+    ) -> None:
+        self.model = model
+        self.step_fn = step_fn
+        self.params = list(params)
+        self.device = torch.device(device)
+        self.autocast = autocast
+        self.pad_sizes_per_octave = int(pad_sizes_per_octave)
+        self.max_graphs = int(max_graphs)
+        self.stats = GraphStats()
+        self._seen: dict[StepKey, int] = {}
+        self._entries: dict[StepKey, _Entry] = {}
+        self._pool = None
+        self._stream: torch.cuda.Stream | None = None
+        self._grad_ptrs: tuple[int, ...] = ()
+
+    # ---- padding and inputs --------------------------------------------------------------------
+    def pad(self, host: Batch) -> PaddedBatch | None:
+        """``host`` padded to its key, laid out by the model's preprocessor (None: not taken)."""
+        pre = self.model.preprocessor
+        padded = pad_batch(
+            host, num_contextual=pre.num_contextual, pad_sizes_per_octave=self.pad_sizes_per_octave
+        )
+        if padded is not None:
+            padded.index = pre.host_index(padded.batch, self.device)
+            padded.key = dataclasses.replace(padded.key, index=int(padded.index.shape[0]))
+        return padded
+
+    def _host_inputs(self, padded: PaddedBatch, normalizer: float) -> tuple[np.ndarray, list]:
+        """The step's inputs as one int64 array and the sizes of its parts (`_views`)."""
+        b = padded.batch
+        index = padded.index
+        if index is None:
+            index = self.model.preprocessor.host_index(b, self.device)
+        parts = [
+            b.features.values().numpy(),
+            b.features.lengths().numpy(),
+            b.num_candidates.numpy(),
+            b.user_ids.numpy(),
+            b.timestamps.numpy() if b.timestamps is not None else np.zeros(0, np.int64),
+            b.sample_weights.numpy().astype(np.int64),  # 0 / 1
+            index,
+            _float_bits([normalizer, 1.0 / padded.max_seqlen]),
+        ]
+        parts = [p.astype(np.int64, copy=False) for p in parts]
+        return parts, [p.shape[0] for p in parts]
+
+    def _views(self, entry: _Entry, padded: PaddedBatch, sizes: list[int]):
+        """The device batch (views of the entry's buffer), normalizer and `StaticLayout`."""
+        values, lengths, cands, users, ts, weights, index, scalars = torch.split(
+            entry.buffer, sizes
+        )
+        host = padded.batch
+        kjt = host.features
+        features = KeyedJaggedTensor(
+            keys=list(kjt.keys()),
+            values=values,
+            lengths=lengths,
+            stride=host.batch_size,
+            length_per_key=kjt.length_per_key(),
+            offset_per_key=kjt.offset_per_key(),
+        )
+        batch = Batch(
+            features=features,
+            contextual_feature_names=list(host.contextual_feature_names),
+            num_candidates=cands,
+            user_ids=users,
+            timestamps=ts if host.timestamps is not None else None,
+            sample_weights=weights.to(torch.float32),
+            host=host,
+        )
+        floats = scalars.view(torch.float64).to(torch.float32)
+        static = StaticLayout(
+            index=index, seqlen_bound=entry.key.seqlen_bound, inv_max_seqlen=floats[1:2]
+        )
+        return batch, floats[0], static
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self, host: Batch, normalizer: float):
+        """Runs the training step of ``host`` (a CPU batch): from a graph where one is held (or
+        due), else eagerly on the padded batch. Returns (loss sum, gradient norm or None, the
+        real sequences' token lengths, the real token count), or None for a batch that cannot
+        be padded (the caller runs it eagerly as it is)."""
+        if self.stats.disabled:
+            return None
+        padded = self.pad(host)
+        if padded is None:
+            return None
+        key = padded.key
+        entry = self._entries.get(key)
+        if entry is not None and self._grad_ptrs != self._grad_addresses():
+            self.reset()  # gradients were replaced: the graphs would write stale addresses
+            entry = None
+        if entry is None:
+            seen = self._seen.get(key, 0) + 1
+            self._seen[key] = seen
+            if seen < 2 or len(self._entries) >= self.max_graphs:
+                return self._eager(padded, normalizer)
+            entry = self._capture(padded, normalizer)
+            if entry is None:
+                return self._eager(padded, normalizer)
+        else:
+            self._load(entry, padded, normalizer)
+        entry.graph.replay()
+        self.stats.replays += 1
+        # outputs live in the graphs' pool, which the next replay reuses: copy them out now
+        loss = entry.loss_sum.clone()
+        norm = entry.grad_norm.clone() if entry.grad_norm is not None else None
+        return loss, norm, padded.real_lengths, padded.real_tokens
+
+    def _eager(self, padded: PaddedBatch, normalizer: float):
+        self.stats.eager += 1
+        pinned = padded.batch.pin_memory()
+        batch = pinned.to(self.device, non_blocking=True)
+        loss, norm = self.step_fn(batch, normalizer)
+        return loss, norm, padded.real_lengths, padded.real_tokens
+
+    def _load(self, entry: _Entry, padded: PaddedBatch, normalizer: float) -> list[int]:
+        parts, sizes = self._host_inputs(padded, normalizer)
+        if sum(sizes) != entry.buffer.numel():
+            raise RuntimeError(
+                f"step graph inputs: {sum(sizes)} values for a buffer of {entry.buffer.numel()} "
+                f"(key {entry.key})"
+            )
+        pinned = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+        np.concatenate(parts, out=pinned.numpy())
+        entry.buffer.copy_(pinned, non_blocking=True)
+        return sizes
+
+    def _grad_addresses(self) -> tuple[int, ...]:
+        return tuple(p.grad.data_ptr() if p.grad is not None else 0 for p in self.params)
+
+    def reset(self) -> None:
+        """Drops every graph (captured again on demand)."""
+        if self._entries:
+            self.stats.resets += 1
+        self._entries.clear()
+        self._seen.clear()
+        self._pool = None
+        self.stats.graphs = 0
+
+    def disable(self, reason: str) -> None:
+        if not self.stats.disabled:
+            logger.warning("CUDA graphs of the training step are off: %s", reason)
+        self.stats.disabled = reason
+        self.reset()
+
+    # ---- capture -------------------------------------------------------------------------------
+    def _capture(self, padded: PaddedBatch, normalizer: float) -> _Entry | None:
+        try:
+            return self._capture_once(padded, normalizer)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: eager from now on, say why
+            torch.cuda.synchronize(self.device)
+            self.disable(f"capturing failed ({type(exc).__name__}: {exc})")
+            return None
+
+    def _capture_once(self, padded: PaddedBatch, normalizer: float) -> _Entry:
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        key = padded.key
+        if any(p.grad is None for p in self.params):
+            # the eager steps zero the gradients in place, so they exist after the first one
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        entry = _Entry(key=key, buffer=torch.empty(0, dtype=torch.int64, device=self.device))
+        parts, sizes = self._host_inputs(padded, normalizer)
+        entry.buffer = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
+        self._load(entry, padded, normalizer)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        pre = self.model.preprocessor
+        current = torch.cuda.current_stream(self.device)
+        side = self._stream
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):
+                # kernel setup and cuBLAS workspaces on this stream, outside the capture: one
+                # forward + backward whose gradients are zeroed again (no optimizer step)
+                batch, norm, static = self._views(entry, padded, sizes)
+                pre.static = static
+                with self.autocast():
+                    out = self.model(batch, loss_normalizer=norm)
+                out["loss"].backward()
+                del out
+                for p in self.params:
+                    p.grad.zero_()
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    batch, norm, static = self._views(entry, padded, sizes)
+                    pre.static = static
+                    loss_sum, grad_norm = self.step_fn(batch, norm)
+                finally:
+                    graph.capture_end()
+        finally:
+            pre.static = None
+            current.wait_stream(side)
+        entry.graph, entry.loss_sum, entry.grad_norm = graph, loss_sum, grad_norm
+        torch.cuda.synchronize(self.device)
+        self._entries[key] = entry
+        self._grad_ptrs = self._grad_addresses()
+        self.stats.captures += 1
+        self.stats.graphs = len(self._entries)
+        took = time.perf_counter() - start
+        self.stats.capture_seconds += took
+        note = (
+            f"samples={key.samples} items={key.items} loss_rows={key.loss_rows} "
+            f"seqlen<={key.seqlen_bound} ({len(self._entries)} held)"
+        )
+        self.stats.recent_captures = (self.stats.recent_captures + [note])[-RECENT_CAPTURES:]
+        logger.info("CUDA graphs of the step: captured %s in %.2f s", note, took)
+        return entry

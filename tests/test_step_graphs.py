@@ -1,0 +1,276 @@
+"""CUDA graphs of the whole training step (hstu.training.step_graphs).
+
+CPU: the padding to a step key (shapes, weights, lengths, keys that repeat), a padded batch
+gives the unpadded batch's loss and gradients (every negative sampling mode, contextual tokens,
+timestamps), the preprocessor's static layout equals its copied one, the capturable optimizer's
+learning rate is filled in place, what the step graphs refuse. GPU (-m gpu): training with step
+graphs follows the eager losses and replays its graphs; random negatives and dropout still draw
+fresh values per replay.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from model_helpers import small_model
+
+from hstu.config.gin_utils import load_config
+from hstu.modules.graphed_encoder import SEQ_GRAIN
+from hstu.modules.preprocessor import StaticLayout, padded_token_count
+from hstu.training.optim import build_dense_optimizer, build_lr_scheduler
+from hstu.training.step_graphs import graph_safe_optimizer, pad_batch, step_graphs_unsupported
+
+
+def _padded(batch, f=0, sizes=8):
+    return pad_batch(batch, num_contextual=f, pad_sizes_per_octave=sizes)
+
+
+@pytest.mark.parametrize("f", [0, 1])
+def test_padding_reaches_a_token_bucket_with_weighted_out_samples(f):
+    _, _, splits, _ = small_model("retrieval")
+    batch = splits.train.collate(list(range(13)))
+    p = _padded(batch, f)
+    b = batch.batch_size
+    items = batch.item_lengths()
+    key, pb = p.key, p.batch
+    assert key.samples % SEQ_GRAIN == 0 and key.samples > b
+    tokens = key.items + key.samples * f
+    assert tokens == padded_token_count(tokens, 8)  # a bucket: the preprocessor adds no rows
+    new = pb.item_lengths()
+    assert torch.equal(new[:b], items) and bool((new[b:] >= 1).all())
+    assert int(new[b:].max()) <= int(items.max())  # the longest sequence stays the batch's
+    assert torch.equal(pb.history_lengths(), new)  # padding items are history
+    assert pb.sample_weights.tolist() == [1.0] * b + [0.0] * (key.samples - b)
+    assert key.loss_rows == int((new - 1).clamp(min=0).sum())
+    assert key.values == pb.features.values().numel()
+    assert p.max_seqlen == int(items.max()) + f
+    assert torch.equal(p.real_lengths, items + f) and p.real_tokens == int(items.sum()) + b * f
+    # the real samples' values are untouched, the padding repeats the batch's first item
+    values = pb.features["item_id"].values()
+    n = int(items.sum())
+    assert torch.equal(values[:n], batch.features["item_id"].values())
+    assert bool((values[n:] == values[0]).all())
+    assert bool((pb.features["action"].values()[n:] == 0).all())
+    assert pb.global_counts == batch.global_counts
+
+
+def test_keys_repeat_across_batches_of_similar_size():
+    _, _, splits, _ = small_model("retrieval")
+    keys = {_padded(splits.train.collate(list(range(i, i + 32)))).key for i in range(0, 160, 32)}
+    assert len(keys) <= 3, keys
+
+
+def test_batches_a_step_graph_does_not_take():
+    _, _, splits, _ = small_model("ranking")
+    assert _padded(splits.train.collate([0, 1])) is None  # candidates and labels
+    _, _, splits, _ = small_model("retrieval")
+    assert _padded(splits.eval.collate([0, 1])) is None  # evaluation targets
+    once = _padded(splits.train.collate([0, 1]))
+    assert _padded(once.batch) is None  # weights already set
+
+
+def _loss_and_grads(model, batch, seed):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(batch, loss_normalizer=7.0)
+    out["loss"].backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out["loss"].detach(), grads
+
+
+@pytest.mark.parametrize(
+    "bindings",
+    [
+        ("RetrievalArgs.negative_sampling='random'",),
+        ("RetrievalArgs.negative_sampling='in_batch'",),
+        ("RetrievalArgs.negative_sampling='mixed'",),
+        ("NetworkArgs.relative_attention_bias='position_time'",),
+        ("NetworkArgs.use_contextual_features=True", "NetworkArgs.relative_attention_bias='time'"),
+    ],
+)
+def test_a_padded_batch_gives_the_same_loss_and_gradients(bindings):
+    """Padding samples add nothing: the same loss and the same gradients up to fp32 rounding (the
+    random negatives of the real rows are the same draws: the padding rows come last)."""
+    _, _, splits, model = small_model("retrieval", "RetrievalArgs.num_negatives=8", *bindings)
+    model.train()
+    batch = splits.train.collate(list(range(11)))
+    padded = _padded(batch, model.preprocessor.num_contextual)
+    assert padded.key.samples > batch.batch_size
+    loss, grads = _loss_and_grads(model, batch, seed=3)
+    loss_p, grads_p = _loss_and_grads(model, padded.batch, seed=3)
+    torch.testing.assert_close(loss_p, loss, rtol=1e-6, atol=1e-7)
+    assert grads.keys() == grads_p.keys()
+    for name, g in grads.items():
+        # the same terms summed in other orders (larger matmuls): fp32 rounding only
+        err = float((grads_p[name] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+        assert err < 1e-6, (name, err)
+
+
+def test_the_static_layout_equals_the_copied_one():
+    _, _, splits, model = small_model(
+        "retrieval", "NetworkArgs.relative_attention_bias='position_time'"
+    )
+    model.eval()
+    pre = model.preprocessor
+    batch = _padded(splits.train.collate(list(range(9)))).batch
+    emb = model.embeddings(batch)
+    items = emb["item_id"]
+    ctx = [emb[n].values() for n in model.contextual_names]
+    x, layout = pre(batch, ctx, items)
+    index = torch.from_numpy(pre.host_index(batch, "cpu"))
+    longest = int(batch.item_lengths().max()) + pre.num_contextual
+    pre.static = StaticLayout(
+        index=index, seqlen_bound=256, inv_max_seqlen=torch.tensor([1.0 / longest])
+    )
+    try:
+        xs, ls = pre(batch, ctx, items)
+    finally:
+        pre.static = None
+    torch.testing.assert_close(xs, x, rtol=0, atol=0)
+    assert ls.attn.max_seqlen == 256 and ls.attn.inv_max_seqlen is not None
+    for name in ("item_dest", "item_sample", "item_pos", "is_history", "history_lengths"):
+        assert torch.equal(getattr(ls, name), getattr(layout, name)), name
+    assert torch.equal(ls.attn.seq_offsets, layout.attn.seq_offsets)
+    assert torch.equal(ls.attn.timestamps, layout.attn.timestamps)
+    pre.static = StaticLayout(index=index[:-1], seqlen_bound=256, inv_max_seqlen=torch.ones(1))
+    try:
+        with pytest.raises(RuntimeError, match="static layout buffer holds"):
+            pre(batch, ctx, items)
+    finally:
+        pre.static = None
+
+
+def test_the_capturable_learning_rate_is_filled_in_place():
+    cfg = load_config(
+        "retrieval", [], ["OptimizerArgs.warmup_iters=4", "OptimizerArgs.learning_rate=0.01"]
+    )
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = build_dense_optimizer([p], cfg.optimizer)
+    graph_safe_optimizer(opt, torch.device("cpu"))
+    group = opt.param_groups[0]
+    lr = group["lr"]
+    assert isinstance(lr, torch.Tensor) and group["capturable"] is True
+    assert group["initial_lr"] == 0.01
+    sched = build_lr_scheduler(opt, cfg.optimizer, 100)
+    assert group["lr"] is lr and abs(float(lr) - 0.0025) < 1e-9  # warmup step 1 of 4
+    for want in (0.005, 0.0075, 0.01, 0.01):
+        sched.step()
+        assert group["lr"] is lr and abs(float(lr) - want) < 1e-9
+    assert sched.get_last_lr() == [pytest.approx(0.01)]
+    graph_safe_optimizer(opt, torch.device("cpu"))  # again, e.g. after loading a state dict
+    assert float(group["lr"]) == pytest.approx(0.01) and group["initial_lr"] == 0.01
+
+
+def test_what_the_step_graphs_refuse():
+    _, _, _, model = small_model("retrieval", "EmbeddingArgs.embedding_backend='dense'")
+    # on CPU the encoder has no graphs (no compiled attention): named first after the task
+    assert "ranking" in step_graphs_unsupported(model, "adam", "ranking", 1)
+    assert "several processes" in step_graphs_unsupported(model, "adam", "retrieval", 2)
+    model.encoder.graphs = object()  # as on a GPU with the compiled attention
+    assert step_graphs_unsupported(model, "adam", "retrieval", 1) == ""
+    assert "sgd" in step_graphs_unsupported(model, "sgd", "retrieval", 1)
+    model.num_negatives = 10**6  # a corpus larger than num_negatives * hidden_size would not be
+    assert step_graphs_unsupported(model, "adam", "retrieval", 1) == ""
+    model.num_negatives, model.hidden_size = 1, 1
+    assert "corpus larger" in step_graphs_unsupported(model, "adam", "retrieval", 1)
+    model.negative_sampling = "in_batch"
+    assert step_graphs_unsupported(model, "adam", "retrieval", 1) == ""
+
+
+def test_the_scope_is_a_checked_choice():
+    cfg = load_config("retrieval", [], ["NetworkArgs.cuda_graph_scope='encoder'"])
+    assert cfg.network.cuda_graph_scope == "encoder"
+    with pytest.raises(Exception, match="cuda_graph_scope"):
+        load_config("retrieval", [], ["NetworkArgs.cuda_graph_scope='all'"])
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+
+
+def _needs_kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+    from hstu.ops import compiled_attention_available
+
+    if not compiled_attention_available() or not lnmd.load_extension():
+        pytest.skip("needs the compiled attention and hstu_lnmd kernels")
+
+
+def _retrieval_run(tmp_path, run_dir_bindings, name, scope, *extra):
+    from hstu.training.trainer import Trainer
+
+    cfg = load_config(
+        "retrieval",
+        [],
+        run_dir_bindings(tmp_path, name)
+        + [
+            "DatasetArgs.synthetic_num_users=400",
+            "DatasetArgs.synthetic_num_items=150",
+            "DatasetArgs.max_history_seqlen=60",
+            "NetworkArgs.num_layers=2",
+            "NetworkArgs.hidden_size=64",
+            "NetworkArgs.num_attention_heads=1",
+            "NetworkArgs.kv_channels=64",
+            "NetworkArgs.fused_layer=True",
+            "NetworkArgs.cuda_graphs=True",
+            f"NetworkArgs.cuda_graph_scope='{scope}'",
+            "NetworkArgs.relative_attention_bias='position'",
+            "TrainerArgs.train_batch_size=32",
+            "TrainerArgs.max_train_iters=80",
+            "TrainerArgs.eval_interval=0",
+            "TrainerArgs.max_eval_iters=2",
+            "TrainerArgs.log_interval=10",
+            "TrainerArgs.ckpt_save_interval=-1",
+            "TrainerArgs.progress_bar=False",
+            "OptimizerArgs.warmup_iters=10",
+            "EmbeddingArgs.embedding_backend='dense'",
+            *extra,
+        ],
+    )
+    trainer = Trainer(cfg, device_type="cuda")
+    try:
+        result = trainer.fit()
+        return trainer, result
+    finally:
+        trainer.close()
+
+
+@gpu
+def test_step_graphs_follow_the_eager_losses(tmp_path, run_dir_bindings):
+    """No random draws (in-batch negatives, no dropout): the graphed step and the encoder-graphed
+    step see the same batches and follow the same losses within bf16 noise; the graphs replay
+    most steps, with a warmup schedule (the learning rate read from device memory)."""
+    _needs_kernels()
+    det = ("RetrievalArgs.negative_sampling='in_batch'", "NetworkArgs.hidden_dropout=0.0")
+    step, res_step = _retrieval_run(tmp_path, run_dir_bindings, "step", "step", *det)
+    enc, res_enc = _retrieval_run(tmp_path, run_dir_bindings, "enc", "encoder", *det)
+    assert step.step_graphs is not None and enc.step_graphs is None
+    stats = step.graph_stats()
+    assert stats.disabled == "" and stats.captures >= 1, stats
+    assert stats.replays >= 40, stats
+    a = torch.tensor([loss for _, loss in res_step.losses])
+    b = torch.tensor([loss for _, loss in res_enc.losses])
+    torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+    for k in ("HR@10", "NDCG@10"):
+        assert abs(res_step.final_metrics[k] - res_enc.final_metrics[k]) < 0.05, k
+
+
+@gpu
+def test_step_graphs_draw_fresh_negatives_and_dropout_per_replay(tmp_path, run_dir_bindings):
+    """Random negatives and dropout inside the graphs: the losses of replayed steps differ from
+    step to step as eager ones do and the run learns as the eager run does."""
+    _needs_kernels()
+    rand = ("RetrievalArgs.negative_sampling='random'", "NetworkArgs.hidden_dropout=0.2")
+    step, res_step = _retrieval_run(tmp_path, run_dir_bindings, "step", "step", *rand)
+    enc, res_enc = _retrieval_run(tmp_path, run_dir_bindings, "enc", "encoder", *rand)
+    assert step.graph_stats().replays >= 40
+    a = np.array([loss for _, loss in res_step.losses])
+    b = np.array([loss for _, loss in res_enc.losses])
+    assert np.isfinite(a).all() and len(set(a.round(6).tolist())) == len(a)
+    # same trend: the mean of the last 20 losses within 10% of the eager run's
+    assert abs(a[-20:].mean() - b[-20:].mean()) < 0.1 * b[-20:].mean()
+    assert a[-20:].mean() < a[:10].mean()

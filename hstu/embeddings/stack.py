@@ -454,7 +454,9 @@ class EmbeddingStack(nn.Module):
                 else torch.zeros(0, dtype=torch.long, device=dev)
             )
             extra_lengths = torch.zeros(b, dtype=dtype, device=dev)
-            extra_lengths[0] = extra.numel()
+            # a fill, not `[0] = n`: that copies a CPU scalar to the device (a CUDA graph of the
+            # step cannot capture it)
+            extra_lengths[:1].fill_(extra.numel())
             parts[EXTRA_ITEM_FEATURE] = _FeatureIds(
                 values=extra.to(dev),
                 lengths=extra_lengths,

@@ -164,7 +164,10 @@ class RetrievalGR(GenerativeRecommender):
             total = per.sum() if weights is None else (per * weights).sum()
         else:
             total = y.sum() * 0.0
-        out["loss"] = total / (loss_normalizer if loss_normalizer else max(1, n))
+        if isinstance(loss_normalizer, torch.Tensor):
+            out["loss"] = total / loss_normalizer  # a graphed step's, in device memory
+        else:
+            out["loss"] = total / (loss_normalizer if loss_normalizer else max(1, n))
         out["loss_sum"] = total.detach()
         out["count"] = torch.tensor(float(n))
         if batch.target_item_ids is not None:

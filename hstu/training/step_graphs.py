@@ -378,11 +378,26 @@ class StepGraphs:
         return loss, norm, padded.real_lengths, padded.real_tokens
 
     def _eager(self, padded: PaddedBatch, normalizer: float):
+        """The step of ``padded`` op by op, on the stream the captures use: autograd then
+        creates the parameters' gradient accumulators on that stream, as the captures need."""
         self.stats.eager += 1
         pinned = padded.batch.pin_memory()
-        batch = pinned.to(self.device, non_blocking=True)
-        loss, norm = self.step_fn(batch, normalizer)
+        current = torch.cuda.current_stream(self.device)
+        side = self._side_stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            batch = pinned.to(self.device, non_blocking=True)
+            loss, norm = self.step_fn(batch, normalizer)
+        current.wait_stream(side)
+        for t in (loss, norm):
+            if t is not None:
+                t.record_stream(current)
         return loss, norm, padded.real_lengths, padded.real_tokens
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
 
     def _load(self, entry: _Entry, padded: PaddedBatch, normalizer: float) -> list[int]:
         parts, sizes = self._host_inputs(padded, normalizer)
@@ -419,6 +434,7 @@ class StepGraphs:
         try:
             return self._capture_once(padded, normalizer)
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager from now on, say why
+            logger.warning("CUDA graphs of the step: the capture failed", exc_info=True)
             torch.cuda.synchronize(self.device)
             self.disable(f"capturing failed ({type(exc).__name__}: {exc})")
             return None
@@ -436,13 +452,11 @@ class StepGraphs:
         parts, sizes = self._host_inputs(padded, normalizer)
         entry.buffer = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
         self._load(entry, padded, normalizer)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         pre = self.model.preprocessor
         current = torch.cuda.current_stream(self.device)
-        side = self._stream
+        side = self._side_stream()
         side.wait_stream(current)
         try:
             with torch.cuda.stream(side):

@@ -19,7 +19,12 @@ from hstu.config.gin_utils import load_config
 from hstu.modules.graphed_encoder import SEQ_GRAIN
 from hstu.modules.preprocessor import StaticLayout, padded_token_count
 from hstu.training.optim import build_dense_optimizer, build_lr_scheduler
-from hstu.training.step_graphs import graph_safe_optimizer, pad_batch, step_graphs_unsupported
+from hstu.training.step_graphs import (
+    float_learning_rates,
+    graph_safe_optimizer,
+    pad_batch,
+    step_graphs_unsupported,
+)
 
 
 def _padded(batch, f=0, sizes=8):
@@ -160,6 +165,15 @@ def test_the_capturable_learning_rate_is_filled_in_place():
     assert sched.get_last_lr() == [pytest.approx(0.01)]
     graph_safe_optimizer(opt, torch.device("cpu"))  # again, e.g. after loading a state dict
     assert float(group["lr"]) == pytest.approx(0.01) and group["initial_lr"] == 0.01
+    # checkpoints carry floats, so any run (graphed or not, any device) loads them
+    saved_opt = float_learning_rates(opt.state_dict())
+    saved_sched = float_learning_rates(sched.state_dict())
+    assert type(saved_opt["param_groups"][0]["lr"]) is float
+    assert all(type(v) is float for v in saved_sched["_last_lr"])
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)  # the live groups unchanged
+    plain = build_dense_optimizer([torch.nn.Parameter(torch.zeros(3))], cfg.optimizer)
+    plain.load_state_dict(saved_opt)
+    assert plain.param_groups[0]["lr"] == pytest.approx(0.01)
 
 
 def test_what_the_step_graphs_refuse():

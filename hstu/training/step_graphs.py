@@ -59,6 +59,7 @@ __all__ = [
     "PaddedBatch",
     "StepGraphs",
     "StepKey",
+    "float_learning_rates",
     "graph_safe_optimizer",
     "pad_batch",
     "step_graphs_unsupported",
@@ -235,6 +236,22 @@ def graph_safe_optimizer(optimizer: torch.optim.Optimizer, device: torch.device)
             group["initial_lr"] = float(group["initial_lr"].item())
         group["lr"] = torch.tensor(value, dtype=torch.float32, device=device)
         group["capturable"] = True
+
+
+def float_learning_rates(state: dict) -> dict:
+    """An optimizer or scheduler ``state_dict()`` with tensor learning rates as floats (a
+    checkpoint of a graphed run then loads into any run; the dicts are copies)."""
+    state = dict(state)
+    if "param_groups" in state:
+        state["param_groups"] = [
+            {k: float(v) if k == "lr" and isinstance(v, torch.Tensor) else v for k, v in g.items()}
+            for g in state["param_groups"]
+        ]
+    if "_last_lr" in state:
+        state["_last_lr"] = [
+            float(v) if isinstance(v, torch.Tensor) else v for v in state["_last_lr"]
+        ]
+    return state
 
 
 @dataclass

@@ -58,7 +58,12 @@ from hstu.training.reshard import (
     upgrade_state_keys,
 )
 from hstu.training.rundir import config_identity, mark_started, setup_run_dir
-from hstu.training.step_graphs import StepGraphs, graph_safe_optimizer, step_graphs_unsupported
+from hstu.training.step_graphs import (
+    StepGraphs,
+    float_learning_rates,
+    graph_safe_optimizer,
+    step_graphs_unsupported,
+)
 
 __all__ = ["TrainResult", "Trainer", "run_training"]
 
@@ -268,8 +273,8 @@ class Trainer:
             "world_size": self.info.world_size,
             "model": to_portable(self.model.state_dict()),
             "fused_optimizer": to_portable(self.model.fused_optimizer.state_dict()),
-            "dense_optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "dense_optimizer": float_learning_rates(self.optimizer.state_dict()),
+            "scheduler": float_learning_rates(self.scheduler.state_dict()),
             "train_iter": self.pipeline.state_dict(),
             "rng": capture_rng_state(),
         }
@@ -350,7 +355,7 @@ class Trainer:
             # the implementation flags (fused / foreach) are this run's choice for this device,
             # not the saving run's (a file written on CPU, or before the fused Adam, resumes fused)
             groups = self.optimizer.param_groups
-            impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in groups]
+            impl = [{k: g.get(k) for k in ("fused", "foreach", "capturable")} for g in groups]
             configured = list(self.scheduler.base_lrs)
             self.optimizer.load_state_dict(sources[0]["dense_optimizer"])
             # states saved for a parameter whose shape changed since (an older checkpoint's
@@ -769,7 +774,8 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 scalars = {
                     "train/loss": stats["loss"],
-                    "train/lr": self.scheduler.get_last_lr()[0],
+                    # a device tensor where the step is graphed (`graph_safe_optimizer`)
+                    "train/lr": float(self.scheduler.get_last_lr()[0]),
                     "perf/step_time_ms": 1000.0 * elapsed / window_steps,
                     "perf/samples_per_s": window_samples / elapsed,
                     "perf/tokens_per_s": window_tokens / elapsed,

@@ -27,3 +27,16 @@ def small_model(task: str, *bindings: str):
     splits = build_samples(data, cfg.dataset, task)
     torch.manual_seed(0)
     return cfg, data, splits, build_model(cfg, data)
+
+
+def needs_compiled_kernels():
+    """Skips a GPU test without a CUDA GPU, the compiled attention or the hstu_lnmd kernels."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from hstu.modules import layer_norm_mul_dropout as lnmd
+    from hstu.ops import compiled_attention_available
+
+    if not compiled_attention_available() or not lnmd.load_extension():
+        pytest.skip("needs the compiled attention and hstu_lnmd kernels")

@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from model_helpers import needs_compiled_kernels
 
 from hstu.config.gin_utils import ConfigError, load_config
 from hstu.modules.attention_inputs import AttentionInputs
@@ -155,14 +156,7 @@ def test_metadata_that_the_kernel_would_refuse_runs_eagerly(change):
 gpu = pytest.mark.gpu
 
 
-def _needs_kernels():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from hstu.modules import layer_norm_mul_dropout as lnmd
-    from hstu.ops import compiled_attention_available
-
-    if not compiled_attention_available() or not lnmd.load_extension():
-        pytest.skip("needs the compiled attention and hstu_lnmd kernels")
+_needs_kernels = needs_compiled_kernels
 
 
 @gpu

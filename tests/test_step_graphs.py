@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from model_helpers import small_model
+from model_helpers import needs_compiled_kernels, small_model
 
 from hstu.config.gin_utils import load_config
 from hstu.modules.graphed_encoder import SEQ_GRAIN
@@ -204,14 +204,7 @@ def test_the_scope_is_a_checked_choice():
 gpu = pytest.mark.gpu
 
 
-def _needs_kernels():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from hstu.modules import layer_norm_mul_dropout as lnmd
-    from hstu.ops import compiled_attention_available
-
-    if not compiled_attention_available() or not lnmd.load_extension():
-        pytest.skip("needs the compiled attention and hstu_lnmd kernels")
+_needs_kernels = needs_compiled_kernels
 
 
 def _retrieval_run(tmp_path, run_dir_bindings, name, scope, *extra):

@@ -111,6 +111,13 @@ class GraphStats:
     # (C contexts, T targets, S timestamps, L last query times, I input gradient) (why; held)"
     recent_captures: list[str] = field(default_factory=list)
 
+    def record_capture(self, note: str, seconds: float, held: int) -> None:
+        """Counts one capture of ``seconds`` (``note`` describes it) with ``held`` graphs now."""
+        self.captures += 1
+        self.graphs = held
+        self.capture_seconds += seconds
+        self.recent_captures = (self.recent_captures + [note])[-RECENT_CAPTURES:]
+
 
 @dataclass
 class _Entry:
@@ -527,10 +534,7 @@ class EncoderGraphs:
         torch.cuda.synchronize(x.device)
         torch.cuda.empty_cache()
         self._entries[key] = entry
-        self.stats.captures += 1
-        self.stats.graphs = len(self._entries)
         took = time.perf_counter() - start
-        self.stats.capture_seconds += took
         flags = "".join(
             c
             for c, on in zip(
@@ -543,6 +547,6 @@ class EncoderGraphs:
             f"rows={key.rows} seqs={key.num_seqs} seqlen<={key.seqlen_bound} inputs={flags or '-'}"
             f" autocast={key.autocast[0]} ({why}; {len(self._entries)} held)"
         )
-        self.stats.recent_captures = (self.stats.recent_captures + [note])[-RECENT_CAPTURES:]
+        self.stats.record_capture(note, took, len(self._entries))
         logger.info("CUDA graphs: captured %s in %.2f s", note, took)
         return entry

@@ -52,7 +52,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
-from hstu.modules.graphed_encoder import RECENT_CAPTURES, SEQ_GRAIN, GraphStats, seqlen_bound
+from hstu.modules.graphed_encoder import SEQ_GRAIN, GraphStats, seqlen_bound
 from hstu.modules.preprocessor import StaticLayout, host_lengths, padded_token_count
 
 __all__ = [
@@ -503,14 +503,11 @@ class StepGraphs:
         torch.cuda.synchronize(self.device)
         self._entries[key] = entry
         self._grad_ptrs = self._grad_addresses()
-        self.stats.captures += 1
-        self.stats.graphs = len(self._entries)
         took = time.perf_counter() - start
-        self.stats.capture_seconds += took
         note = (
             f"samples={key.samples} items={key.items} loss_rows={key.loss_rows} "
             f"seqlen<={key.seqlen_bound} ({len(self._entries)} held)"
         )
-        self.stats.recent_captures = (self.stats.recent_captures + [note])[-RECENT_CAPTURES:]
+        self.stats.record_capture(note, took, len(self._entries))
         logger.info("CUDA graphs of the step: captured %s in %.2f s", note, took)
         return entry

@@ -18,8 +18,10 @@ from model_helpers import needs_compiled_kernels, small_model
 from hstu.config.gin_utils import load_config
 from hstu.modules.graphed_encoder import SEQ_GRAIN
 from hstu.modules.preprocessor import StaticLayout, padded_token_count
+from hstu.training import step_graphs
 from hstu.training.optim import build_dense_optimizer, build_lr_scheduler
 from hstu.training.step_graphs import (
+    WHOLE_CORPUS_ROWS,
     float_learning_rates,
     graph_safe_optimizer,
     pad_batch,
@@ -176,7 +178,7 @@ def test_the_capturable_learning_rate_is_filled_in_place():
     assert plain.param_groups[0]["lr"] == pytest.approx(0.01)
 
 
-def test_what_the_step_graphs_refuse():
+def test_what_the_step_graphs_refuse(monkeypatch):
     _, _, _, model = small_model("retrieval", "EmbeddingArgs.embedding_backend='dense'")
     # on CPU the encoder has no graphs (no compiled attention): named first after the task
     assert "ranking" in step_graphs_unsupported(model, "adam", "ranking", 1)
@@ -184,12 +186,34 @@ def test_what_the_step_graphs_refuse():
     model.encoder.graphs = object()  # as on a GPU with the compiled attention
     assert step_graphs_unsupported(model, "adam", "retrieval", 1) == ""
     assert "sgd" in step_graphs_unsupported(model, "sgd", "retrieval", 1)
-    model.num_negatives = 10**6  # a corpus larger than num_negatives * hidden_size would not be
+    # random negatives: a corpus looked up whole, up to WHOLE_CORPUS_ROWS items (100 here)
+    monkeypatch.setattr(step_graphs, "WHOLE_CORPUS_ROWS", 99)
+    model.whole_corpus_rows = 99
+    assert "more than 99 items" in step_graphs_unsupported(model, "adam", "retrieval", 1)
+    model.whole_corpus_rows = 100
     assert step_graphs_unsupported(model, "adam", "retrieval", 1) == ""
-    model.num_negatives, model.hidden_size = 1, 1
-    assert "corpus larger" in step_graphs_unsupported(model, "adam", "retrieval", 1)
+    model.whole_corpus_rows = 99
     model.negative_sampling = "in_batch"
     assert step_graphs_unsupported(model, "adam", "retrieval", 1) == ""
+
+
+def test_the_whole_corpus_gives_the_distinct_ids_loss_and_gradients():
+    """What a graphed step changes for a corpus above num_negatives * hidden_size: the whole
+    corpus looked up instead of the distinct sampled ids, the same logits from the same draws."""
+    _, _, splits, model = small_model(
+        "retrieval", "RetrievalArgs.num_negatives=4", "EmbeddingArgs.embedding_backend='dense'"
+    )
+    model.train()
+    batch = splits.train.collate(list(range(7)))
+    model.whole_corpus_rows = 0  # distinct ids
+    loss, grads = _loss_and_grads(model, batch, seed=5)
+    model.whole_corpus_rows = WHOLE_CORPUS_ROWS
+    loss_w, grads_w = _loss_and_grads(model, batch, seed=5)
+    assert model._sample_negatives(3).whole_corpus
+    torch.testing.assert_close(loss_w, loss, rtol=1e-6, atol=1e-7)
+    for name, g in grads.items():
+        err = float((grads_w[name] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+        assert err < 1e-5, (name, err)
 
 
 def test_the_scope_is_a_checked_choice():

@@ -37,9 +37,11 @@ class RetrievalGR(GenerativeRecommender):
     out.
 
     Per-row sampling costs no [rows, num_negatives, dim] tensor when the corpus is small: if
-    ``corpus <= num_negatives * dim`` the whole corpus is looked up once and each row's sampled
-    logits are gathered from ``q @ corpus.T`` (same logits, fewer bytes); otherwise the distinct
-    sampled ids are looked up and gathered per row.
+    ``corpus <= whole_corpus_rows`` (default ``num_negatives * dim``) the whole corpus is looked
+    up once and each row's sampled logits are gathered from ``q @ corpus.T`` (same logits, fewer
+    bytes); otherwise the distinct sampled ids are looked up and gathered per row (their count is
+    read back from the GPU, so a CUDA graph of the step raises ``whole_corpus_rows`` instead:
+    `hstu.training.step_graphs`).
     """
 
     uses_extra_items = True
@@ -71,6 +73,8 @@ class RetrievalGR(GenerativeRecommender):
         self.num_negatives = num_negatives
         self.temperature = temperature
         self.negative_sampling = negative_sampling
+        # corpora up to this many items are looked up whole (class docstring)
+        self.whole_corpus_rows = num_negatives * self.hidden_size
 
     @staticmethod
     def normalize(x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +89,7 @@ class RetrievalGR(GenerativeRecommender):
         offsets = torch.randint(
             0, corpus.numel(), (num_rows, self.num_negatives), device=corpus.device
         )
-        if corpus.numel() <= self.num_negatives * self.hidden_size:
+        if corpus.numel() <= self.whole_corpus_rows:
             host = self._host_corpus if self._host_corpus.numel() == corpus.numel() else None
             return NegativeSample(corpus, corpus[offsets], offsets, True, host)
         uniq, inverse = torch.unique(offsets, return_inverse=True)

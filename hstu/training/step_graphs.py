@@ -34,8 +34,10 @@ When. A key's first batch runs eagerly (padded, so that it computes what the gra
 it also creates the optimizer state); the second is captured (after one forward + backward on
 the capture stream, whose gradients are zeroed again) and replayed; later ones replay. Captures
 are counted and timed (`GraphStats`). Applies to retrieval training with plain embedding tables
-(trained by the dense optimizer), whole-corpus or in-batch negatives, Adam/AdamW, one CUDA
-process (`step_graphs_unsupported` names what is missing); elsewhere the encoder's graphs run.
+(trained by the dense optimizer), in-batch negatives or random ones from a corpus of at most
+`WHOLE_CORPUS_ROWS` items (looked up whole: `RetrievalGR.whole_corpus_rows`), Adam/AdamW, one
+CUDA process (`step_graphs_unsupported` names what is missing); elsewhere the encoder's graphs
+run.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from hstu.modules.graphed_encoder import SEQ_GRAIN, GraphStats, seqlen_bound
 from hstu.modules.preprocessor import StaticLayout, host_lengths, padded_token_count
 
 __all__ = [
+    "WHOLE_CORPUS_ROWS",
     "PaddedBatch",
     "StepGraphs",
     "StepKey",
@@ -201,6 +204,12 @@ def pad_batch(host: Batch, *, num_contextual: int, pad_sizes_per_octave: int) ->
     )
 
 
+# A graphed step looks the whole item corpus up for random negatives up to this many items (the
+# logits are those of the distinct sampled ids, `RetrievalGR`; [loss rows, corpus] floats of
+# scores a step), so that no count is read back from the GPU
+WHOLE_CORPUS_ROWS = 16384
+
+
 def step_graphs_unsupported(model, optimizer_str: str, task: str, world_size: int) -> str:
     """Why the whole training step of ``model`` cannot be graphed ("" when it can)."""
     if task != "retrieval":
@@ -216,9 +225,9 @@ def step_graphs_unsupported(model, optimizer_str: str, task: str, world_size: in
         return f"OptimizerArgs.optimizer_str={optimizer_str!r} (step graphs: adam, adamw)"
     sampling = model.negative_sampling
     if sampling != "in_batch" and model.num_negatives > 0:
-        if model.item_corpus.numel() > model.num_negatives * model.hidden_size:
+        if model.item_corpus.numel() > max(model.whole_corpus_rows, WHOLE_CORPUS_ROWS):
             return (
-                "random negatives from a corpus larger than num_negatives * hidden_size (their "
+                f"random negatives from a corpus of more than {WHOLE_CORPUS_ROWS:,} items (their "
                 "distinct ids are counted on the GPU)"
             )
     return ""

@@ -59,6 +59,7 @@ from hstu.training.reshard import (
 )
 from hstu.training.rundir import config_identity, mark_started, setup_run_dir
 from hstu.training.step_graphs import (
+    WHOLE_CORPUS_ROWS,
     StepGraphs,
     float_learning_rates,
     graph_safe_optimizer,
@@ -223,6 +224,9 @@ class Trainer:
             )
             graph_safe_optimizer(self.optimizer, self.device)
             self.core.encoder.graphs = None  # inside the step's graphs
+            # random negatives from the whole corpus: no count of distinct ids read back
+            rows = max(getattr(self.core, "whole_corpus_rows", 0), WHOLE_CORPUS_ROWS)
+            self.core.whole_corpus_rows = rows
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, t.max_train_iters)
         self.autocast_dtype = _DTYPES[cfg.network.dtype_str] if self.device.type == "cuda" else None
         self.stack_shape = StackShape(

@@ -32,6 +32,7 @@ BEAUTY_BINDINGS=(
   --gin-bindings "EmbeddingArgs.sparse_learning_rate=0.2"
   --gin-bindings "EmbeddingArgs.embedding_backend='torchrec'"
   --gin-bindings "NetworkArgs.fused_layer=False"
+  --gin-bindings "NetworkArgs.fused_stage_compile=True"
   --gin-bindings "TrainerArgs.max_train_iters=8750"
   --gin-bindings "TrainerArgs.eval_interval=1750"
   --gin-bindings "TrainerArgs.log_interval=250"

@@ -216,6 +216,24 @@ def test_the_whole_corpus_gives_the_distinct_ids_loss_and_gradients():
         assert err < 1e-5, (name, err)
 
 
+def test_a_replayed_batch_has_its_ids_checked_on_the_host():
+    """A replay runs none of the lookup's Python: the runner checks the id ranges itself."""
+    import contextlib
+
+    from hstu.training.step_graphs import StepGraphs
+
+    _, _, splits, model = small_model("retrieval", "EmbeddingArgs.embedding_backend='dense'")
+    runner = StepGraphs(model, None, [], torch.device("cpu"), autocast=contextlib.nullcontext)
+    batch = splits.train.collate(list(range(5)))
+    padded = runner.pad(batch)
+    assert padded.key.index == padded.index.shape[0] > 0
+    runner.check_ids(padded)  # in range: no error
+    kjt = padded.batch.features
+    kjt.values()[kjt.offset_per_key()[kjt.keys().index("item_id")]] = 10**6  # past the table
+    with pytest.raises(ValueError, match="ids must lie in"):
+        runner.check_ids(padded)
+
+
 def test_the_scope_is_a_checked_choice():
     cfg = load_config("retrieval", [], ["NetworkArgs.cuda_graph_scope='encoder'"])
     assert cfg.network.cuda_graph_scope == "encoder"

@@ -395,6 +395,7 @@ class StepGraphs:
             if entry is None:
                 return self._eager(padded, normalizer)
         else:
+            self.check_ids(padded)
             self._load(entry, padded, normalizer)
         entry.graph.replay()
         self.stats.replays += 1
@@ -402,6 +403,15 @@ class StepGraphs:
         loss = entry.loss_sum.clone()
         norm = entry.grad_norm.clone() if entry.grad_norm is not None else None
         return loss, norm, padded.real_lengths, padded.real_tokens
+
+    def check_ids(self, padded: PaddedBatch) -> None:
+        """The id range checks of the eager lookup on the host batch (a replay runs no Python of
+        the lookup, and an id past its table must be a clear error, not a device fault)."""
+        emb = self.model.embeddings
+        _, parts = emb._feature_ids(padded.batch, None, torch.device("cpu"))
+        for name, part in parts.items():
+            if part.host_values is not None and part.count:
+                emb.dense_tables.check_ids(name, part.host_values)
 
     def _eager(self, padded: PaddedBatch, normalizer: float):
         """The step of ``padded`` op by op, on the stream the captures use: autograd then

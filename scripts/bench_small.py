@@ -172,6 +172,8 @@ def _graph_fields(trainer) -> dict:
     if stats.disabled:
         return {"graphs_off": stats.disabled}
     return {
+        # what one graph replays: the whole training step or the encoder's forward + backward
+        "graph_scope": "step" if getattr(trainer, "step_graphs", None) is not None else "encoder",
         "graph_captures": stats.captures,
         "graph_capture_s": round(stats.capture_seconds, 3),
         "graph_replays": stats.replays,

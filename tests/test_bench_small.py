@@ -36,3 +36,27 @@ def test_bench_small_times_a_run_by_parts(load_script, tmp_path):
     assert row["first_steps_ms"] > 0 and row["steady_step_ms"] > 0
     assert {"HR@10", "NDCG@10"} <= set(row["metrics"])
     assert row["device"] == "cpu"
+
+
+def test_graph_fields_name_what_a_graph_replays(load_script):
+    from types import SimpleNamespace
+
+    from hstu.modules.graphed_encoder import GraphStats
+
+    bench = load_script("bench_small")
+    stats = GraphStats(captures=3, capture_seconds=0.1234, replays=90, eager=4)
+    cuda = SimpleNamespace(type="cuda")
+    step = SimpleNamespace(graph_stats=lambda: stats, device=cuda, step_graphs=object())
+    enc = SimpleNamespace(graph_stats=lambda: stats, device=cuda, step_graphs=None)
+    assert bench._graph_fields(step) == {
+        "graph_scope": "step",
+        "graph_captures": 3,
+        "graph_capture_s": 0.123,
+        "graph_replays": 90,
+        "graph_eager_steps": 4,
+    }
+    assert bench._graph_fields(enc)["graph_scope"] == "encoder"
+    off = GraphStats(disabled="capturing failed (why)")
+    step.graph_stats = lambda: off
+    assert bench._graph_fields(step) == {"graphs_off": "capturing failed (why)"}
+    assert bench._graph_fields(SimpleNamespace(graph_stats=lambda: None, device=cuda)) == {}

@@ -482,13 +482,9 @@ class Trainer:
         else:
             local_count = _loss_count(host_batch, self.cfg.task)
             global_count, samples = all_reduce_sum_host([local_count, host_batch.batch_size])
-        if self.device.type == "cuda":
-            # the device batch keeps host_batch as its CPU twin: the model reads sizes from it
-            batch = host_batch.to(self.device, non_blocking=True)
-        else:
-            batch = host_batch.to(self.device)
         normalizer = max(global_count, 1.0) / self.info.world_size
         if self.step_graphs is not None:
+            # the graphs copy the (padded) host batch themselves
             done = self.step_graphs.step(host_batch, normalizer)
             if done is not None:
                 loss_sum, grad_norm, lengths, tokens = done
@@ -502,6 +498,11 @@ class Trainer:
                     grad_norm=grad_norm,
                     task_losses=None,
                 )
+        if self.device.type == "cuda":
+            # the device batch keeps host_batch as its CPU twin: the model reads sizes from it
+            batch = host_batch.to(self.device, non_blocking=True)
+        else:
+            batch = host_batch.to(self.device)
         with record_function("hstu/forward"), self._autocast():
             out = self.model(batch, loss_normalizer=normalizer, sparse_input=sparse_input)
         with record_function("hstu/backward"):

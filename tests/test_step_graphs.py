@@ -227,11 +227,25 @@ def test_a_replayed_batch_has_its_ids_checked_on_the_host():
     batch = splits.train.collate(list(range(5)))
     padded = runner.pad(batch)
     assert padded.key.index == padded.index.shape[0] > 0
-    runner.check_ids(padded)  # in range: no error
+    model.embeddings.check_host_ids(padded.batch)  # in range: no error
     kjt = padded.batch.features
     kjt.values()[kjt.offset_per_key()[kjt.keys().index("item_id")]] = 10**6  # past the table
     with pytest.raises(ValueError, match="ids must lie in"):
-        runner.check_ids(padded)
+        model.embeddings.check_host_ids(padded.batch)
+
+
+def test_sample_weights_of_a_wrong_shape_or_on_ranking_are_refused():
+    _, _, splits, model = small_model("retrieval")
+    model.train()
+    batch = splits.train.collate(list(range(4)))
+    batch.sample_weights = torch.ones(3)
+    with pytest.raises(ValueError, match=r"sample_weights must be float \[B\] = \[4\]"):
+        model(batch)
+    _, _, splits, ranker = small_model("ranking")
+    batch = splits.train.collate(list(range(4)))
+    batch.sample_weights = torch.ones(4)
+    with pytest.raises(ValueError, match="supported by retrieval only"):
+        ranker(batch)
 
 
 def test_the_scope_is_a_checked_choice():

@@ -493,6 +493,16 @@ class EmbeddingStack(nn.Module):
         b, parts = self._feature_ids(batch, extra_ids, device)
         return _make_kjt(self.features, parts, b)
 
+    def check_host_ids(self, batch: Batch) -> None:
+        """The id range checks that `forward` makes for the plain tables, on a CPU ``batch``
+        alone (a CUDA graph replaying the lookup runs none of its Python)."""
+        if self.dense_tables is None:
+            return
+        _, parts = self._feature_ids(batch, None, torch.device("cpu"))
+        for name, part in parts.items():
+            if part.count and name not in self.dynamic_features:
+                self.dense_tables.check_ids(name, part.host_values)
+
     def forward(
         self,
         batch: Batch | None,

@@ -117,6 +117,12 @@ class RetrievalGR(GenerativeRecommender):
         sample's last history position as ``query``.
         """
         host_history = host_lengths(batch).history
+        w = batch.sample_weights
+        if w is not None and (w.shape != (batch.batch_size,) or not w.is_floating_point()):
+            raise ValueError(
+                f"Batch.sample_weights must be float [B] = [{batch.batch_size}] (one weight per "
+                f"sample); got {w.dtype} of shape {tuple(w.shape)}"
+            )
         # supervised rows: history positions with a next history item (counted on the host)
         rows = int(torch.clamp(host_history - 1, min=0).sum())
         sampled = None

@@ -296,6 +296,10 @@ class StepGraphs:
         max_graphs: int = 64,
     ) -> None:
         self.model = model
+        # the encoder runs inside the step's graphs, not from graphs of its own; random
+        # negatives come from the whole corpus (no count of distinct ids read back)
+        model.encoder.graphs = None
+        model.whole_corpus_rows = max(model.whole_corpus_rows, WHOLE_CORPUS_ROWS)
         self.step_fn = step_fn
         self.params = list(params)
         self.device = torch.device(device)
@@ -321,12 +325,9 @@ class StepGraphs:
             padded.key = dataclasses.replace(padded.key, index=int(padded.index.shape[0]))
         return padded
 
-    def _host_inputs(self, padded: PaddedBatch, normalizer: float) -> tuple[np.ndarray, list]:
-        """The step's inputs as one int64 array and the sizes of its parts (`_views`)."""
+    def _host_inputs(self, padded: PaddedBatch, normalizer: float) -> list[np.ndarray]:
+        """The step's inputs as int64 arrays, in the order of `_views` (``padded`` from `pad`)."""
         b = padded.batch
-        index = padded.index
-        if index is None:
-            index = self.model.preprocessor.host_index(b, self.device)
         parts = [
             b.features.values().numpy(),
             b.features.lengths().numpy(),
@@ -334,11 +335,10 @@ class StepGraphs:
             b.user_ids.numpy(),
             b.timestamps.numpy() if b.timestamps is not None else np.zeros(0, np.int64),
             b.sample_weights.numpy().astype(np.int64),  # 0 / 1
-            index,
+            padded.index,
             _float_bits([normalizer, 1.0 / padded.max_seqlen]),
         ]
-        parts = [p.astype(np.int64, copy=False) for p in parts]
-        return parts, [p.shape[0] for p in parts]
+        return [p.astype(np.int64, copy=False) for p in parts]
 
     def _views(self, entry: _Entry, padded: PaddedBatch, sizes: list[int]):
         """The device batch (views of the entry's buffer), normalizer and `StaticLayout`."""
@@ -395,23 +395,15 @@ class StepGraphs:
             if entry is None:
                 return self._eager(padded, normalizer)
         else:
-            self.check_ids(padded)
-            self._load(entry, padded, normalizer)
+            # a replay runs none of the lookup's Python: its id checks here, on the host
+            self.model.embeddings.check_host_ids(padded.batch)
+            self._load(entry, self._host_inputs(padded, normalizer))
         entry.graph.replay()
         self.stats.replays += 1
         # outputs live in the graphs' pool, which the next replay reuses: copy them out now
         loss = entry.loss_sum.clone()
         norm = entry.grad_norm.clone() if entry.grad_norm is not None else None
         return loss, norm, padded.real_lengths, padded.real_tokens
-
-    def check_ids(self, padded: PaddedBatch) -> None:
-        """The id range checks of the eager lookup on the host batch (a replay runs no Python of
-        the lookup, and an id past its table must be a clear error, not a device fault)."""
-        emb = self.model.embeddings
-        _, parts = emb._feature_ids(padded.batch, None, torch.device("cpu"))
-        for name, part in parts.items():
-            if part.host_values is not None and part.count:
-                emb.dense_tables.check_ids(name, part.host_values)
 
     def _eager(self, padded: PaddedBatch, normalizer: float):
         """The step of ``padded`` op by op, on the stream the captures use: autograd then
@@ -435,17 +427,18 @@ class StepGraphs:
             self._stream = torch.cuda.Stream(device=self.device)
         return self._stream
 
-    def _load(self, entry: _Entry, padded: PaddedBatch, normalizer: float) -> list[int]:
-        parts, sizes = self._host_inputs(padded, normalizer)
-        if sum(sizes) != entry.buffer.numel():
+    @staticmethod
+    def _load(entry: _Entry, parts: list[np.ndarray]) -> None:
+        """``parts`` (`_host_inputs`) into the entry's device buffer: one non-blocking copy."""
+        n = sum(p.shape[0] for p in parts)
+        if n != entry.buffer.numel():
             raise RuntimeError(
-                f"step graph inputs: {sum(sizes)} values for a buffer of {entry.buffer.numel()} "
+                f"step graph inputs: {n} values for a buffer of {entry.buffer.numel()} "
                 f"(key {entry.key})"
             )
-        pinned = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+        pinned = torch.empty(n, dtype=torch.int64, pin_memory=True)
         np.concatenate(parts, out=pinned.numpy())
         entry.buffer.copy_(pinned, non_blocking=True)
-        return sizes
 
     def _grad_addresses(self) -> tuple[int, ...]:
         return tuple(p.grad.data_ptr() if p.grad is not None else 0 for p in self.params)
@@ -484,10 +477,10 @@ class StepGraphs:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-        entry = _Entry(key=key, buffer=torch.empty(0, dtype=torch.int64, device=self.device))
-        parts, sizes = self._host_inputs(padded, normalizer)
-        entry.buffer = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
-        self._load(entry, padded, normalizer)
+        parts = self._host_inputs(padded, normalizer)
+        sizes = [p.shape[0] for p in parts]
+        entry = _Entry(key, torch.empty(sum(sizes), dtype=torch.int64, device=self.device))
+        self._load(entry, parts)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         pre = self.model.preprocessor

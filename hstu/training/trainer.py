@@ -59,7 +59,6 @@ from hstu.training.reshard import (
 )
 from hstu.training.rundir import config_identity, mark_started, setup_run_dir
 from hstu.training.step_graphs import (
-    WHOLE_CORPUS_ROWS,
     StepGraphs,
     float_learning_rates,
     graph_safe_optimizer,
@@ -223,10 +222,6 @@ class Trainer:
                 pad_sizes_per_octave=net.cuda_graph_pad_sizes,
             )
             graph_safe_optimizer(self.optimizer, self.device)
-            self.core.encoder.graphs = None  # inside the step's graphs
-            # random negatives from the whole corpus: no count of distinct ids read back
-            rows = max(getattr(self.core, "whole_corpus_rows", 0), WHOLE_CORPUS_ROWS)
-            self.core.whole_corpus_rows = rows
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, t.max_train_iters)
         self.autocast_dtype = _DTYPES[cfg.network.dtype_str] if self.device.type == "cuda" else None
         self.stack_shape = StackShape(
@@ -503,20 +498,10 @@ class Trainer:
             batch = host_batch.to(self.device, non_blocking=True)
         else:
             batch = host_batch.to(self.device)
-        with record_function("hstu/forward"), self._autocast():
-            out = self.model(batch, loss_normalizer=normalizer, sparse_input=sparse_input)
-        with record_function("hstu/backward"):
-            out["loss"].backward()
+        out, grad_norm = self._update(batch, normalizer, sparse_input)
+        self.scheduler.step()
         attn = self.core.last_attention_inputs
         lengths = attn.real_lengths() if attn is not None else None
-        with record_function("hstu/optimizer"):
-            grad_norm = clip_grad_norm(
-                self.dense_params, self.cfg.optimizer.grad_clip_norm, as_tensor=True
-            )
-            self.optimizer.step()
-            self.scheduler.step()
-            # the step graphs hold the gradients' addresses: zeroed in place then
-            self.optimizer.zero_grad(set_to_none=self.step_graphs is None)
         loss_sum = out["loss_sum"].detach().to(torch.float64).reshape(1)
         if self.info.world_size > 1:
             torch.distributed.all_reduce(loss_sum)  # queued on the stream, no host wait
@@ -533,12 +518,11 @@ class Trainer:
             task_losses=task_losses,
         )
 
-    def _optimize(self, batch: Batch, normalizer) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step that `StepGraphs` captures (and runs eagerly on a padded batch): forward,
-        backward, clipping, optimizer, gradients zeroed in place. Returns (loss sum as float64
-        [1], gradient norm or None), device tensors. The scheduler steps outside."""
+    def _update(self, batch: Batch, normalizer, sparse_input=None):
+        """Forward, backward, gradient clipping, the dense optimizer's step and the gradients
+        zeroed: (the model's outputs, the gradient norm or None). The scheduler steps outside."""
         with record_function("hstu/forward"), self._autocast():
-            out = self.model(batch, loss_normalizer=normalizer)
+            out = self.model(batch, loss_normalizer=normalizer, sparse_input=sparse_input)
         with record_function("hstu/backward"):
             out["loss"].backward()
         with record_function("hstu/optimizer"):
@@ -546,7 +530,14 @@ class Trainer:
                 self.dense_params, self.cfg.optimizer.grad_clip_norm, as_tensor=True
             )
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=False)
+            # the step graphs hold the gradients' addresses: zeroed in place then
+            self.optimizer.zero_grad(set_to_none=self.step_graphs is None)
+        return out, grad_norm
+
+    def _optimize(self, batch: Batch, normalizer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step that `StepGraphs` captures (and runs eagerly on a padded batch): `_update`,
+        returning (loss sum as float64 [1], gradient norm or None), device tensors."""
+        out, grad_norm = self._update(batch, normalizer)
         return out["loss_sum"].detach().to(torch.float64).reshape(1), grad_norm
 
     def _step_graphs_unsupported(self) -> str:

@@ -378,7 +378,7 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
 
     out_dir = Path(args.profile)
     out_dir.mkdir(parents=True, exist_ok=True)
-    acts = [] if args.profile_gpu_only else [ProfilerActivity.CPU]
+    acts = [] if getattr(args, "profile_gpu_only", False) else [ProfilerActivity.CPU]
     if trainer.device.type == "cuda":  # (main refuses --profile-gpu-only off CUDA)
         acts.append(ProfilerActivity.CUDA)
     n = args.profile_steps

@@ -58,6 +58,7 @@ DENSE_OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "sgd")
 LR_SCHEDULERS: tuple[str, ...] = ("constant", "cosine", "linear")
 EMBEDDING_BACKENDS: tuple[str, ...] = ("torchrec", "dynamic", "dense")
 CONTEXTUAL_TABLES: tuple[str, ...] = ("torchrec", "dense")
+PLAIN_TABLE_OPTIMIZER_CHOICES: tuple[str, ...] = ("dense", "sparse")
 # NetworkArgs.relative_attention_bias: which learned relative attention bias terms every HSTU
 # layer adds inside the SiLU (Meta HSTU's position and bucketed-time bias; docs/design.md)
 RELATIVE_ATTENTION_BIAS: tuple[str, ...] = ("none", "position", "time", "position_time")
@@ -571,6 +572,11 @@ class EmbeddingArgs:
     user_capacity: int = 0
     sparse_optimizer_str: str = "rowwise_adagrad"
     sparse_learning_rate: float = 0.0  # 0 = OptimizerArgs.learning_rate
+    # plain tables (embedding_backend 'dense', or contextual_tables 'dense'): "dense" = the dense
+    # optimizer updates every row at every step (Meta's reference HSTU); "sparse" =
+    # sparse_optimizer_str at sparse_learning_rate on the rows a step looked up, as a dynamic
+    # table does (hstu.embeddings.plain_optimizer; CUDA-graph safe)
+    plain_table_optimizer: str = "dense"
     initializer: str = "normal"
     init_std: float = 0.02  # std (normal), half-width (uniform) or the value (constant)
     eviction_policy: str = "lru"
@@ -601,6 +607,15 @@ class EmbeddingArgs:
             )
         _choice(self, "sparse_optimizer_str", SPARSE_OPTIMIZERS)
         _float(self, "sparse_learning_rate", min_value=0.0, what="0 = OptimizerArgs.learning_rate")
+        _choice(self, "plain_table_optimizer", PLAIN_TABLE_OPTIMIZER_CHOICES)
+        plain = self.embedding_backend == "dense" or self.contextual_tables == "dense"
+        if self.plain_table_optimizer == "sparse" and not plain:
+            raise ValueError(
+                "EmbeddingArgs.plain_table_optimizer='sparse' applies to plain tables, but "
+                f"EmbeddingArgs.embedding_backend='{self.embedding_backend}' with "
+                f"contextual_tables='{self.contextual_tables}' has none; set "
+                "EmbeddingArgs.embedding_backend='dense' (or plain_table_optimizer='dense')"
+            )
         _choice(self, "initializer", INITIALIZERS)
         _float(self, "init_std", min_value=0.0)
         _choice(self, "eviction_policy", EVICTION_POLICIES)

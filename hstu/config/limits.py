@@ -51,6 +51,7 @@ __all__ = [
     "MemoryTerm",
     "STORAGES",
     "TableMemory",
+    "plain_table_states",
     "TableUse",
     "available_memory",
     "check_table_allocation",
@@ -365,13 +366,21 @@ class TableMemory:
         return self.all_ranks or self.per_rank * self.world_size
 
 
+def plain_table_states(optimizer: str, width: int) -> float:
+    """State floats per element of a plain table that `EmbeddingArgs.sparse_optimizer_str`
+    trains (``plain_table_optimizer='sparse'``): Adagrad one, row-wise Adagrad one per row,
+    Adam two plus a per-row step, SGD none."""
+    per_row = {"sgd": 0.0, "adagrad": float(width), "rowwise_adagrad": 1.0}
+    return per_row.get(optimizer, 2.0 * width + 1.0) / max(1, int(width))
+
+
 def table_memory(
     kind: str,
     rows: int,
     width: int,
     *,
     sparse_optimizer: str,
-    dense_states: int,
+    dense_states: float,
     world_size: int,
     storage: str = "hbm",
     hbm_cache: float | int = 0.1,
@@ -397,7 +406,7 @@ def table_memory(
             return TableMemory(device, slots * row_floats * 4, ws, cache)
         return TableMemory(slots * (row_floats * 4 + _DYNAMIC_SLOT_BYTES), 0, ws)
     if kind == "plain":
-        return TableMemory(rows * width * 4 * (2 + dense_states), 0, ws)
+        return TableMemory(int(rows * width * 4 * (2 + dense_states)), 0, ws)
     if kind == "torchrec":
         # (row-wise Adagrad's one float per row is left out: a low estimate)
         total = int(rows * width * 4 * (1 + _SPARSE_STATES.get(sparse_optimizer, 0.0)))
@@ -545,7 +554,10 @@ def estimate_memory(
         host_copy += rows * table_dim * 4
         dense_table = backend == "dense" or (dynamic and emb.contextual_tables == "dense")
         kind = "plain" if dense_table else "torchrec"
-        mem = table_memory(kind, rows, table_dim, **kinds)
+        plain_kinds = dict(kinds)
+        if dense_table and getattr(emb, "plain_table_optimizer", "dense") == "sparse":
+            plain_kinds["dense_states"] = plain_table_states(emb.sparse_optimizer_str, table_dim)
+        mem = table_memory(kind, rows, table_dim, **plain_kinds)
         if dense_table:
             replicated += mem.device
         else:

@@ -28,11 +28,12 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from hstu.config.args import EmbeddingArgs
-from hstu.config.limits import format_bytes, table_memory
+from hstu.config.limits import format_bytes, plain_table_states, table_memory
 from hstu.data.batch import ITEM_FEATURE, Batch
 from hstu.data.features import FeatureInfo
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
 from hstu.embeddings.dynamic_table import DynamicEmbeddingCollection
+from hstu.embeddings.plain_optimizer import PlainTableOptimizer
 from hstu.embeddings.sharding import (
     DynamicEmbeddingSharder,
     ShardedDynamicEmbeddingCollection,
@@ -64,7 +65,7 @@ _DYNAMIC_STATE = "dynamic_embeddings"
 # submodules whose parameters are trained by a fused sparse optimizer, not the dense one
 _SPARSE_MODULES = ("embedding_collection",)
 # EmbeddingArgs fields that decide how tables are stored (a checkpoint records them)
-_LAYOUT_FIELDS = ("embedding_backend", "contextual_tables")
+_LAYOUT_FIELDS = ("embedding_backend", "contextual_tables", "plain_table_optimizer")
 
 
 @dataclass
@@ -266,6 +267,27 @@ class EmbeddingStack(nn.Module):
                 device_type=device_type,
             )
 
+    def plain_table_groups(self) -> list[dict]:
+        """With ``EmbeddingArgs.plain_table_optimizer='sparse'``: one param group per plain
+        table for `PlainTableOptimizer` (its weight and the row width its row-wise statistics
+        average over); otherwise [] (the dense optimizer trains plain tables)."""
+        if self.dense_tables is None or self.args.plain_table_optimizer != "sparse":
+            return []
+        return [
+            {"params": [table.weight], "dim": min(self.hidden_size, table.embedding_dim)}
+            for table in self.dense_tables.tables.values()
+        ]
+
+    def build_plain_table_optimizer(self) -> PlainTableOptimizer | None:
+        """`PlainTableOptimizer` over `plain_table_groups` (None without them): the sparse
+        optimizer and learning rate of the dynamic and torchrec tables."""
+        groups = self.plain_table_groups()
+        if not groups:
+            return None
+        return PlainTableOptimizer(
+            groups, self.args.sparse_optimizer_str, self.sparse_learning_rate
+        )
+
     @staticmethod
     def is_sparse_parameter(name: str) -> bool:
         """Whether the parameter ``name`` (a qualified name anywhere in the model) is trained by
@@ -284,7 +306,8 @@ class EmbeddingStack(nn.Module):
             if saved is not None and saved != current:
                 raise ValueError(
                     f"{where} was written with EmbeddingArgs.{name}='{saved}' but this run uses "
-                    f"'{current}'; the tables are stored differently, so resume with "
+                    f"'{current}'; the tables or their optimizer state are stored differently, "
+                    "so resume with "
                     f"--gin-bindings \"EmbeddingArgs.{name}='{saved}'\""
                 )
         saved_dynamic = _DYNAMIC_STATE in state
@@ -339,12 +362,15 @@ class EmbeddingStack(nn.Module):
             else:
                 kind = "plain" if self.dense_tables is not None else "torchrec"
                 rows = spec.num_embeddings
+            states: float = dense_states
+            if kind == "plain" and self.args.plain_table_optimizer == "sparse":
+                states = plain_table_states(self.args.sparse_optimizer_str, spec.embedding_dim)
             mem = table_memory(
                 kind,
                 rows,
                 spec.embedding_dim,
                 sparse_optimizer=self.args.sparse_optimizer_str,
-                dense_states=dense_states,
+                dense_states=states,
                 world_size=world_size,
                 storage=storage,
                 hbm_cache=self.args.hbm_cache,

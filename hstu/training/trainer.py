@@ -200,10 +200,19 @@ class Trainer:
         self.model = wrap_model(model, self.info, model.embeddings)
         self.core: GenerativeRecommender = self.model.module
         self.embeddings = self.core.embeddings
+        # plain tables trained like sparse ones (EmbeddingArgs.plain_table_optimizer='sparse')
+        self.table_optimizer = self.embeddings.build_plain_table_optimizer()
+        table_params = (
+            {id(p) for g in self.table_optimizer.param_groups for p in g["params"]}
+            if self.table_optimizer is not None
+            else set()
+        )
         dense = [
             p
             for n, p in self.model.named_parameters()
-            if p.requires_grad and not self.embeddings.is_sparse_parameter(n)
+            if p.requires_grad
+            and not self.embeddings.is_sparse_parameter(n)
+            and id(p) not in table_params
         ]
         self.num_dense_params = sum(p.numel() for p in dense)
         self.dense_params = dense
@@ -213,10 +222,11 @@ class Trainer:
         self.step_graphs: StepGraphs | None = None
         self._no_step_graphs = self._step_graphs_unsupported()
         if not self._no_step_graphs:
+            graphed = dense + [p for p in self.model.parameters() if id(p) in table_params]
             self.step_graphs = StepGraphs(
                 self.core,
                 self._optimize,
-                dense,
+                graphed,
                 self.device,
                 autocast=self._autocast,
                 pad_sizes_per_octave=net.cuda_graph_pad_sizes,
@@ -277,6 +287,8 @@ class Trainer:
             "train_iter": self.pipeline.state_dict(),
             "rng": capture_rng_state(),
         }
+        if self.table_optimizer is not None:
+            state["table_optimizer"] = self.table_optimizer.state_dict()
         # table state outside state_dict() (dynamic rows + their optimizer state)
         state.update(self.embeddings.checkpoint_state())
         return state
@@ -348,6 +360,16 @@ class Trainer:
             f"{where} fused_optimizer",
         )
         self.model.fused_optimizer.load_state_dict(fused)
+        if self.table_optimizer is not None:
+            # replicated like the dense optimizer: the authoritative copy's; the sparse
+            # optimizer's state is always restored (it lives with the tables)
+            if "table_optimizer" not in sources[0]:
+                raise ValueError(
+                    f"{where} holds no state of the plain tables' sparse optimizer (written "
+                    "with EmbeddingArgs.plain_table_optimizer='dense'?); resume with "
+                    "--gin-bindings \"EmbeddingArgs.plain_table_optimizer='dense'\""
+                )
+            self.table_optimizer.load_state_dict(sources[0]["table_optimizer"])
         if reset:
             self._start_schedule_at(int(step))
         else:
@@ -532,6 +554,9 @@ class Trainer:
             self.optimizer.step()
             # the step graphs hold the gradients' addresses: zeroed in place then
             self.optimizer.zero_grad(set_to_none=self.step_graphs is None)
+            if self.table_optimizer is not None:
+                self.table_optimizer.step()
+                self.table_optimizer.zero_grad(set_to_none=self.step_graphs is None)
         return out, grad_norm
 
     def _optimize(self, batch: Batch, normalizer) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -68,9 +68,33 @@ def test_keys_repeat_across_batches_of_similar_size():
     assert len(keys) <= 3, keys
 
 
+@pytest.mark.parametrize("f", [0, 1])
+def test_a_ranking_batch_pads_its_tokens_and_candidates_to_buckets(f):
+    _, _, splits, _ = small_model("ranking", "DatasetArgs.max_num_candidates=5")
+    batch = splits.train.collate(list(range(13)))
+    p = _padded(batch, f)
+    b, key, pb = batch.batch_size, p.key, p.batch
+    hist, cand = batch.history_lengths(), batch.num_candidates
+    assert int(cand.max()) > 1 and batch.labels is not None
+    assert key.samples % SEQ_GRAIN == 0 and key.samples > b
+    tokens = key.items + key.samples * f
+    assert tokens == padded_token_count(tokens, 8)
+    n_cand = int(pb.num_candidates.sum())
+    assert key.loss_rows == n_cand == padded_token_count(n_cand, 8)
+    new_hist, new_cand = pb.history_lengths(), pb.num_candidates
+    assert torch.equal(new_hist[:b], hist) and torch.equal(new_cand[:b], cand)
+    assert bool((new_hist[b:] >= 1).all()) and bool((new_cand[b:] >= 1).all())
+    assert int(new_hist[b:].max()) <= int(hist.max())
+    assert int(new_cand[b:].max()) <= int(cand.max())
+    assert int((new_hist + new_cand)[b:].max()) <= int((hist + cand).max())
+    assert torch.equal(pb.item_lengths(), new_hist + new_cand)
+    real = int(cand.sum())
+    assert torch.equal(pb.labels[:real], batch.labels) and bool((pb.labels[real:] == 0).all())
+    assert pb.sample_weights.tolist() == [1.0] * b + [0.0] * (key.samples - b)
+    assert p.max_seqlen == int((hist + cand).max()) + f
+
+
 def test_batches_a_step_graph_does_not_take():
-    _, _, splits, _ = small_model("ranking")
-    assert _padded(splits.train.collate([0, 1])) is None  # candidates and labels
     _, _, splits, _ = small_model("retrieval")
     assert _padded(splits.eval.collate([0, 1])) is None  # evaluation targets
     once = _padded(splits.train.collate([0, 1]))
@@ -110,6 +134,36 @@ def test_a_padded_batch_gives_the_same_loss_and_gradients(bindings):
     assert grads.keys() == grads_p.keys()
     for name, g in grads.items():
         # the same terms summed in other orders (larger matmuls): fp32 rounding only
+        err = float((grads_p[name] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+        assert err < 1e-6, (name, err)
+
+
+@pytest.mark.parametrize(
+    "bindings",
+    [
+        (),
+        ("NetworkArgs.use_contextual_features=True", "NetworkArgs.target_group_size=2"),
+        ("NetworkArgs.relative_attention_bias='position_time'",),
+    ],
+)
+def test_a_padded_ranking_batch_gives_the_same_loss_and_gradients(bindings):
+    """Ranking: the padding samples' candidates are weighted out of the loss and the per-task
+    losses; the real candidates see the same attention (the padding sequences are separate)."""
+    _, _, splits, model = small_model("ranking", "DatasetArgs.max_num_candidates=4", *bindings)
+    model.train()
+    batch = splits.train.collate(list(range(11)))
+    padded = _padded(batch, model.preprocessor.num_contextual)
+    assert padded.key.samples > batch.batch_size
+    loss, grads = _loss_and_grads(model, batch, seed=3)
+    loss_p, grads_p = _loss_and_grads(model, padded.batch, seed=3)
+    torch.testing.assert_close(loss_p, loss, rtol=1e-6, atol=1e-7)
+    torch.manual_seed(3)
+    tasks = model(batch, loss_normalizer=7.0)["task_losses"]
+    torch.manual_seed(3)
+    tasks_p = model(padded.batch, loss_normalizer=7.0)["task_losses"]
+    torch.testing.assert_close(tasks_p, tasks, rtol=1e-6, atol=1e-7)
+    assert grads.keys() == grads_p.keys()
+    for name, g in grads.items():
         err = float((grads_p[name] - g).abs().max() / g.abs().max().clamp(min=1e-12))
         assert err < 1e-6, (name, err)
 
@@ -180,9 +234,16 @@ def test_the_capturable_learning_rate_is_filled_in_place():
 
 def test_what_the_step_graphs_refuse(monkeypatch):
     _, _, _, model = small_model("retrieval", "EmbeddingArgs.embedding_backend='dense'")
-    # on CPU the encoder has no graphs (no compiled attention): named first after the task
-    assert "ranking" in step_graphs_unsupported(model, "adam", "ranking", 1)
+    assert "step graphs: retrieval, ranking" in step_graphs_unsupported(model, "adam", "x", 1)
     assert "several processes" in step_graphs_unsupported(model, "adam", "retrieval", 2)
+    # on CPU the encoder has no graphs (no compiled attention)
+    assert "compiled attention" in step_graphs_unsupported(model, "adam", "retrieval", 1)
+    _, _, _, ranker = small_model("ranking", "EmbeddingArgs.embedding_backend='dense'")
+    ranker.encoder.graphs = object()
+    assert step_graphs_unsupported(ranker, "adam", "ranking", 1) == ""
+    _, _, _, ranker = small_model("ranking")
+    ranker.encoder.graphs = object()
+    assert "plain tables" in step_graphs_unsupported(ranker, "adam", "ranking", 1)
     model.encoder.graphs = object()  # as on a GPU with the compiled attention
     assert step_graphs_unsupported(model, "adam", "retrieval", 1) == ""
     assert "sgd" in step_graphs_unsupported(model, "sgd", "retrieval", 1)
@@ -234,7 +295,7 @@ def test_a_replayed_batch_has_its_ids_checked_on_the_host():
         model.embeddings.check_host_ids(padded.batch)
 
 
-def test_sample_weights_of_a_wrong_shape_or_on_ranking_are_refused():
+def test_sample_weights_of_a_wrong_shape_are_refused():
     _, _, splits, model = small_model("retrieval")
     model.train()
     batch = splits.train.collate(list(range(4)))
@@ -243,8 +304,11 @@ def test_sample_weights_of_a_wrong_shape_or_on_ranking_are_refused():
         model(batch)
     _, _, splits, ranker = small_model("ranking")
     batch = splits.train.collate(list(range(4)))
-    batch.sample_weights = torch.ones(4)
-    with pytest.raises(ValueError, match="supported by retrieval only"):
+    batch.sample_weights = torch.ones(3)
+    with pytest.raises(ValueError, match=r"sample_weights must be float32 \[4\]"):
+        ranker(batch)
+    batch.sample_weights = torch.ones(4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"sample_weights must be float32 \[4\]"):
         ranker(batch)
 
 
@@ -337,3 +401,62 @@ def test_step_graphs_draw_fresh_negatives_and_dropout_per_replay(tmp_path, run_d
     # same trend: the mean of the last 20 losses within 10% of the eager run's
     assert abs(a[-20:].mean() - b[-20:].mean()) < 0.1 * b[-20:].mean()
     assert a[-20:].mean() < a[:10].mean()
+
+
+@gpu
+def test_ranking_step_graphs_follow_the_eager_losses(tmp_path, run_dir_bindings):
+    """Ranking (candidates, labels, contextual tokens, target groups) with plain tables trained
+    by row-wise Adagrad: the graphed step follows the encoder-graphed step's losses on the same
+    batches (no random draws) and replays most steps."""
+    from hstu.training.trainer import Trainer
+
+    _needs_kernels()
+
+    def run(name, scope):
+        cfg = load_config(
+            "ranking",
+            [],
+            run_dir_bindings(tmp_path, name)
+            + [
+                "DatasetArgs.synthetic_num_users=400",
+                "DatasetArgs.synthetic_num_items=150",
+                "DatasetArgs.max_history_seqlen=60",
+                "DatasetArgs.max_num_candidates=6",
+                "NetworkArgs.num_layers=2",
+                "NetworkArgs.hidden_size=64",
+                "NetworkArgs.num_attention_heads=2",
+                "NetworkArgs.kv_channels=32",
+                "NetworkArgs.fused_layer=True",
+                "NetworkArgs.cuda_graphs=True",
+                f"NetworkArgs.cuda_graph_scope='{scope}'",
+                "NetworkArgs.hidden_dropout=0.0",
+                "NetworkArgs.target_group_size=2",
+                "NetworkArgs.use_contextual_features=True",
+                "TrainerArgs.train_batch_size=32",
+                "TrainerArgs.max_train_iters=80",
+                "TrainerArgs.eval_interval=0",
+                "TrainerArgs.max_eval_iters=2",
+                "TrainerArgs.log_interval=10",
+                "TrainerArgs.ckpt_save_interval=-1",
+                "TrainerArgs.progress_bar=False",
+                "OptimizerArgs.warmup_iters=10",
+                "EmbeddingArgs.embedding_backend='dense'",
+                "EmbeddingArgs.plain_table_optimizer='sparse'",
+                "EmbeddingArgs.sparse_learning_rate=0.05",
+            ],
+        )
+        trainer = Trainer(cfg, device_type="cuda")
+        try:
+            return trainer, trainer.fit()
+        finally:
+            trainer.close()
+
+    step, res_step = run("step", "step")
+    enc, res_enc = run("enc", "encoder")
+    assert step.step_graphs is not None and enc.step_graphs is None
+    stats = step.graph_stats()
+    assert stats.disabled == "" and stats.replays >= 40, stats
+    a = torch.tensor([loss for _, loss in res_step.losses])
+    b = torch.tensor([loss for _, loss in res_enc.losses])
+    assert len(a) == len(b) == 8
+    torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)

@@ -56,12 +56,9 @@ class RankingGR(GenerativeRecommender):
         """Returns logits [N_cand, T], labels, per-task losses and the loss: task-weighted BCE
         summed over tasks and candidates, divided by ``loss_normalizer`` (default: the number of
         candidates here; the trainer passes global count / world size so that data-parallel
-        gradient averaging gives exactly the global mean)."""
-        if batch.sample_weights is not None:
-            raise ValueError(
-                "RankingGR: Batch.sample_weights (padding samples of a graphed training step) "
-                "are supported by retrieval only"
-            )
+        gradient averaging gives exactly the global mean). ``Batch.sample_weights`` (padding
+        samples of a graphed training step: 0) multiply each candidate's loss terms by its
+        sample's weight; the per-task losses are then means over the weighted candidates."""
         y, layout, _, _ = self.encode(batch, sparse_input=sparse_input)
         index = layout.candidate_index
         n_cand = index.numel()
@@ -76,7 +73,12 @@ class RankingGR(GenerativeRecommender):
             targets = label_bits(batch.labels, self.num_tasks)
             per = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")  # [N, T]
             n = max(1, per.shape[0])
-            task_losses = per.sum(0) / n
+            weights = self._candidate_weights(batch, per.shape[0])
+            if weights is None:
+                task_losses = per.sum(0) / n
+            else:
+                per = per * weights.unsqueeze(1)
+                task_losses = per.sum(0) / weights.sum().clamp(min=1.0)
             out["labels"] = batch.labels
             out["task_losses"] = task_losses.detach()
             total = (per * self.task_weights).sum()
@@ -84,3 +86,18 @@ class RankingGR(GenerativeRecommender):
             out["loss_sum"] = total.detach()
             out["count"] = torch.tensor(float(per.shape[0]))
         return out
+
+    @staticmethod
+    def _candidate_weights(batch: Batch, n_cand: int) -> torch.Tensor | None:
+        """[N_cand] float32 weight of each candidate (its sample's), or None without weights."""
+        w = batch.sample_weights
+        if w is None:
+            return None
+        if w.dtype != torch.float32 or w.shape != (batch.batch_size,):
+            raise ValueError(
+                f"Batch.sample_weights must be float32 [{batch.batch_size}] (one per sample), "
+                f"got {w.dtype} {tuple(w.shape)}"
+            )
+        counts = batch.num_candidates.to(w.device)
+        # output_size from the host: no read back of the counts' sum
+        return torch.repeat_interleave(w, counts, output_size=n_cand)

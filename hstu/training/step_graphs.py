@@ -62,6 +62,7 @@ __all__ = [
     "PaddedBatch",
     "StepGraphs",
     "StepKey",
+    "StepOutputs",
     "float_learning_rates",
     "graph_safe_optimizer",
     "pad_batch",
@@ -70,9 +71,22 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# a step function: (device batch, loss normalizer) -> (loss sum, gradient norm or None); it runs
-# forward, backward, clipping, the optimizer step and zeroes the gradients in place
-StepFn = Callable[[Batch, "float | torch.Tensor"], "tuple[torch.Tensor, torch.Tensor | None]"]
+# a step function: (device batch, loss normalizer) -> `StepOutputs`; it runs forward, backward,
+# clipping, the optimizer step and zeroes the gradients in place
+StepFn = Callable[[Batch, "float | torch.Tensor"], "StepOutputs"]
+
+
+@dataclass
+class StepOutputs:
+    """What a training step reports, device tensors: the loss sum (float64 [1]), the gradient
+    norm (None without clipping) and ranking's per-task losses (None for retrieval)."""
+
+    loss_sum: torch.Tensor
+    grad_norm: torch.Tensor | None = None
+    task_losses: torch.Tensor | None = None
+
+    def clone(self) -> StepOutputs:
+        return StepOutputs(*(None if t is None else t.clone() for t in dataclasses.astuple(self)))
 
 
 @dataclass(frozen=True)
@@ -100,37 +114,83 @@ class PaddedBatch:
     index: np.ndarray | None = None  # the preprocessor's layout of ``batch`` (`host_index`)
 
 
+def _fill(total: int, caps: np.ndarray) -> np.ndarray | None:
+    """``total`` split over slots of at most ``caps`` each, as evenly as the caps allow (water
+    filling, the fullest slots first in order); None when it does not fit."""
+    if total > int(caps.sum()):
+        return None
+    out = np.zeros(caps.shape[0], dtype=np.int64)
+    left = int(total)
+    for k, i in enumerate(np.argsort(caps, kind="stable")):
+        take = min(int(caps[i]), -(-left // (caps.shape[0] - k)))
+        out[i] = take
+        left -= take
+    return out
+
+
+def _padding_lengths(
+    history: np.ndarray, candidates: np.ndarray, f: int, pad_sizes_per_octave: int
+) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """(padded sample count, each padding sample's history and candidate counts) that bring the
+    batch's tokens to a `padded_token_count` size (and, with candidates, its candidate count to
+    one too), or None. Each padding sample has >= 1 history item (and >= 1 candidate where the
+    batch has candidates), no more history or candidates than the batch's largest, and no more
+    items than its longest sample."""
+    b = int(history.shape[0])
+    items = history + candidates
+    real_tokens = int(items.sum()) + b * f
+    cap = int(items.max())
+    hmax, cmax = int(history.max()), int(candidates.max())
+    total_cand = int(candidates.sum())
+    samples = -(-(b + 1) // SEQ_GRAIN) * SEQ_GRAIN
+    for _ in range(64):
+        extra = samples - b
+        samples += SEQ_GRAIN  # for the next try
+        pad_cand = 0
+        if cmax > 0:
+            pad_cand = padded_token_count(total_cand + extra, pad_sizes_per_octave) - total_cand
+            if pad_cand > extra * cmax:
+                continue
+        cand = _fill(pad_cand, np.full(extra, cmax, dtype=np.int64))
+        if cand is None or (cmax > 0 and int(cand.min()) < 1):
+            continue
+        hist_caps = np.minimum(hmax, cap - cand)
+        if int(hist_caps.min()) < 1:
+            continue
+        base = real_tokens + extra * f + pad_cand
+        rows = padded_token_count(base + extra, pad_sizes_per_octave)
+        hist = _fill(rows - base - extra, hist_caps - 1)
+        if hist is None:
+            continue
+        return samples - SEQ_GRAIN, hist + 1, cand
+    return None
+
+
 def pad_batch(host: Batch, *, num_contextual: int, pad_sizes_per_octave: int) -> PaddedBatch | None:
-    """``host`` (a CPU retrieval training batch) with padding samples appended so that its
-    shapes are those of a `StepKey` (module docstring; ``index`` 0 until the caller lays the
-    batch out); None for a batch that a step graph does not take (candidates, labels,
-    evaluation targets, weights already set, no items)."""
-    if host.labels is not None or host.target_item_ids is not None:
+    """``host`` (a CPU training batch: retrieval, or ranking with its candidates and labels) with
+    padding samples appended so that its shapes are those of a `StepKey` (module docstring;
+    ``index`` 0 until the caller lays the batch out); None for a batch that a step graph does
+    not take (evaluation targets, weights already set, no items, candidates without labels)."""
+    if host.target_item_ids is not None:
         return None
     if host.sample_weights is not None or not host.is_on_cpu:
         return None
     lengths = host_lengths(host)
-    if bool((lengths.candidates > 0).any()):
-        return None
-    items = lengths.items.numpy()
-    b = int(items.shape[0])
-    total = int(items.sum())
-    if b == 0 or total == 0:
+    hist_real = lengths.history.numpy().astype(np.int64)
+    cand_real = lengths.candidates.numpy().astype(np.int64)
+    ranking = bool((cand_real > 0).any())
+    if ranking != (host.labels is not None):
+        return None  # candidates without labels, or labels without candidates
+    b = int(hist_real.shape[0])
+    if b == 0 or int(lengths.items.sum()) == 0:
         return None
     f = int(num_contextual)
-    cap = int(items.max())  # no padding sample is longer than the longest real one
-    samples = -(-(b + 1) // SEQ_GRAIN) * SEQ_GRAIN
-    while True:
-        extra = samples - b
-        tokens = total + samples * f
-        # at least one item per padding sample: each then has h - 1 loss rows, a fixed count
-        rows = padded_token_count(tokens + extra, pad_sizes_per_octave)
-        pad_items = rows - tokens
-        if pad_items <= extra * cap:
-            break
-        samples += SEQ_GRAIN
-    pad_len = np.full(extra, pad_items // extra, dtype=np.int64)
-    pad_len[: pad_items % extra] += 1
+    found = _padding_lengths(hist_real, cand_real, f, pad_sizes_per_octave)
+    if found is None:
+        return None
+    samples, pad_hist, pad_cand = found
+    extra = samples - b
+    pad_items = pad_hist + pad_cand
 
     kjt = host.features
     keys = list(kjt.keys())
@@ -148,11 +208,11 @@ def pad_batch(host: Batch, *, num_contextual: int, pad_sizes_per_octave: int) ->
             pad_v = v[:1].expand(extra)  # the first sample's value (each sample has one)
             pad_l = torch.ones(extra, dtype=ln.dtype)
         elif name == ITEM_FEATURE:
-            pad_v = first_item.expand(pad_items)
-            pad_l = torch.from_numpy(pad_len).to(ln.dtype)
+            pad_v = first_item.expand(int(pad_items.sum()))
+            pad_l = torch.from_numpy(pad_items).to(ln.dtype)
         elif name == ACTION_FEATURE:
-            pad_v = torch.zeros(pad_items, dtype=v.dtype)
-            pad_l = torch.from_numpy(pad_len).to(ln.dtype)
+            pad_v = torch.zeros(int(pad_hist.sum()), dtype=v.dtype)
+            pad_l = torch.from_numpy(pad_hist).to(ln.dtype)
         else:
             return None  # a feature whose padding this function does not know
         new_values += [v, pad_v.to(v.dtype)]
@@ -172,23 +232,32 @@ def pad_batch(host: Batch, *, num_contextual: int, pad_sizes_per_octave: int) ->
     timestamps = None
     if host.timestamps is not None:
         ts = host.timestamps
-        timestamps = torch.cat([ts, ts[:1].expand(pad_items)])  # one time: no gaps
+        timestamps = torch.cat([ts, ts[:1].expand(int(pad_items.sum()))])  # one time: no gaps
+    labels = None
+    if ranking:
+        labels = torch.cat([host.labels, host.labels.new_zeros(int(pad_cand.sum()))])
     weights = torch.cat([torch.ones(b), torch.zeros(extra)]).to(torch.float32)
     padded = Batch(
         features=features,
         contextual_feature_names=list(host.contextual_feature_names),
-        num_candidates=torch.zeros(samples, dtype=host.num_candidates.dtype),
+        num_candidates=torch.cat(
+            [host.num_candidates, torch.from_numpy(pad_cand).to(host.num_candidates.dtype)]
+        ),
         user_ids=torch.cat([host.user_ids, host.user_ids[:1].expand(extra)]),
+        labels=labels,
         timestamps=timestamps,
         sample_weights=weights,
         global_counts=host.global_counts,
     )
-    hist = np.concatenate([lengths.history.numpy(), pad_len])
-    loss_rows = int(np.maximum(hist - 1, 0).sum())
-    real = torch.from_numpy(items.astype(np.int64) + f)
+    if ranking:
+        loss_rows = int(cand_real.sum() + pad_cand.sum())  # one row per candidate
+    else:
+        hist = np.concatenate([hist_real, pad_hist])
+        loss_rows = int(np.maximum(hist - 1, 0).sum())
+    real = torch.from_numpy(lengths.items.numpy().astype(np.int64) + f)
     key = StepKey(
         samples=samples,
-        items=total + pad_items,
+        items=int(lengths.items.sum()) + int(pad_items.sum()),
         loss_rows=loss_rows,
         values=int(features.values().numel()),
         index=0,
@@ -212,8 +281,8 @@ WHOLE_CORPUS_ROWS = 16384
 
 def step_graphs_unsupported(model, optimizer_str: str, task: str, world_size: int) -> str:
     """Why the whole training step of ``model`` cannot be graphed ("" when it can)."""
-    if task != "retrieval":
-        return f"the {task} task (step graphs: retrieval)"
+    if task not in ("retrieval", "ranking"):
+        return f"the {task} task (step graphs: retrieval, ranking)"
     if world_size > 1:
         return "several processes (DDP)"
     emb = model.embeddings
@@ -223,7 +292,7 @@ def step_graphs_unsupported(model, optimizer_str: str, task: str, world_size: in
         return "layers without the compiled attention"
     if str(optimizer_str).lower() not in ("adam", "adamw"):
         return f"OptimizerArgs.optimizer_str={optimizer_str!r} (step graphs: adam, adamw)"
-    sampling = model.negative_sampling
+    sampling = getattr(model, "negative_sampling", "in_batch")  # ranking: no negatives
     if sampling != "in_batch" and model.num_negatives > 0:
         if model.item_corpus.numel() > max(model.whole_corpus_rows, WHOLE_CORPUS_ROWS):
             return (
@@ -268,8 +337,7 @@ class _Entry:
     key: StepKey
     buffer: torch.Tensor  # int64, every input of the step (module docstring, "Inputs")
     graph: torch.cuda.CUDAGraph | None = None
-    loss_sum: torch.Tensor | None = None
-    grad_norm: torch.Tensor | None = None
+    outputs: StepOutputs | None = None
 
 
 def _float_bits(values: list[float]) -> np.ndarray:
@@ -299,7 +367,8 @@ class StepGraphs:
         # the encoder runs inside the step's graphs, not from graphs of its own; random
         # negatives come from the whole corpus (no count of distinct ids read back)
         model.encoder.graphs = None
-        model.whole_corpus_rows = max(model.whole_corpus_rows, WHOLE_CORPUS_ROWS)
+        if hasattr(model, "whole_corpus_rows"):  # retrieval
+            model.whole_corpus_rows = max(model.whole_corpus_rows, WHOLE_CORPUS_ROWS)
         self.step_fn = step_fn
         self.params = list(params)
         self.device = torch.device(device)
@@ -335,6 +404,7 @@ class StepGraphs:
             b.user_ids.numpy(),
             b.timestamps.numpy() if b.timestamps is not None else np.zeros(0, np.int64),
             b.sample_weights.numpy().astype(np.int64),  # 0 / 1
+            b.labels.numpy() if b.labels is not None else np.zeros(0, np.int64),
             padded.index,
             _float_bits([normalizer, 1.0 / padded.max_seqlen]),
         ]
@@ -342,7 +412,7 @@ class StepGraphs:
 
     def _views(self, entry: _Entry, padded: PaddedBatch, sizes: list[int]):
         """The device batch (views of the entry's buffer), normalizer and `StaticLayout`."""
-        values, lengths, cands, users, ts, weights, index, scalars = torch.split(
+        values, lengths, cands, users, ts, weights, labels, index, scalars = torch.split(
             entry.buffer, sizes
         )
         host = padded.batch
@@ -360,6 +430,7 @@ class StepGraphs:
             contextual_feature_names=list(host.contextual_feature_names),
             num_candidates=cands,
             user_ids=users,
+            labels=labels if host.labels is not None else None,
             timestamps=ts if host.timestamps is not None else None,
             sample_weights=weights.to(torch.float32),
             host=host,
@@ -373,8 +444,8 @@ class StepGraphs:
     # ---- the step ------------------------------------------------------------------------------
     def step(self, host: Batch, normalizer: float):
         """Runs the training step of ``host`` (a CPU batch): from a graph where one is held (or
-        due), else eagerly on the padded batch. Returns (loss sum, gradient norm or None, the
-        real sequences' token lengths, the real token count), or None for a batch that cannot
+        due), else eagerly on the padded batch. Returns (`StepOutputs`, the real sequences'
+        token lengths, the real token count), or None for a batch that cannot
         be padded (the caller runs it eagerly as it is)."""
         if self.stats.disabled:
             return None
@@ -401,9 +472,8 @@ class StepGraphs:
         entry.graph.replay()
         self.stats.replays += 1
         # outputs live in the graphs' pool, which the next replay reuses: copy them out now
-        loss = entry.loss_sum.clone()
-        norm = entry.grad_norm.clone() if entry.grad_norm is not None else None
-        return loss, norm, padded.real_lengths, padded.real_tokens
+        outputs = entry.outputs.clone()
+        return outputs, padded.real_lengths, padded.real_tokens
 
     def _eager(self, padded: PaddedBatch, normalizer: float):
         """The step of ``padded`` op by op, on the stream the captures use: autograd then
@@ -415,12 +485,12 @@ class StepGraphs:
         side.wait_stream(current)
         with torch.cuda.stream(side):
             batch = pinned.to(self.device, non_blocking=True)
-            loss, norm = self.step_fn(batch, normalizer)
+            outputs = self.step_fn(batch, normalizer)
         current.wait_stream(side)
-        for t in (loss, norm):
+        for t in dataclasses.astuple(outputs):
             if t is not None:
                 t.record_stream(current)
-        return loss, norm, padded.real_lengths, padded.real_tokens
+        return outputs, padded.real_lengths, padded.real_tokens
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -505,13 +575,13 @@ class StepGraphs:
                 try:
                     batch, norm, static = self._views(entry, padded, sizes)
                     pre.static = static
-                    loss_sum, grad_norm = self.step_fn(batch, norm)
+                    outputs = self.step_fn(batch, norm)
                 finally:
                     graph.capture_end()
         finally:
             pre.static = None
             current.wait_stream(side)
-        entry.graph, entry.loss_sum, entry.grad_norm = graph, loss_sum, grad_norm
+        entry.graph, entry.outputs = graph, outputs
         torch.cuda.synchronize(self.device)
         self._entries[key] = entry
         self._grad_ptrs = self._grad_addresses()

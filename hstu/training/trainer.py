@@ -60,6 +60,7 @@ from hstu.training.reshard import (
 from hstu.training.rundir import config_identity, mark_started, setup_run_dir
 from hstu.training.step_graphs import (
     StepGraphs,
+    StepOutputs,
     float_learning_rates,
     graph_safe_optimizer,
     step_graphs_unsupported,
@@ -504,16 +505,16 @@ class Trainer:
             # the graphs copy the (padded) host batch themselves
             done = self.step_graphs.step(host_batch, normalizer)
             if done is not None:
-                loss_sum, grad_norm, lengths, tokens = done
+                outputs, lengths, tokens = done
                 self.scheduler.step()
                 return _PendingStep(
-                    loss_sum=loss_sum,
+                    loss_sum=outputs.loss_sum,
                     global_count=float(global_count),
                     samples=float(samples),
                     local_tokens=float(tokens),
                     lengths=lengths,
-                    grad_norm=grad_norm,
-                    task_losses=None,
+                    grad_norm=outputs.grad_norm,
+                    task_losses=outputs.task_losses,
                 )
         if self.device.type == "cuda":
             # the device batch keeps host_batch as its CPU twin: the model reads sizes from it
@@ -559,11 +560,13 @@ class Trainer:
                 self.table_optimizer.zero_grad(set_to_none=self.step_graphs is None)
         return out, grad_norm
 
-    def _optimize(self, batch: Batch, normalizer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _optimize(self, batch: Batch, normalizer) -> StepOutputs:
         """The step that `StepGraphs` captures (and runs eagerly on a padded batch): `_update`,
-        returning (loss sum as float64 [1], gradient norm or None), device tensors."""
+        returning its loss sum (float64 [1]), gradient norm and per-task losses (ranking)."""
         out, grad_norm = self._update(batch, normalizer)
-        return out["loss_sum"].detach().to(torch.float64).reshape(1), grad_norm
+        loss_sum = out["loss_sum"].detach().to(torch.float64).reshape(1)
+        task_losses = out.get("task_losses") if self.cfg.task == "ranking" else None
+        return StepOutputs(loss_sum, grad_norm, task_losses)
 
     def _step_graphs_unsupported(self) -> str:
         """Why this run's training step is not graphed whole ("" when it is)."""

@@ -404,6 +404,33 @@ def test_step_graphs_draw_fresh_negatives_and_dropout_per_replay(tmp_path, run_d
 
 
 @gpu
+def test_a_failed_capture_leaves_a_run_that_trains_eagerly(tmp_path, run_dir_bindings, monkeypatch):
+    """A capture that fails (here: a host read inside the captured step) turns the step graphs
+    off and the run goes on eagerly, random negatives and dropout included (the generator is
+    not left marked as capturing)."""
+    from hstu.models.retrieval import RetrievalGR
+
+    _needs_kernels()
+    forward = RetrievalGR.forward
+
+    def reads_back(self, batch, *args, **kwargs):
+        out = forward(self, batch, *args, **kwargs)
+        if torch.cuda.is_current_stream_capturing():
+            out["loss"].item()  # not allowed while capturing: the capture fails
+        return out
+
+    monkeypatch.setattr(RetrievalGR, "forward", reads_back)
+    rand = ("RetrievalArgs.negative_sampling='random'", "NetworkArgs.hidden_dropout=0.2")
+    step, res = _retrieval_run(tmp_path, run_dir_bindings, "fails", "step", *rand)
+    stats = step.graph_stats()
+    assert "capturing failed" in stats.disabled and stats.replays == 0, stats
+    losses = np.array([loss for _, loss in res.losses])
+    assert len(losses) == 8 and np.isfinite(losses).all()
+    assert losses[-3:].mean() < losses[:3].mean()
+    torch.rand(4, device="cuda")  # the default generator still works after the run
+
+
+@gpu
 def test_ranking_step_graphs_follow_the_eager_losses(tmp_path, run_dir_bindings):
     """Ranking (candidates, labels, contextual tokens, target groups) with plain tables trained
     by row-wise Adagrad: the graphed step follows the encoder-graphed step's losses on the same

@@ -82,7 +82,10 @@ class RankingGR(GenerativeRecommender):
             out["labels"] = batch.labels
             out["task_losses"] = task_losses.detach()
             total = (per * self.task_weights).sum()
-            out["loss"] = total / (loss_normalizer if loss_normalizer else n)
+            if isinstance(loss_normalizer, torch.Tensor):
+                out["loss"] = total / loss_normalizer  # a graphed step's, in device memory
+            else:
+                out["loss"] = total / (loss_normalizer if loss_normalizer else n)
             out["loss_sum"] = total.detach()
             out["count"] = torch.tensor(float(per.shape[0]))
         return out

@@ -34,8 +34,8 @@ class Batch:
       time of the request the query answers); None otherwise and without real timestamps.
     sample_weights: [B] float32 weight of each sample's loss terms, or None (all 1). Padding
       samples (`hstu.training.step_graphs.pad_batch`, which gives a batch the fixed shapes of a
-      CUDA graph of the training step) carry 0: they add nothing to the loss or its gradients.
-      Retrieval training only.
+      CUDA graph of the training step) carry 0: they add nothing to the loss or its gradients
+      (retrieval: their loss rows and in-batch negatives; ranking: their candidates' terms).
     global_counts: training batches from a `BatchIterator` given per-sample loss counts: (loss
       terms, samples) of the whole global batch, all ranks together, known without communication
       (the trainer then skips its per-step host all-reduce of the local counts).

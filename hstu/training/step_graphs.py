@@ -33,11 +33,18 @@ place after each step (never set to None: the graphs hold their addresses).
 When. A key's first batch runs eagerly (padded, so that it computes what the graph computes;
 it also creates the optimizer state); the second is captured (after one forward + backward on
 the capture stream, whose gradients are zeroed again) and replayed; later ones replay. Captures
-are counted and timed (`GraphStats`). Applies to retrieval training with plain embedding tables
-(trained by the dense optimizer), in-batch negatives or random ones from a corpus of at most
-`WHOLE_CORPUS_ROWS` items (looked up whole: `RetrievalGR.whole_corpus_rows`), Adam/AdamW, one
-CUDA process (`step_graphs_unsupported` names what is missing); elsewhere the encoder's graphs
-run.
+are counted and timed (`GraphStats`). A capture that fails turns the mode off for the run
+(eager padded steps from then on). Applies to retrieval and ranking training with plain
+embedding tables (trained by the dense optimizer or by `PlainTableOptimizer`), Adam/AdamW, one
+CUDA process, and for retrieval in-batch negatives or random ones from a corpus of at most
+`WHOLE_CORPUS_ROWS` items (looked up whole: `RetrievalGR.whole_corpus_rows`)
+(`step_graphs_unsupported` names what is missing); elsewhere the encoder's graphs run.
+
+Ranking. A ranking batch's candidates are padded too: the padding samples carry candidates
+(at least one each, no more than the batch's largest count) so that the candidate count is a
+`padded_token_count` size as well (`StepKey.loss_rows` = candidates), with label 0; the
+candidates' loss terms are multiplied by their sample's weight (`RankingGR`), so the loss, the
+per-task losses and the gradients are those of the real batch.
 """
 
 from __future__ import annotations
@@ -358,8 +365,8 @@ class StepGraphs:
     """CUDA graphs of the training step, one per `StepKey` (module docstring).
 
     ``step_fn(batch, normalizer)``: the trainer's step on a device batch (forward, backward,
-    clipping, optimizer, gradients zeroed in place); ``model``: the retrieval model (its
-    preprocessor lays out the batches); ``params``: the parameters whose gradients the graphs
+    clipping, optimizer, gradients zeroed in place); ``model``: the retrieval or ranking model
+    (its preprocessor lays out the batches); ``params``: the parameters whose gradients the graphs
     hold; ``max_graphs``: graphs kept at most (later keys run eagerly)."""
 
     def __init__(

@@ -3,16 +3,14 @@
 CPU: `PlainTableOptimizer` against the dynamic tables' reference update (every optimizer, with
 and without weight decay, duplicate ids, rows a step does not look up); a training run with a
 plain item table equals the run with a dynamic table started from the same rows; only looked-up
-rows change; checkpoints resume exactly and a layout change is refused; the config checks. GPU
-(-m gpu): the plain table's sparse optimizer inside the whole-step CUDA graphs follows the eager
-step's losses.
+rows change; checkpoints resume exactly and a layout change is refused; the config checks. The
+GPU tests of the optimizer inside the whole-step CUDA graphs are in tests/test_step_graphs.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import needs_compiled_kernels
 
 from hstu.config.args import EmbeddingArgs
 from hstu.config.gin_utils import load_config
@@ -245,57 +243,3 @@ def test_the_memory_plan_counts_the_sparse_state(tmp_path):
         assert item["bytes"] == item["rows"] * (16 * 4 * 2 + 4)
     finally:
         trainer.close()
-
-
-@pytest.mark.gpu
-def test_step_graphs_train_a_plain_table_with_the_sparse_optimizer(tmp_path, run_dir_bindings):
-    """The whole step with a plain table and row-wise Adagrad, captured: the graphs replay and
-    follow the encoder-graphed (eager) step's losses on the same batches."""
-    from hstu.training.trainer import Trainer
-
-    needs_compiled_kernels()
-
-    def run(name, scope):
-        cfg = load_config(
-            "retrieval",
-            [],
-            run_dir_bindings(tmp_path, name)
-            + [
-                "DatasetArgs.synthetic_num_users=400",
-                "DatasetArgs.synthetic_num_items=150",
-                "DatasetArgs.max_history_seqlen=60",
-                "NetworkArgs.num_layers=2",
-                "NetworkArgs.hidden_size=64",
-                "NetworkArgs.num_attention_heads=1",
-                "NetworkArgs.kv_channels=64",
-                "NetworkArgs.fused_layer=True",
-                "NetworkArgs.cuda_graphs=True",
-                f"NetworkArgs.cuda_graph_scope='{scope}'",
-                "NetworkArgs.hidden_dropout=0.0",
-                "RetrievalArgs.negative_sampling='in_batch'",
-                "TrainerArgs.train_batch_size=32",
-                "TrainerArgs.max_train_iters=80",
-                "TrainerArgs.eval_interval=0",
-                "TrainerArgs.max_eval_iters=2",
-                "TrainerArgs.log_interval=10",
-                "TrainerArgs.ckpt_save_interval=-1",
-                "TrainerArgs.progress_bar=False",
-                "EmbeddingArgs.sparse_learning_rate=0.2",
-                *PLAIN,
-            ],
-        )
-        trainer = Trainer(cfg, device_type="cuda")
-        try:
-            return trainer, trainer.fit()
-        finally:
-            trainer.close()
-
-    step, res_step = run("step", "step")
-    enc, res_enc = run("enc", "encoder")
-    assert step.step_graphs is not None and enc.step_graphs is None
-    stats = step.graph_stats()
-    assert stats.disabled == "" and stats.replays >= 40, stats
-    a = torch.tensor([loss for _, loss in res_step.losses])
-    b = torch.tensor([loss for _, loss in res_enc.losses])
-    torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
-    assert a[-3:].mean() < a[:3].mean()

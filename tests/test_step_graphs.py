@@ -3,9 +3,11 @@
 CPU: the padding to a step key (shapes, weights, lengths, keys that repeat), a padded batch
 gives the unpadded batch's loss and gradients (every negative sampling mode, contextual tokens,
 timestamps), the preprocessor's static layout equals its copied one, the capturable optimizer's
-learning rate is filled in place, what the step graphs refuse. GPU (-m gpu): training with step
-graphs follows the eager losses and replays its graphs; random negatives and dropout still draw
-fresh values per replay.
+learning rate is filled in place, what the step graphs refuse; ranking batches padded in tokens
+and candidates give the same loss, task losses and gradients. GPU (-m gpu): training with step
+graphs follows the eager losses and replays its graphs (retrieval, ranking, plain tables trained
+by the sparse optimizer); random negatives and dropout still draw fresh values per replay; a
+failed capture leaves a run that trains on eagerly.
 """
 
 from __future__ import annotations
@@ -327,11 +329,13 @@ gpu = pytest.mark.gpu
 _needs_kernels = needs_compiled_kernels
 
 
-def _retrieval_run(tmp_path, run_dir_bindings, name, scope, *extra):
+def _graphed_run(tmp_path, run_dir_bindings, name, scope, *extra, task="retrieval"):
+    """A small synthetic training run on the GPU with CUDA graphs of ``scope``; ``extra``
+    bindings override the defaults here."""
     from hstu.training.trainer import Trainer
 
     cfg = load_config(
-        "retrieval",
+        task,
         [],
         run_dir_bindings(tmp_path, name)
         + [
@@ -373,8 +377,8 @@ def test_step_graphs_follow_the_eager_losses(tmp_path, run_dir_bindings):
     most steps, with a warmup schedule (the learning rate read from device memory)."""
     _needs_kernels()
     det = ("RetrievalArgs.negative_sampling='in_batch'", "NetworkArgs.hidden_dropout=0.0")
-    step, res_step = _retrieval_run(tmp_path, run_dir_bindings, "step", "step", *det)
-    enc, res_enc = _retrieval_run(tmp_path, run_dir_bindings, "enc", "encoder", *det)
+    step, res_step = _graphed_run(tmp_path, run_dir_bindings, "step", "step", *det)
+    enc, res_enc = _graphed_run(tmp_path, run_dir_bindings, "enc", "encoder", *det)
     assert step.step_graphs is not None and enc.step_graphs is None
     stats = step.graph_stats()
     assert stats.disabled == "" and stats.captures >= 1, stats
@@ -392,8 +396,8 @@ def test_step_graphs_draw_fresh_negatives_and_dropout_per_replay(tmp_path, run_d
     step to step as eager ones do and the run learns as the eager run does."""
     _needs_kernels()
     rand = ("RetrievalArgs.negative_sampling='random'", "NetworkArgs.hidden_dropout=0.2")
-    step, res_step = _retrieval_run(tmp_path, run_dir_bindings, "step", "step", *rand)
-    enc, res_enc = _retrieval_run(tmp_path, run_dir_bindings, "enc", "encoder", *rand)
+    step, res_step = _graphed_run(tmp_path, run_dir_bindings, "step", "step", *rand)
+    enc, res_enc = _graphed_run(tmp_path, run_dir_bindings, "enc", "encoder", *rand)
     assert step.graph_stats().replays >= 40
     a = np.array([loss for _, loss in res_step.losses])
     b = np.array([loss for _, loss in res_enc.losses])
@@ -421,7 +425,7 @@ def test_a_failed_capture_leaves_a_run_that_trains_eagerly(tmp_path, run_dir_bin
 
     monkeypatch.setattr(RetrievalGR, "forward", reads_back)
     rand = ("RetrievalArgs.negative_sampling='random'", "NetworkArgs.hidden_dropout=0.2")
-    step, res = _retrieval_run(tmp_path, run_dir_bindings, "fails", "step", *rand)
+    step, res = _graphed_run(tmp_path, run_dir_bindings, "fails", "step", *rand)
     stats = step.graph_stats()
     assert "capturing failed" in stats.disabled and stats.replays == 0, stats
     losses = np.array([loss for _, loss in res.losses])
@@ -435,51 +439,23 @@ def test_ranking_step_graphs_follow_the_eager_losses(tmp_path, run_dir_bindings)
     """Ranking (candidates, labels, contextual tokens, target groups) with plain tables trained
     by row-wise Adagrad: the graphed step follows the encoder-graphed step's losses on the same
     batches (no random draws) and replays most steps."""
-    from hstu.training.trainer import Trainer
-
     _needs_kernels()
-
-    def run(name, scope):
-        cfg = load_config(
-            "ranking",
-            [],
-            run_dir_bindings(tmp_path, name)
-            + [
-                "DatasetArgs.synthetic_num_users=400",
-                "DatasetArgs.synthetic_num_items=150",
-                "DatasetArgs.max_history_seqlen=60",
-                "DatasetArgs.max_num_candidates=6",
-                "NetworkArgs.num_layers=2",
-                "NetworkArgs.hidden_size=64",
-                "NetworkArgs.num_attention_heads=2",
-                "NetworkArgs.kv_channels=32",
-                "NetworkArgs.fused_layer=True",
-                "NetworkArgs.cuda_graphs=True",
-                f"NetworkArgs.cuda_graph_scope='{scope}'",
-                "NetworkArgs.hidden_dropout=0.0",
-                "NetworkArgs.target_group_size=2",
-                "NetworkArgs.use_contextual_features=True",
-                "TrainerArgs.train_batch_size=32",
-                "TrainerArgs.max_train_iters=80",
-                "TrainerArgs.eval_interval=0",
-                "TrainerArgs.max_eval_iters=2",
-                "TrainerArgs.log_interval=10",
-                "TrainerArgs.ckpt_save_interval=-1",
-                "TrainerArgs.progress_bar=False",
-                "OptimizerArgs.warmup_iters=10",
-                "EmbeddingArgs.embedding_backend='dense'",
-                "EmbeddingArgs.plain_table_optimizer='sparse'",
-                "EmbeddingArgs.sparse_learning_rate=0.05",
-            ],
-        )
-        trainer = Trainer(cfg, device_type="cuda")
-        try:
-            return trainer, trainer.fit()
-        finally:
-            trainer.close()
-
-    step, res_step = run("step", "step")
-    enc, res_enc = run("enc", "encoder")
+    ranking = (
+        "DatasetArgs.max_num_candidates=6",
+        "NetworkArgs.num_attention_heads=2",
+        "NetworkArgs.kv_channels=32",
+        "NetworkArgs.hidden_dropout=0.0",
+        "NetworkArgs.target_group_size=2",
+        "NetworkArgs.use_contextual_features=True",
+        "NetworkArgs.relative_attention_bias='none'",
+        "EmbeddingArgs.plain_table_optimizer='sparse'",
+        "EmbeddingArgs.sparse_learning_rate=0.05",
+    )
+    runs = {
+        scope: _graphed_run(tmp_path, run_dir_bindings, scope, scope, *ranking, task="ranking")
+        for scope in ("step", "encoder")
+    }
+    (step, res_step), (enc, res_enc) = runs["step"], runs["encoder"]
     assert step.step_graphs is not None and enc.step_graphs is None
     stats = step.graph_stats()
     assert stats.disabled == "" and stats.replays >= 40, stats
@@ -487,3 +463,25 @@ def test_ranking_step_graphs_follow_the_eager_losses(tmp_path, run_dir_bindings)
     b = torch.tensor([loss for _, loss in res_enc.losses])
     assert len(a) == len(b) == 80
     torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+
+
+@gpu
+def test_step_graphs_train_a_plain_table_with_the_sparse_optimizer(tmp_path, run_dir_bindings):
+    """Retrieval with the plain item table trained by row-wise Adagrad inside the graphs: the
+    same losses as the encoder-graphed (eager) step on the same batches, the loss falling."""
+    _needs_kernels()
+    det = (
+        "RetrievalArgs.negative_sampling='in_batch'",
+        "NetworkArgs.hidden_dropout=0.0",
+        "EmbeddingArgs.plain_table_optimizer='sparse'",
+        "EmbeddingArgs.sparse_learning_rate=0.2",
+    )
+    step, res_step = _graphed_run(tmp_path, run_dir_bindings, "step", "step", *det)
+    enc, res_enc = _graphed_run(tmp_path, run_dir_bindings, "enc", "encoder", *det)
+    assert step.table_optimizer is not None and step.step_graphs is not None
+    stats = step.graph_stats()
+    assert stats.disabled == "" and stats.replays >= 40, stats
+    a = torch.tensor([loss for _, loss in res_step.losses])
+    b = torch.tensor([loss for _, loss in res_enc.losses])
+    torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+    assert a[-10:].mean() < a[:10].mean()

@@ -26,11 +26,14 @@ SUFFIX=${SUFFIX:-}
 
 # Amazon Beauty: both attention types share every binding below (see docs/results.md for how
 # they were chosen on the validation split; the CPU runs there used the torchrec item table and
-# the unfused layer, kept here so that they reproduce).
+# the unfused layer, kept here so that they reproduce; the config's own plain table trained by
+# row-wise Adagrad: add --gin-bindings "EmbeddingArgs.embedding_backend='dense'" --gin-bindings
+# "EmbeddingArgs.plain_table_optimizer='sparse'").
 BEAUTY_BINDINGS=(
   --gin-bindings "EmbeddingArgs.sparse_optimizer_str='rowwise_adagrad'"
   --gin-bindings "EmbeddingArgs.sparse_learning_rate=0.2"
   --gin-bindings "EmbeddingArgs.embedding_backend='torchrec'"
+  --gin-bindings "EmbeddingArgs.plain_table_optimizer='dense'"
   --gin-bindings "NetworkArgs.fused_layer=False"
   --gin-bindings "NetworkArgs.fused_stage_compile=True"
   --gin-bindings "TrainerArgs.max_train_iters=8750"

@@ -243,3 +243,30 @@ def test_the_memory_plan_counts_the_sparse_state(tmp_path):
         assert item["bytes"] == item["rows"] * (16 * 4 * 2 + 4)
     finally:
         trainer.close()
+
+
+def test_the_start_up_estimate_counts_the_sparse_state():
+    """The start-up memory estimate of plain tables trained by row-wise Adagrad: weights and
+    gradients plus one float per row (the dense optimizer's Adam would add two per element)."""
+    from hstu.config.limits import DataSizes, estimate_memory
+    from hstu.data.synthetic import generate_synthetic
+    from hstu.models.builder import build_model
+
+    data = generate_synthetic(60, 40, 0, 8)
+    terms = {}
+    for opt in ("sparse", "dense"):
+        cfg = load_config(
+            "ranking",
+            [],
+            [
+                "NetworkArgs.hidden_size=16",
+                "EmbeddingArgs.embedding_backend='dense'",
+                f"EmbeddingArgs.plain_table_optimizer='{opt}'",
+            ],
+        )
+        est = estimate_memory(cfg, DataSizes.of(data), device_type="cpu")["host"]
+        terms[opt] = {t.what: t.bytes for t in est.terms}["embedding tables"]
+    model = build_model(cfg, data)
+    shapes = [p.shape for n, p in model.named_parameters() if n.startswith("embeddings.")]
+    assert terms["sparse"] == sum(r * w * 4 * 2 + r * 4 for r, w in shapes)
+    assert terms["dense"] == sum(r * w * 4 * 4 for r, w in shapes)

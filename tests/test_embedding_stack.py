@@ -78,6 +78,7 @@ def test_every_backend_looks_up_through_one_interface(backend, contextual):
     assert stack.checkpoint_meta() == {
         "embedding_backend": backend,
         "contextual_tables": contextual,
+        "plain_table_optimizer": "dense",
     }
     assert ("dynamic_embeddings" in stack.checkpoint_state()) == (backend == "dynamic")
 

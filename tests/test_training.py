@@ -204,7 +204,16 @@ def test_single_process_ddp_switch_rejects_other_values(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo CPU equivalence test")
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize(
+    "tables",
+    [
+        (),
+        # plain tables trained by the sparse optimizer: DDP averages their gradients, every
+        # rank applies the same row-wise Adagrad update to its replica
+        ("EmbeddingArgs.embedding_backend='dense'", "EmbeddingArgs.plain_table_optimizer='sparse'"),
+    ],
+)
+def test_two_processes_match_one(tmp_path, tables):
     curves = {}
     for nproc in (1, 2):
         bindings = SMALL + [
@@ -216,6 +225,7 @@ def test_two_processes_match_one(tmp_path):
             "TrainerArgs.max_eval_iters=1",
             "TrainerArgs.ckpt_save_interval=-1",
             "NetworkArgs.hidden_dropout=0.0",
+            *tables,
         ]
         curves[nproc] = torchrun_losses(nproc, bindings, tmp_path / f"out_{nproc}")
     a, b = np.array(curves[1]), np.array(curves[2])

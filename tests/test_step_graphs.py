@@ -112,6 +112,23 @@ def _loss_and_grads(model, batch, seed):
     return out["loss"].detach(), grads
 
 
+def _assert_padding_adds_nothing(model, batch):
+    """``batch`` and its padded copy give the same loss and gradients (fp32 rounding only);
+    returns the padded batch."""
+    model.train()
+    padded = _padded(batch, model.preprocessor.num_contextual)
+    assert padded.key.samples > batch.batch_size
+    loss, grads = _loss_and_grads(model, batch, seed=3)
+    loss_p, grads_p = _loss_and_grads(model, padded.batch, seed=3)
+    torch.testing.assert_close(loss_p, loss, rtol=1e-6, atol=1e-7)
+    assert grads.keys() == grads_p.keys()
+    for name, g in grads.items():
+        # the same terms summed in other orders (larger matmuls): fp32 rounding only
+        err = float((grads_p[name] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+        assert err < 1e-6, (name, err)
+    return padded
+
+
 @pytest.mark.parametrize(
     "bindings",
     [
@@ -126,18 +143,7 @@ def test_a_padded_batch_gives_the_same_loss_and_gradients(bindings):
     """Padding samples add nothing: the same loss and the same gradients up to fp32 rounding (the
     random negatives of the real rows are the same draws: the padding rows come last)."""
     _, _, splits, model = small_model("retrieval", "RetrievalArgs.num_negatives=8", *bindings)
-    model.train()
-    batch = splits.train.collate(list(range(11)))
-    padded = _padded(batch, model.preprocessor.num_contextual)
-    assert padded.key.samples > batch.batch_size
-    loss, grads = _loss_and_grads(model, batch, seed=3)
-    loss_p, grads_p = _loss_and_grads(model, padded.batch, seed=3)
-    torch.testing.assert_close(loss_p, loss, rtol=1e-6, atol=1e-7)
-    assert grads.keys() == grads_p.keys()
-    for name, g in grads.items():
-        # the same terms summed in other orders (larger matmuls): fp32 rounding only
-        err = float((grads_p[name] - g).abs().max() / g.abs().max().clamp(min=1e-12))
-        assert err < 1e-6, (name, err)
+    _assert_padding_adds_nothing(model, splits.train.collate(list(range(11))))
 
 
 @pytest.mark.parametrize(
@@ -152,22 +158,13 @@ def test_a_padded_ranking_batch_gives_the_same_loss_and_gradients(bindings):
     """Ranking: the padding samples' candidates are weighted out of the loss and the per-task
     losses; the real candidates see the same attention (the padding sequences are separate)."""
     _, _, splits, model = small_model("ranking", "DatasetArgs.max_num_candidates=4", *bindings)
-    model.train()
     batch = splits.train.collate(list(range(11)))
-    padded = _padded(batch, model.preprocessor.num_contextual)
-    assert padded.key.samples > batch.batch_size
-    loss, grads = _loss_and_grads(model, batch, seed=3)
-    loss_p, grads_p = _loss_and_grads(model, padded.batch, seed=3)
-    torch.testing.assert_close(loss_p, loss, rtol=1e-6, atol=1e-7)
+    padded = _assert_padding_adds_nothing(model, batch)
     torch.manual_seed(3)
     tasks = model(batch, loss_normalizer=7.0)["task_losses"]
     torch.manual_seed(3)
     tasks_p = model(padded.batch, loss_normalizer=7.0)["task_losses"]
     torch.testing.assert_close(tasks_p, tasks, rtol=1e-6, atol=1e-7)
-    assert grads.keys() == grads_p.keys()
-    for name, g in grads.items():
-        err = float((grads_p[name] - g).abs().max() / g.abs().max().clamp(min=1e-12))
-        assert err < 1e-6, (name, err)
 
 
 def test_the_static_layout_equals_the_copied_one():

@@ -112,6 +112,14 @@ class GenerativeRecommender(nn.Module):
         return y, layout, items.values(), extra
 
 
+def normalize_loss(total: torch.Tensor, normalizer, count: int) -> torch.Tensor:
+    """``total`` divided by the loss normalizer: a float (0 or None: ``count``), or a device
+    tensor (a graphed step's, in device memory: never truth-tested, that would read it back)."""
+    if isinstance(normalizer, torch.Tensor):
+        return total / normalizer
+    return total / (normalizer if normalizer else count)
+
+
 def gather_outputs(y: torch.Tensor, layout: SequenceLayout, index: torch.Tensor) -> torch.Tensor:
     """Encoder outputs at the item tokens ``index`` (positions in the batch's item list, e.g.
     `SequenceLayout.candidate_index`). Indices, not a boolean mask: selecting by mask needs the

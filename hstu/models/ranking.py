@@ -9,7 +9,7 @@ from hstu.config.args import NetworkArgs
 from hstu.data.batch import Batch
 from hstu.data.features import FeatureInfo
 from hstu.embeddings.stack import EmbeddingStack, SparseInput
-from hstu.models.base import GenerativeRecommender, gather_outputs
+from hstu.models.base import GenerativeRecommender, gather_outputs, normalize_loss
 from hstu.modules.heads import MLPHead
 from hstu.modules.preprocessor import padded_token_count
 
@@ -82,10 +82,7 @@ class RankingGR(GenerativeRecommender):
             out["labels"] = batch.labels
             out["task_losses"] = task_losses.detach()
             total = (per * self.task_weights).sum()
-            if isinstance(loss_normalizer, torch.Tensor):
-                out["loss"] = total / loss_normalizer  # a graphed step's, in device memory
-            else:
-                out["loss"] = total / (loss_normalizer if loss_normalizer else n)
+            out["loss"] = normalize_loss(total, loss_normalizer, n)
             out["loss_sum"] = total.detach()
             out["count"] = torch.tensor(float(per.shape[0]))
         return out

@@ -11,7 +11,7 @@ from hstu.config.args import NEGATIVE_SAMPLING, NetworkArgs
 from hstu.data.batch import Batch
 from hstu.data.features import FeatureInfo
 from hstu.embeddings.stack import EXTRA_ITEM_FEATURE, EmbeddingStack, SparseInput
-from hstu.models.base import GenerativeRecommender, gather_outputs
+from hstu.models.base import GenerativeRecommender, gather_outputs, normalize_loss
 from hstu.modules.preprocessor import host_lengths, item_values, segment_ranges
 
 __all__ = ["RetrievalGR", "NEGATIVE_SAMPLING", "NegativeSample"]
@@ -174,10 +174,7 @@ class RetrievalGR(GenerativeRecommender):
             total = per.sum() if weights is None else (per * weights).sum()
         else:
             total = y.sum() * 0.0
-        if isinstance(loss_normalizer, torch.Tensor):
-            out["loss"] = total / loss_normalizer  # a graphed step's, in device memory
-        else:
-            out["loss"] = total / (loss_normalizer if loss_normalizer else max(1, n))
+        out["loss"] = normalize_loss(total, loss_normalizer, max(1, n))
         out["loss_sum"] = total.detach()
         out["count"] = torch.tensor(float(n))
         if batch.target_item_ids is not None:

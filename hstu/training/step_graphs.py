@@ -149,10 +149,9 @@ def _padding_lengths(
     cap = int(items.max())
     hmax, cmax = int(history.max()), int(candidates.max())
     total_cand = int(candidates.sum())
-    samples = -(-(b + 1) // SEQ_GRAIN) * SEQ_GRAIN
-    for _ in range(64):
+    first = -(-(b + 1) // SEQ_GRAIN) * SEQ_GRAIN
+    for samples in range(first, first + 64 * SEQ_GRAIN, SEQ_GRAIN):
         extra = samples - b
-        samples += SEQ_GRAIN  # for the next try
         pad_cand = 0
         if cmax > 0:
             pad_cand = padded_token_count(total_cand + extra, pad_sizes_per_octave) - total_cand
@@ -169,7 +168,7 @@ def _padding_lengths(
         hist = _fill(rows - base - extra, hist_caps - 1)
         if hist is None:
             continue
-        return samples - SEQ_GRAIN, hist + 1, cand
+        return samples, hist + 1, cand
     return None
 
 

@@ -203,17 +203,14 @@ class Trainer:
         self.embeddings = self.core.embeddings
         # plain tables trained like sparse ones (EmbeddingArgs.plain_table_optimizer='sparse')
         self.table_optimizer = self.embeddings.build_plain_table_optimizer()
-        table_params = (
-            {id(p) for g in self.table_optimizer.param_groups for p in g["params"]}
-            if self.table_optimizer is not None
-            else set()
-        )
+        tables = self.table_optimizer.param_groups if self.table_optimizer is not None else []
+        table_params = [p for g in tables for p in g["params"]]
         dense = [
             p
             for n, p in self.model.named_parameters()
             if p.requires_grad
             and not self.embeddings.is_sparse_parameter(n)
-            and id(p) not in table_params
+            and all(p is not q for q in table_params)
         ]
         self.num_dense_params = sum(p.numel() for p in dense)
         self.dense_params = dense
@@ -223,11 +220,10 @@ class Trainer:
         self.step_graphs: StepGraphs | None = None
         self._no_step_graphs = self._step_graphs_unsupported()
         if not self._no_step_graphs:
-            graphed = dense + [p for p in self.model.parameters() if id(p) in table_params]
             self.step_graphs = StepGraphs(
                 self.core,
                 self._optimize,
-                graphed,
+                dense + table_params,
                 self.device,
                 autocast=self._autocast,
                 pad_sizes_per_octave=net.cuda_graph_pad_sizes,
@@ -552,12 +548,11 @@ class Trainer:
             grad_norm = clip_grad_norm(
                 self.dense_params, self.cfg.optimizer.grad_clip_norm, as_tensor=True
             )
-            self.optimizer.step()
-            # the step graphs hold the gradients' addresses: zeroed in place then
-            self.optimizer.zero_grad(set_to_none=self.step_graphs is None)
-            if self.table_optimizer is not None:
-                self.table_optimizer.step()
-                self.table_optimizer.zero_grad(set_to_none=self.step_graphs is None)
+            for optimizer in (self.optimizer, self.table_optimizer):
+                if optimizer is not None:
+                    optimizer.step()
+                    # the step graphs hold the gradients' addresses: zeroed in place then
+                    optimizer.zero_grad(set_to_none=self.step_graphs is None)
         return out, grad_norm
 
     def _optimize(self, batch: Batch, normalizer) -> StepOutputs:

@@ -343,8 +343,9 @@ def test_ranking_forward_backward_bitwise_equal_to_device_reading(bindings):
         emb = _old_lookup(ref, batch)
         ctx = [emb[n].values() for n in ref.contextual_names]
         x, layout = _old_preprocess(ref.preprocessor, batch, ctx, emb[ITEM_FEATURE])
-        y = ref.encoder(x, layout.attn)
-        logits = ref.head(y.index_select(0, layout.item_dest[~layout.is_history])).float()
+        y = ref.encoder(x, layout.attn, final_norm=False)  # normed on the candidates' rows
+        cand = y.index_select(0, layout.item_dest[~layout.is_history])
+        logits = ref.head(ref.encoder.final(cand)).float()
         assert torch.equal(out["logits"], logits)
         targets = label_bits(batch.labels, ref.num_tasks)
         per = torch.nn.functional.binary_cross_entropy_with_logits(

@@ -91,10 +91,13 @@ class GenerativeRecommender(nn.Module):
         extra_ids: torch.Tensor | None = None,
         sparse_input: SparseInput | None = None,
         extra_host_ids: torch.Tensor | None = None,
+        final_norm: bool = True,
     ):
         """Returns (encoder output [T, D], layout, item embeddings [N_items, D], extra emb or
         None). ``sparse_input``: the batch's embedding input dist started ahead of the step;
-        ``extra_host_ids``: ``extra_ids`` on the CPU where known (their range is checked there)."""
+        ``extra_host_ids``: ``extra_ids`` on the CPU where known (their range is checked there);
+        ``final_norm=False``: the output before the encoder's final norm (the caller applies
+        ``self.encoder.final`` to the rows it reads)."""
         with record_function("hstu/lookup"):
             emb = self.embeddings(batch, extra_ids, sparse_input, extra_host_ids=extra_host_ids)
         contextual = [emb[name].values() for name in self.contextual_names]
@@ -107,7 +110,7 @@ class GenerativeRecommender(nn.Module):
             x, layout = self.preprocessor(batch, contextual, items, pad_sizes_per_octave=sizes)
         self.last_attention_inputs = layout.attn
         with record_function("hstu/encoder"):
-            y = self.encoder(x, layout.attn)
+            y = self.encoder(x, layout.attn, final_norm=final_norm)
         extra = emb[EXTRA_ITEM_FEATURE].values() if self.uses_extra_items else None
         return y, layout, items.values(), extra
 

@@ -59,7 +59,8 @@ class RankingGR(GenerativeRecommender):
         gradient averaging gives exactly the global mean). ``Batch.sample_weights`` (padding
         samples of a graphed training step: 0) multiply each candidate's loss terms by its
         sample's weight; the per-task losses are then means over the weighted candidates."""
-        y, layout, _, _ = self.encode(batch, sparse_input=sparse_input)
+        # the final norm on the candidates' rows only (row by row: the same values)
+        y, layout, _, _ = self.encode(batch, sparse_input=sparse_input, final_norm=False)
         index = layout.candidate_index
         n_cand = index.numel()
         if y.shape[0] > layout.num_tokens and n_cand > 0:
@@ -67,7 +68,7 @@ class RankingGR(GenerativeRecommender):
             # copies of candidate 0 whose logits are dropped, so its matmul shapes repeat as well
             extra = padded_token_count(n_cand) - n_cand
             index = torch.cat([index, index.new_full((extra,), 0)]) if extra else index
-        logits = self.head(gather_outputs(y, layout, index)).float()[:n_cand]
+        logits = self.head(self.encoder.final(gather_outputs(y, layout, index))).float()[:n_cand]
         out = {"logits": logits, "num_tokens": torch.tensor(layout.num_tokens)}
         if batch.labels is not None:
             targets = label_bits(batch.labels, self.num_tasks)

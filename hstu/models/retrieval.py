@@ -133,13 +133,14 @@ class RetrievalGR(GenerativeRecommender):
             sampled.lookup_ids if sampled is not None else None,
             sparse_input,
             extra_host_ids=sampled.host_lookup_ids if sampled is not None else None,
+            final_norm=False,  # applied to the rows read below (row by row: the same values)
         )
         ids = item_values(batch).to(y.device)
         out: dict[str, torch.Tensor] = {"num_tokens": torch.tensor(layout.num_tokens)}
         # position p predicts item p + 1 of the same sample: items [0, h - 1) of each sample
         starts = layout.item_offsets[:-1]
         src = segment_ranges(starts, torch.clamp(layout.history_lengths - 1, min=0), rows)
-        q = self.normalize(gather_outputs(y, layout, src))
+        q = self.normalize(self.encoder.final(gather_outputs(y, layout, src)))
         pos_ids = ids[src + 1]
         pos = self.normalize(item_emb[src + 1])
         pos_logit = (q * pos).sum(-1, keepdim=True) / self.temperature
@@ -184,7 +185,7 @@ class RetrievalGR(GenerativeRecommender):
             last = segment_ranges(
                 starts + hist - 1, (hist > 0).long(), int((host_history > 0).sum())
             )
-            out["query"] = self.normalize(gather_outputs(y, layout, last))
+            out["query"] = self.normalize(self.encoder.final(gather_outputs(y, layout, last)))
         return out
 
     @torch.no_grad()

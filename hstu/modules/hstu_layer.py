@@ -189,13 +189,26 @@ class HSTUEncoder(nn.Module):
             and attention_path(device) == "cutlass"
         )
 
-    def forward(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, attn: AttentionInputs, final_norm: bool = True
+    ) -> torch.Tensor:
+        """The layers (replayed from CUDA graphs where `graphed`), then the final norm unless
+        ``final_norm=False``: a caller that reads a few rows (a ranking model its candidates)
+        applies `final` to those rows only, the same values (the norm is row by row) without a
+        LayerNorm forward and backward over every token."""
         if self.graphed(x.device):
-            return self.graphs.run(self, x, attn)
-        return self.forward_eager(x, attn)
+            y = self.graphs.run(self, x, attn)
+        else:
+            y = self.forward_eager(x, attn)
+        return self.final(y) if final_norm else y
 
     def forward_eager(self, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
-        """The layers and the final norm, op by op (`forward` replays CUDA graphs of this)."""
+        """The layers, op by op (`forward` replays CUDA graphs of this; no final norm)."""
         for layer in self.layers:
             x = layer(x, attn)
-        return self.final_norm(x) if self.final_norm is not None else x
+        return x
+
+    def final(self, y: torch.Tensor) -> torch.Tensor:
+        """The final LayerNorm (identity without `NetworkArgs.final_layernorm`) of any rows of
+        the layers' output."""
+        return self.final_norm(y) if self.final_norm is not None else y

@@ -486,8 +486,7 @@ def _score_layers(
             **_bias_kwargs(layer, layout),
         )
         x = layer.finish(x, a.reshape(-1, h * d).to(u.dtype), u)
-    if model.encoder.final_norm is not None:
-        x = model.encoder.final_norm(x)
+    x = model.encoder.final(x)
     return (model.head if head is None else head)(x).float()
 
 

@@ -171,7 +171,8 @@ class EncoderGraphs:
     """CUDA graphs of an encoder's training forward + backward (module docstring).
 
     The encoder hands itself to every call: ``encoder.forward_eager(x, attn)`` is its own
-    forward (the layers; the final norm runs outside the graphs, on the rows the model reads). ``max_graphs``: graph pairs kept at most;
+    forward (the layers; the final norm runs outside the graphs, on the rows the model reads).
+    ``max_graphs``: graph pairs kept at most;
     ``min_uses``: how often a shape is seen before it is captured; ``warmup``: eager forward +
     backward passes before a capture; ``pad_sizes_per_octave``: token counts per power of two
     that a graphed call's tokens are padded to (fewer: fewer graphs, more padding rows)."""
@@ -364,8 +365,7 @@ class EncoderGraphs:
         }
         self._rows_capacity = rows
         # the layers' parameters: the graphs run the layers only (`forward_eager`)
-        layers = getattr(encoder, "layers", encoder)
-        self.params = [p for p in layers.parameters() if p.requires_grad]
+        self.params = [p for p in encoder.layers.parameters() if p.requires_grad]
         self.param_grads = [torch.zeros_like(p) for p in self.params]
         self._param_ptrs = tuple(p.data_ptr() for p in self.params)
         self._pool = torch.cuda.graph_pool_handle()

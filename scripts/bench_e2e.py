@@ -54,6 +54,8 @@ from bench_common import base_parser, emit_json, resolve_device  # noqa: E402
 logger = logging.getLogger("bench_e2e")
 
 GRAPH_SETTLE_STEPS = 20  # graph warm-up goes on until this many steps in a row replayed graphs
+# untimed steps on the repeated batch (--repeat-batch) before the timed ones
+REPEAT_WARMUP = 3
 
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -149,6 +151,15 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         "goes to DIR/<path>_host_profile.txt",
     )
     p.add_argument(
+        "--repeat-batch",
+        action="store_true",
+        help="after the warm-up on the data stream, train every further step (timed, probes, "
+        f"profile) on one batch, the stream's next, after {REPEAT_WARMUP} untimed steps on it "
+        "(a CUDA graph of its shape is captured there): runs of other settings (eager or "
+        "graphs, old or new code) then time the same work, and a profile's kernels compare "
+        "step for step; one process only",
+    )
+    p.add_argument(
         "--find-syncs",
         type=int,
         default=0,
@@ -168,6 +179,8 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--profile-stack needs --profile DIR (it adds Python stacks to that trace)")
     if args.profile_gpu_only and not args.profile:
         p.error("--profile-gpu-only needs --profile DIR")
+    if args.repeat_batch and any(n > 1 for n in args.nproc):
+        p.error("--repeat-batch runs on one process (a batch's ids go to other ranks once)")
     if args.profile_gpu_only and args.profile_stack:
         p.error("--profile-gpu-only records no CPU operators, so no Python stacks: drop one")
     return args
@@ -486,6 +499,9 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
         # them ("top-level operator > innermost operator" on the issuing thread)
         "idle_gaps_per_step": gaps["count"] / n,
         "idle_gap_ms_per_step": gaps["total_us"] / 1e3 / n,
+        # of it: the host had not yet asked for the next work / had, and the GPU still waited
+        "idle_gap_ms_per_step_host_late": gaps["host_late_us"] / 1e3 / n,
+        "idle_gap_ms_per_step_launched_before": gaps["launched_before_us"] / 1e3 / n,
         "top_idle_gaps_ms_per_step": [
             [name[:140], t / 1e3 / n, c / n] for name, (t, c) in gaps["top"]
         ],
@@ -666,7 +682,13 @@ def _idle_gaps(events: list, min_us: float = _GAP_MIN_US) -> dict:
     thread's top-level and innermost enclosing CPU operators name the site ("top > innermost",
     "(no operator)" outside every operator). The work after a gap is what the host issued too
     late, so these names say which host code the GPU waited for. A trace without CPU operators
-    (--profile-gpu-only) names each gap "previous -> next" by the GPU work around it."""
+    (--profile-gpu-only) names each gap "previous -> next" by the GPU work around it.
+
+    ``host_late_us`` sums the gaps whose next work the host had not asked for when the GPU went
+    idle (its launch call started at or after the gap's start: the host was behind);
+    ``launched_before_us`` those whose launch came earlier (the GPU waited on something else:
+    a dependency between streams, an event, a copy); gaps with no launch event known count in
+    neither."""
     gpu = sorted(
         (e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation"), str(e.get("name")))
         for e in events
@@ -694,7 +716,7 @@ def _idle_gaps(events: list, min_us: float = _GAP_MIN_US) -> dict:
         inner = nest.innermost(ts, 0)
         return top["name"] if inner is top else f"{top['name']} > {inner['name']}"
 
-    count, total = 0, 0.0
+    count, total, late, before = 0, 0.0, 0.0, 0.0
     per: dict[str, list] = {}
     end = None
     last = ""  # the GPU work that finished last before the gap
@@ -703,6 +725,11 @@ def _idle_gaps(events: list, min_us: float = _GAP_MIN_US) -> dict:
             gap = start - end
             count += 1
             total += gap
+            if corr in launch:
+                if launch[corr][1] >= end:
+                    late += gap
+                else:
+                    before += gap
             site = f"{last[:60]} -> {name[:70]}" if by_kernels else issuer(corr)
             acc = per.setdefault(site, [0.0, 0])
             acc[0] += gap
@@ -710,7 +737,13 @@ def _idle_gaps(events: list, min_us: float = _GAP_MIN_US) -> dict:
         if end is None or finish >= end:
             end, last = finish, name
     top = sorted(((k, (v[0], v[1])) for k, v in per.items()), key=lambda kv: -kv[1][0])[:15]
-    return {"count": count, "total_us": total, "top": top}
+    return {
+        "count": count,
+        "total_us": total,
+        "top": top,
+        "host_late_us": late,
+        "launched_before_us": before,
+    }
 
 
 # CUDA runtime calls that block the host until the GPU reaches them (a device-to-host copy
@@ -921,6 +954,27 @@ def _host_profile(trainer, args: argparse.Namespace, path: str, steps: int, top:
     }
 
 
+class _OneBatch:
+    """The training pipeline's next (batch, sparse input), handed out at every step
+    (--repeat-batch); closing and the data position are the pipeline's."""
+
+    def __init__(self, pipeline) -> None:
+        self.pipeline = pipeline
+        self.item = next(pipeline)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.item
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+    def state_dict(self) -> dict:
+        return self.pipeline.state_dict()
+
+
 def _time_trainer(trainer, args: argparse.Namespace, path: str = "compiled") -> dict:
     # the garbage-collection policy of Trainer.fit (TrainerArgs.gc_interval) applies here too
     graphs = trainer.graph_stats()
@@ -928,6 +982,11 @@ def _time_trainer(trainer, args: argparse.Namespace, path: str = "compiled") -> 
         for _ in range(args.warmup):
             trainer.train_step()
         warmup = args.warmup + _warm_graphs(trainer, graphs, args.graph_warmup)
+        if getattr(args, "repeat_batch", False):
+            trainer.pipeline = _OneBatch(trainer.pipeline)
+            for _ in range(REPEAT_WARMUP):
+                trainer.train_step()
+            warmup += REPEAT_WARMUP
         _sync(trainer)
         g0 = dataclasses.replace(graphs) if graphs is not None else None
         if trainer.device.type == "cuda":
@@ -980,6 +1039,7 @@ def _time_trainer(trainer, args: argparse.Namespace, path: str = "compiled") -> 
         "world_size": world,
         "steps": args.steps,
         "warmup_steps": warmup,
+        "repeat_batch": bool(getattr(args, "repeat_batch", False)),
         "steps_per_s": args.steps / elapsed,
         "samples_per_s": samples / elapsed,
         "tokens_per_s": tokens / elapsed,

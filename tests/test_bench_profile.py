@@ -372,13 +372,19 @@ def test_idle_gaps_charge_each_gap_to_the_operator_that_issued_the_next_work(loa
     gaps = _idle_gaps(events)
     assert gaps["count"] == 2 and gaps["total_us"] == 30
     assert dict(gaps["top"]) == {"(unknown launch)": (20, 1), "Optimizer.step": (10, 1)}
+    # kernel 2 was launched at 110, after the GPU went idle at 50: the host was late
+    assert gaps["host_late_us"] == 10 and gaps["launched_before_us"] == 0
     events.append(gpu(6, 160, 5))  # gap 10 after 150, issued from outside every operator
     events.append(launch(6, 140))
     events.append(gpu(7, 170, 1))  # gap 5, issued inside aten::linear > aten::mm
     events.append(launch(7, 30))
-    top = dict(_idle_gaps(events)["top"])
+    gaps = _idle_gaps(events)
+    top = dict(gaps["top"])
     assert top["(no operator)"] == (10, 1)
     assert top["aten::linear > aten::mm"] == (5, 1)
+    # kernels 6 and 7 were launched (140, 30) before their gaps began (150, 165): the GPU waited
+    # on something other than the host
+    assert gaps["host_late_us"] == 10 and gaps["launched_before_us"] == 15
 
 
 def test_idle_gaps_without_cpu_operators_name_the_gpu_work_around_each_gap(load_script):
@@ -491,3 +497,47 @@ def test_bench_e2e_host_profile_lists_the_step_functions(tmp_path):
     assert "_train_step_async" in names
     text = (prof_dir / "reference_host_profile.txt").read_text()
     assert "hstu/training/trainer.py" in text and "(backward)" in text
+
+
+def test_bench_e2e_repeat_batch_times_one_batch(tmp_path):
+    """--repeat-batch on CPU: the run completes with the profile, the row says so, and the
+    warm-up count includes the untimed steps on the repeated batch."""
+    proc = _run_bench(tmp_path / "prof", "--repeat-batch", "--steps", "3", "--issue-probes", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")][-1]
+    assert row["repeat_batch"] is True and row["warmup_steps"] == 1 + 3
+    assert row["profile"]["steps"] == 5 and row["tokens_per_step"] > 0
+
+
+def test_one_batch_hands_out_the_pipelines_next_batch_at_every_step(load_script):
+    one_batch = load_script("bench_e2e")._OneBatch
+
+    class _Pipeline:
+        def __init__(self):
+            self.handed, self.closed = 0, False
+
+        def __next__(self):
+            self.handed += 1
+            return (f"batch{self.handed}", None)
+
+        def close(self):
+            self.closed = True
+
+        def state_dict(self):
+            return {"position": self.handed}
+
+    src = _Pipeline()
+    rep = one_batch(src)
+    assert [next(rep) for _ in range(4)] == [("batch1", None)] * 4 and src.handed == 1
+    assert rep.state_dict() == {"position": 1}
+    rep.close()
+    assert src.closed
+
+
+def test_bench_e2e_repeat_batch_is_one_process_only():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--repeat-batch",
+         "--nproc", "2", "--device", "cpu"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "--repeat-batch runs on one process" in proc.stderr

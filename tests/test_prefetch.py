@@ -190,3 +190,27 @@ def test_bad_arguments():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
             PrefetchIterator(_plain(), pin_memory=True)
+
+
+def test_prepare_runs_on_the_thread_for_every_batch_in_order():
+    """`set_prepare(fn)`: fn sees every batch on the prefetch thread before it is handed out
+    (here it records the batch and the thread); batches already prefetched are collated again."""
+    seen = []
+    main = threading.get_ident()
+    ref = _plain()
+    pre = PrefetchIterator(_plain(), depth=2)
+    try:
+        first = next(pre)  # the thread is running and has prefetched past it
+        assert torch.equal(first, next(ref))
+        pre.set_prepare(lambda b: seen.append((b.clone(), threading.get_ident())))
+        for _ in range(6):
+            got = next(pre)
+            assert torch.equal(got, next(ref))
+        assert len(seen) >= 6 and all(tid != main for _, tid in seen)
+        handed = [b for b, _ in seen[:6]]
+        ref2 = _plain()
+        next(ref2)
+        for b in handed:  # the prepared batches are the ones handed out, in order
+            assert torch.equal(b, next(ref2))
+    finally:
+        pre.close()

@@ -13,6 +13,7 @@ from hstu.modules.graphed_encoder import GRAPH_PAD_SIZES_PER_OCTAVE, EncoderGrap
 from hstu.modules.preprocessor import (
     PAD_SEQUENCE_TOKENS,
     HostLengths,
+    _host_layout,
     _index_layout,
     padded_token_count,
 )
@@ -60,7 +61,8 @@ def _layout(lengths: list[int], max_seqlen: int, rows: int):
     """The attention layout of history-only samples of ``lengths`` padded to ``rows``."""
     items = torch.tensor(lengths, dtype=torch.int64)
     host = HostLengths(items=items, history=items.clone(), candidates=torch.zeros_like(items))
-    lay = _index_layout(host, 0, rows, max_seqlen, 1 << 20, False, torch.device("cpu"))
+    sizes = (host, int(items.sum()), max_seqlen, False, rows)
+    lay = _index_layout(_host_layout(sizes, 0, 1 << 20, False), torch.device("cpu"))
     return lay.attn
 
 
@@ -202,7 +204,8 @@ def test_index_layout_equals_the_device_formulas(f, seed):
     rows = padded_token_count(tokens) + 300
     host = HostLengths(items=items, history=hist, candidates=cand)
     has_targets = bool((cand > 0).any())
-    lay = _index_layout(host, f, rows, max_seqlen, max_positions, has_targets, torch.device("cpu"))
+    prep = _host_layout((host, tokens, max_seqlen, has_targets, rows), f, max_positions, False)
+    lay = _index_layout(prep, torch.device("cpu"))
     want, n_pad = _device_layout_twin(items, hist, cand, f, rows, max_seqlen, max_positions)
     for name, ref in want.items():
         got = getattr(
@@ -220,3 +223,44 @@ def test_index_layout_equals_the_device_formulas(f, seed):
         assert torch.equal(attn.host_num_contexts, attn.num_contexts)
     if has_targets:
         assert torch.equal(attn.host_num_targets, attn.num_targets)
+
+
+@pytest.mark.parametrize("pad", ["off", "on"])
+def test_layout_prepared_ahead_is_used_and_changes_nothing(monkeypatch, pad):
+    """`BaseGR.prepare_host` (the trainer runs it on the batch-prefetch thread) leaves the batch's
+    host layout in ``batch.host_memo``; the forward takes it from there instead of computing it,
+    with loss and gradients bitwise those of a forward that computes it itself."""
+    import hstu.modules.preprocessor as pre
+
+    splits, model = _model("ranking", pad)
+    model.train()
+    prepared = splits.train.collate(list(range(7)))
+    plain = splits.train.collate(list(range(7)))
+    model.prepare_host(prepared, "cpu")
+    assert len(prepared.host_memo) == 1 and not plain.host_memo
+    calls = []
+    real = pre._host_layout
+    monkeypatch.setattr(pre, "_host_layout", lambda *a: calls.append(1) or real(*a))
+    results = []
+    for batch in (prepared, plain):
+        model.zero_grad(set_to_none=True)
+        out = model(batch)
+        out["loss"].backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((out["loss"].detach(), grads))
+    assert len(calls) == 1  # only the plain batch computed its layout in the forward
+    assert torch.equal(results[0][0], results[1][0])
+    assert results[0][1].keys() == results[1][1].keys() and results[0][1]
+    for name, g in results[0][1].items():
+        assert torch.equal(g, results[1][1][name]), name
+
+
+def test_a_batch_the_layout_rejects_is_left_to_the_forward():
+    """A batch the preprocessor refuses (more positions than the model has) gets no prepared
+    layout; its forward raises the error, naming the setting."""
+    splits, model = _model("ranking", "off", "NetworkArgs.num_position_embeddings=5")
+    batch = splits.train.collate(list(range(7)))
+    model.prepare_host(batch, "cpu")
+    assert not batch.host_memo
+    with pytest.raises(ValueError, match="num_position_embeddings"):
+        model(batch)

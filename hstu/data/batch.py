@@ -43,6 +43,10 @@ class Batch:
       read lengths, offsets and counts from it instead of from the device tensors, so the forward
       needs no device->host copies (each one a host<->GPU sync). Never modify either side after
       the copy: both must keep describing the same batch.
+    host_memo: host-side work on this batch done ahead of its step (e.g. the preprocessor's index
+      layout, `SequencePreprocessor.prepare_host`, run on the batch-prefetch thread), keyed by
+      what it depends on; the consumer recomputes whatever it does not find. Shared by the
+      batch's copies (`to`, `pin_memory`).
     """
 
     features: KeyedJaggedTensor
@@ -56,6 +60,7 @@ class Batch:
     sample_weights: torch.Tensor | None = None
     global_counts: tuple[float, float] | None = field(default=None, compare=False)
     host: Batch | None = field(default=None, repr=False, compare=False)
+    host_memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:

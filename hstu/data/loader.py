@@ -353,6 +353,7 @@ class PrefetchIterator:
         self._stop: threading.Event | None = None
         self._consumed_state = source.state_dict()
         self._lookahead: Callable[[Batch], None] | None = None
+        self._prepare: Callable[[Batch], None] | None = None
         self._held: tuple[Batch, dict] | None = None  # the next batch, already looked ahead at
         self._held_error: BaseException | None = None
 
@@ -362,6 +363,16 @@ class PrefetchIterator:
         overlap the current step). Every `next()` then takes one more batch from the thread
         first; the checkpointed position stays that of the batches returned."""
         self._lookahead = fn
+
+    def set_prepare(self, fn: Callable[[Batch], None] | None) -> None:
+        """Calls ``fn(batch)`` on the prefetch thread for every batch after it is collated (and
+        pinned), before it is handed out: host work on the batch that the model would otherwise
+        do on the caller's thread during the step (``fn`` keeps its results in
+        ``batch.host_memo``; it must not touch the model's state). Batches already prefetched
+        are collated again with it."""
+        self._prepare = fn
+        if self._thread is not None:
+            self._join()
 
     # the wrapped iterator's read-only facts
     def __len__(self) -> int:
@@ -420,7 +431,14 @@ class PrefetchIterator:
         # without close() is collected, and its __del__ stops the thread
         self._thread = threading.Thread(
             target=_prefetch_worker,
-            args=(self.source, self._queue, self._stop, self.pin_memory, self.device),
+            args=(
+                self.source,
+                self._queue,
+                self._stop,
+                self.pin_memory,
+                self.device,
+                self._prepare,
+            ),
             name="hstu-batch-prefetch",
             daemon=True,
         )
@@ -466,6 +484,7 @@ def _prefetch_worker(
     stop: threading.Event,
     pin_memory: bool,
     device: torch.device | None,
+    prepare: Callable[[Batch], None] | None = None,
 ) -> None:
     """`PrefetchIterator`'s thread: (batch, state after it) items, or one ("error", exc)."""
     try:
@@ -475,6 +494,8 @@ def _prefetch_worker(
             batch = next(source)
             if pin_memory:
                 batch = batch.pin_memory()
+            if prepare is not None:
+                prepare(batch)
             if not _put(q, stop, ("batch", batch, source.state_dict())):
                 return
     except BaseException as exc:  # handed to the consumer, raised there

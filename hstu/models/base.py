@@ -85,6 +85,16 @@ class GenerativeRecommender(nn.Module):
         return self.embeddings(batch, extra_ids)
 
     # ---- encoder -----------------------------------------------------------------------------
+    def prepare_host(self, batch: Batch, device: torch.device | str) -> None:
+        """The host work of a training forward of CPU ``batch`` on ``device`` that needs only
+        the batch, done ahead of its step and kept in ``batch.host_memo`` (the trainer calls it
+        on the batch-prefetch thread, so it overlaps the GPU's work instead of delaying the
+        step's first kernels): the preprocessor's index layout, at the token padding an
+        encoder with CUDA graphs would use (`encode` recomputes what it does not find)."""
+        graphs = getattr(self.encoder, "graphs", None)
+        sizes = graphs.pad_sizes_per_octave if graphs is not None else PAD_SIZES_PER_OCTAVE
+        self.preprocessor.prepare_host(batch, device, sizes)
+
     def encode(
         self,
         batch: Batch,

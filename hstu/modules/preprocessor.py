@@ -187,6 +187,51 @@ class SequencePreprocessor(nn.Module):
         rows = padded_token_count(num_tokens, pad_sizes_per_octave) if pad else num_tokens
         return host, num_tokens, max_seqlen, has_targets, rows
 
+    def _memo_key(self, device: torch.device, pad_sizes_per_octave: int) -> tuple:
+        """What a batch's `HostLayout` depends on besides the batch."""
+        return (
+            "preprocessor_layout",
+            device.type,
+            int(pad_sizes_per_octave),
+            self.num_contextual,
+            self.max_positions,
+            self.pad_tokens,
+        )
+
+    def prepare_host(
+        self,
+        batch: Batch,
+        device: torch.device | str,
+        pad_sizes_per_octave: int = PAD_SIZES_PER_OCTAVE,
+    ) -> None:
+        """Computes ``batch``'s `HostLayout` for a forward on ``device`` ahead of the step and
+        keeps it in ``batch.host_memo`` (a CPU batch; the trainer calls this on the
+        batch-prefetch thread, so the host work overlaps the GPU's). Touches no module state
+        and no device. A batch it fails on is left alone: its forward computes the layout itself
+        and raises the error there."""
+        device = torch.device(device)
+        src = batch.host_batch()
+        if src is None:
+            return
+        try:
+            sizes = self._sizes(src, device, pad_sizes_per_octave)
+            prep = _host_layout(sizes, self.num_contextual, self.max_positions, _pin(device))
+        except Exception:  # noqa: BLE001 - the forward recomputes it and raises there
+            return
+        src.host_memo[self._memo_key(device, pad_sizes_per_octave)] = prep
+
+    def _host_layout(
+        self, batch: Batch, device: torch.device, pad_sizes_per_octave: int
+    ) -> HostLayout:
+        """``batch``'s `HostLayout`: the one `prepare_host` left in its memo, else computed."""
+        src = batch.host_batch()
+        if src is not None:
+            prep = src.host_memo.get(self._memo_key(device, pad_sizes_per_octave))
+            if prep is not None:
+                return prep
+        sizes = self._sizes(batch, device, pad_sizes_per_octave)
+        return _host_layout(sizes, self.num_contextual, self.max_positions, _pin(device))
+
     def host_index(
         self,
         batch: Batch,
@@ -244,14 +289,11 @@ class SequencePreprocessor(nn.Module):
         gradients are exactly zero and add nothing to the weight gradients.
         `AttentionInputs.padding_sequences` counts them."""
         device = items.values().device
-        f = self.num_contextual
-        host, num_tokens, max_seqlen, has_targets, rows = self._sizes(
-            batch, device, pad_sizes_per_octave
-        )
-        # every index tensor of the layout from the host lengths, in one host->device copy
-        lay = _index_layout(
-            host, f, rows, max_seqlen, self.max_positions, has_targets, device, self.static
-        )
+        # every index tensor of the layout from the host lengths, in one host->device copy;
+        # computed ahead of the step on the batch-prefetch thread where it ran `prepare_host`
+        prep = self._host_layout(batch, device, pad_sizes_per_octave)
+        host, num_tokens, max_seqlen, has_targets, rows = prep.sizes
+        lay = _index_layout(prep, device, self.static)
         item_offsets, sample, pos = lay.item_offsets, lay.sample, lay.pos
         hist_lengths, dest = lay.history_lengths, lay.dest
         hist_index, cand_index, ctx_rows = lay.history_index, lay.candidate_index, lay.ctx_rows
@@ -401,31 +443,50 @@ class _IndexLayout:
     attn: AttentionInputs  # the sequences plus the padding ones, with their host twins
 
 
+@dataclass
+class HostLayout:
+    """The host half of `_index_layout` for one batch: `SequencePreprocessor._sizes`' result, the
+    layout's index arrays in one int64 buffer (page-locked when made for a GPU), and the
+    attention's host arrays. `SequencePreprocessor.prepare_host` builds it ahead of the step on
+    the batch-prefetch thread."""
+
+    sizes: tuple  # (host lengths, tokens, longest sequence, any targets, rows of x)
+    buffer: torch.Tensor  # int64 [n]: the present parts of `_host_index`, concatenated
+    parts: dict[str, int]  # name -> length of each present part, in buffer order
+    all_names: list[str]  # every part name (absent ones too), in `_host_index` order
+    host_attn: tuple  # (seq_offsets, contexts, targets, padding sequences)
+
+
+def _host_layout(sizes: tuple, f: int, max_positions: int, pin: bool) -> HostLayout:
+    host, _, max_seqlen, has_targets, rows = sizes
+    parts, host_attn = _host_index(host, f, rows, max_seqlen, max_positions, has_targets)
+    present = {k: v for k, v in parts.items() if v is not None}
+    lengths = {k: v.shape[0] for k, v in present.items()}
+    buf = torch.empty(sum(lengths.values()), dtype=torch.int64, pin_memory=pin)
+    np.concatenate(list(present.values()), out=buf.numpy())
+    return HostLayout(sizes, buf, lengths, list(parts), host_attn)
+
+
 def _index_layout(
-    host: HostLengths,
-    f: int,
-    rows: int,
-    max_seqlen: int,
-    max_positions: int,
-    has_targets: bool,
+    prep: HostLayout,
     device: torch.device,
     static: StaticLayout | None = None,
 ) -> _IndexLayout:
-    """Every index tensor of the layout, computed with NumPy from the host lengths and sent to
-    ``device`` as one int64 buffer (pinned, non-blocking on CUDA): one copy instead of ~40 small
-    device ops and their launches, and still no read back from the GPU. With ``static`` the
-    tensors are views of ``static.index`` instead (filled by the caller: nothing is copied).
+    """Every index tensor of the layout, computed with NumPy from the host lengths (``prep``,
+    `_host_layout`) and sent to ``device`` as one int64 buffer (pinned, non-blocking on CUDA):
+    one copy instead of ~40 small device ops and their launches, and still no read back from the
+    GPU. With ``static`` the tensors are views of ``static.index`` instead (filled by the caller:
+    nothing is copied).
 
-    The attention layout: the batch's sequences plus, when ``rows`` exceeds their token count,
-    trailing padding sequences of at most min(max_seqlen, `PAD_SEQUENCE_TOKENS`) tokens covering
-    the extra rows (no contextual tokens, no targets; the attention scaling unchanged). Short
-    ones: the attention's work grows with the square of a sequence's length; 2048 padding rows in
-    one sequence would add ~6% to the attention work of the benchmark model's batches (estimated
-    from the squares of their lengths, not timed)."""
-    parts, host_attn = _host_index(host, f, rows, max_seqlen, max_positions, has_targets)
-    seq_offsets, contexts, targets, n_pad = host_attn
-    present = {k: v for k, v in parts.items() if v is not None}
-    sizes = [v.shape[0] for v in present.values()]
+    The attention layout: the batch's sequences plus, when the rows of x exceed their token
+    count, trailing padding sequences of at most min(max_seqlen, `PAD_SEQUENCE_TOKENS`) tokens
+    covering the extra rows (no contextual tokens, no targets; the attention scaling unchanged).
+    Short ones: the attention's work grows with the square of a sequence's length; 2048 padding
+    rows in one sequence would add ~6% to the attention work of the benchmark model's batches
+    (estimated from the squares of their lengths, not timed)."""
+    seq_offsets, contexts, targets, n_pad = prep.host_attn
+    max_seqlen = prep.sizes[2]
+    sizes = list(prep.parts.values())
     if static is not None:
         if static.index.numel() != sum(sizes) or static.index.device != device:
             raise RuntimeError(
@@ -434,11 +495,10 @@ def _index_layout(
             )
         on_dev = static.index
     else:
+        buf = prep.buffer
         cuda = device.type == "cuda"
-        buf = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=cuda)
-        np.concatenate(list(present.values()), out=buf.numpy())
         on_dev = buf.to(device, non_blocking=cuda) if buf.device != device else buf
-    dev = dict(zip(present, torch.split(on_dev, sizes)))
+    dev = dict(zip(prep.parts, torch.split(on_dev, sizes)))
     dev["is_history"] = dev["is_history"].bool()
 
     attn = AttentionInputs(
@@ -453,7 +513,12 @@ def _index_layout(
         inv_max_seqlen=None if static is None else static.inv_max_seqlen,
     )
     attention = ("seq_offsets", "num_contexts", "num_targets")
-    return _IndexLayout(**{k: dev.get(k) for k in parts if k not in attention}, attn=attn)
+    return _IndexLayout(**{k: dev.get(k) for k in prep.all_names if k not in attention}, attn=attn)
+
+
+def _pin(device: torch.device) -> bool:
+    """Whether host buffers for ``device`` are page-locked (so the copy does not block)."""
+    return device.type == "cuda"
 
 
 def _host_index(

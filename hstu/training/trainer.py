@@ -7,6 +7,7 @@ process (CPU development mode), N gloo processes, or N GPUs under torchrun.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -241,6 +242,9 @@ class Trainer:
         self.tb = MetricLogger(str(self.run_dir), enabled=self.info.is_main)
         # Python GC at fixed steps on every rank (active inside fit() and the benchmarks' loops)
         self.gc = StepGC(t.gc_interval)
+        # the host half of each training batch's layout is computed on the prefetch thread,
+        # while the GPU runs the steps before it (BaseGR.prepare_host)
+        self.train_iter.set_prepare(functools.partial(self.core.prepare_host, device=self.device))
         # sharded dynamic tables: the ids of training batch i+1 go to their owner ranks (gloo,
         # background thread) while step i runs; the same decision on every rank (config only)
         self.pipeline = SparseDistPipeline(

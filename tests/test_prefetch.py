@@ -214,3 +214,14 @@ def test_prepare_runs_on_the_thread_for_every_batch_in_order():
             assert torch.equal(b, next(ref2))
     finally:
         pre.close()
+
+
+def test_prepare_must_be_a_function():
+    pre = PrefetchIterator(_plain(), depth=2)
+    try:
+        with pytest.raises(TypeError, match="function of one batch"):
+            pre.set_prepare("not callable")
+        pre.set_prepare(None)  # no preparation: allowed
+        assert next(pre) is not None
+    finally:
+        pre.close()

@@ -370,6 +370,11 @@ class PrefetchIterator:
         do on the caller's thread during the step (``fn`` keeps its results in
         ``batch.host_memo``; it must not touch the model's state). Batches already prefetched
         are collated again with it."""
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"PrefetchIterator.set_prepare takes a function of one batch (or None), got "
+                f"{type(fn).__name__}"
+            )
         self._prepare = fn
         if self._thread is not None:
             self._join()

@@ -982,7 +982,7 @@ def _time_trainer(trainer, args: argparse.Namespace, path: str = "compiled") -> 
         for _ in range(args.warmup):
             trainer.train_step()
         warmup = args.warmup + _warm_graphs(trainer, graphs, args.graph_warmup)
-        if getattr(args, "repeat_batch", False):
+        if args.repeat_batch:
             trainer.pipeline = _OneBatch(trainer.pipeline)
             for _ in range(REPEAT_WARMUP):
                 trainer.train_step()
@@ -1039,7 +1039,7 @@ def _time_trainer(trainer, args: argparse.Namespace, path: str = "compiled") -> 
         "world_size": world,
         "steps": args.steps,
         "warmup_steps": warmup,
-        "repeat_batch": bool(getattr(args, "repeat_batch", False)),
+        "repeat_batch": args.repeat_batch,
         "steps_per_s": args.steps / elapsed,
         "samples_per_s": samples / elapsed,
         "tokens_per_s": tokens / elapsed,

@@ -264,3 +264,30 @@ def test_a_batch_the_layout_rejects_is_left_to_the_forward():
     assert not batch.host_memo
     with pytest.raises(ValueError, match="num_position_embeddings"):
         model(batch)
+
+
+def test_layout_is_prepared_at_the_last_training_forwards_padding(monkeypatch):
+    """A call whose encoder may replay CUDA graphs pads more coarsely; the layout prepared ahead
+    follows the rounding of the last training forward, so the next graphed forward finds it
+    (and an evaluation forward, at the default rounding, does not change it)."""
+    import hstu.modules.preprocessor as pre
+
+    splits, model = _model("ranking", "on", "NetworkArgs.cuda_graphs=True")
+    monkeypatch.setattr(model.encoder, "graphed", lambda device: model.training)
+    model.train()
+    model(splits.train.collate(list(range(200))))
+    coarse = model.encoder.graphs.pad_sizes_per_octave
+    assert model.preprocessor.train_pad_sizes == coarse
+    model.eval()
+    with torch.no_grad():
+        model(splits.train.collate(list(range(7))))
+    assert model.preprocessor.train_pad_sizes == coarse
+    model.train()
+    batch = splits.train.collate(list(range(200, 400)))
+    model.prepare_host(batch, "cpu")
+    assert [key[2] for key in batch.host_memo] == [coarse]
+    calls = []
+    real = pre._host_layout
+    monkeypatch.setattr(pre, "_host_layout", lambda *a: calls.append(1) or real(*a))
+    model(batch)
+    assert not calls  # the graphed forward took the prepared layout

@@ -89,11 +89,9 @@ class GenerativeRecommender(nn.Module):
         """The host work of a training forward of CPU ``batch`` on ``device`` that needs only
         the batch, done ahead of its step and kept in ``batch.host_memo`` (the trainer calls it
         on the batch-prefetch thread, so it overlaps the GPU's work instead of delaying the
-        step's first kernels): the preprocessor's index layout, at the token padding an
-        encoder with CUDA graphs would use (`encode` recomputes what it does not find)."""
-        graphs = getattr(self.encoder, "graphs", None)
-        sizes = graphs.pad_sizes_per_octave if graphs is not None else PAD_SIZES_PER_OCTAVE
-        self.preprocessor.prepare_host(batch, device, sizes)
+        step's first kernels): the preprocessor's index layout (`encode` recomputes what it
+        does not find)."""
+        self.preprocessor.prepare_host(batch, device)
 
     def encode(
         self,

@@ -13,7 +13,7 @@ contextual tokens take their sequence's first item time, padding rows 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -165,6 +165,9 @@ class SequencePreprocessor(nn.Module):
         self.dropout = nn.Dropout(dropout)
         # set only while a CUDA graph of the training step is captured (`StaticLayout`)
         self.static: StaticLayout | None = None
+        # the token padding rounding of the last training forward (the model picks it per call:
+        # coarser where the encoder replays CUDA graphs): `prepare_host` prepares for it
+        self.train_pad_sizes = PAD_SIZES_PER_OCTAVE
 
     def _sizes(
         self, batch: Batch, device: torch.device, pad_sizes_per_octave: int
@@ -198,27 +201,31 @@ class SequencePreprocessor(nn.Module):
             self.pad_tokens,
         )
 
-    def prepare_host(
-        self,
-        batch: Batch,
-        device: torch.device | str,
-        pad_sizes_per_octave: int = PAD_SIZES_PER_OCTAVE,
-    ) -> None:
-        """Computes ``batch``'s `HostLayout` for a forward on ``device`` ahead of the step and
-        keeps it in ``batch.host_memo`` (a CPU batch; the trainer calls this on the
-        batch-prefetch thread, so the host work overlaps the GPU's). Touches no module state
-        and no device. A batch it fails on is left alone: its forward computes the layout itself
-        and raises the error there."""
+    def _compute_host_layout(
+        self, batch: Batch, device: torch.device, pad_sizes_per_octave: int
+    ) -> HostLayout:
+        """``batch``'s `HostLayout` for a forward on ``device`` (page-locked on CUDA)."""
+        sizes = self._sizes(batch, device, pad_sizes_per_octave)
+        pin = device.type == "cuda"
+        return _host_layout(sizes, self.num_contextual, self.max_positions, pin)
+
+    def prepare_host(self, batch: Batch, device: torch.device | str) -> None:
+        """Computes ``batch``'s `HostLayout` for a training forward on ``device`` ahead of the
+        step (at the padding rounding of the last training forward, `train_pad_sizes`) and keeps
+        it in ``batch.host_memo`` (a CPU batch; the trainer calls this on the batch-prefetch
+        thread, so the host work overlaps the GPU's). Writes no module state and touches no
+        device. A batch it fails on is left alone: its forward computes the layout itself and
+        raises the error there."""
         device = torch.device(device)
         src = batch.host_batch()
         if src is None:
             return
+        sizes = self.train_pad_sizes
         try:
-            sizes = self._sizes(src, device, pad_sizes_per_octave)
-            prep = _host_layout(sizes, self.num_contextual, self.max_positions, _pin(device))
+            prep = self._compute_host_layout(src, device, sizes)
         except Exception:  # noqa: BLE001 - the forward recomputes it and raises there
             return
-        src.host_memo[self._memo_key(device, pad_sizes_per_octave)] = prep
+        src.host_memo[self._memo_key(device, sizes)] = prep
 
     def _host_layout(
         self, batch: Batch, device: torch.device, pad_sizes_per_octave: int
@@ -229,8 +236,7 @@ class SequencePreprocessor(nn.Module):
             prep = src.host_memo.get(self._memo_key(device, pad_sizes_per_octave))
             if prep is not None:
                 return prep
-        sizes = self._sizes(batch, device, pad_sizes_per_octave)
-        return _host_layout(sizes, self.num_contextual, self.max_positions, _pin(device))
+        return self._compute_host_layout(batch, device, pad_sizes_per_octave)
 
     def host_index(
         self,
@@ -240,13 +246,8 @@ class SequencePreprocessor(nn.Module):
     ) -> np.ndarray:
         """The int64 values that the forward of ``batch`` on ``device`` copies to the device as
         its layout's index buffer (`StaticLayout.index`), computed on the host."""
-        host, _, max_seqlen, has_targets, rows = self._sizes(
-            batch, torch.device(device), pad_sizes_per_octave
-        )
-        parts, _ = _host_index(
-            host, self.num_contextual, rows, max_seqlen, self.max_positions, has_targets
-        )
-        return np.concatenate([v for v in parts.values() if v is not None])
+        prep = self._compute_host_layout(batch, torch.device(device), pad_sizes_per_octave)
+        return prep.buffer.numpy()
 
     def action_tokens(self, actions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[N] action words -> [N, D]: the sum of the action_embedding rows of the word's low
@@ -291,6 +292,8 @@ class SequencePreprocessor(nn.Module):
         device = items.values().device
         # every index tensor of the layout from the host lengths, in one host->device copy;
         # computed ahead of the step on the batch-prefetch thread where it ran `prepare_host`
+        if self.training:
+            self.train_pad_sizes = pad_sizes_per_octave
         prep = self._host_layout(batch, device, pad_sizes_per_octave)
         host, num_tokens, max_seqlen, has_targets, rows = prep.sizes
         lay = _index_layout(prep, device, self.static)
@@ -447,24 +450,26 @@ class _IndexLayout:
 class HostLayout:
     """The host half of `_index_layout` for one batch: `SequencePreprocessor._sizes`' result, the
     layout's index arrays in one int64 buffer (page-locked when made for a GPU), and the
-    attention's host arrays. `SequencePreprocessor.prepare_host` builds it ahead of the step on
-    the batch-prefetch thread."""
+    attention's host arrays (`SequencePreprocessor._compute_host_layout`;
+    `SequencePreprocessor.prepare_host` builds it ahead of the step on the batch-prefetch
+    thread)."""
 
     sizes: tuple  # (host lengths, tokens, longest sequence, any targets, rows of x)
     buffer: torch.Tensor  # int64 [n]: the present parts of `_host_index`, concatenated
     parts: dict[str, int]  # name -> length of each present part, in buffer order
-    all_names: list[str]  # every part name (absent ones too), in `_host_index` order
     host_attn: tuple  # (seq_offsets, contexts, targets, padding sequences)
 
 
 def _host_layout(sizes: tuple, f: int, max_positions: int, pin: bool) -> HostLayout:
+    """The `HostLayout` of a batch of ``sizes`` (`SequencePreprocessor._sizes`) with ``f``
+    contextual tokens per sample; ``pin``: a page-locked buffer (for a copy to a GPU)."""
     host, _, max_seqlen, has_targets, rows = sizes
     parts, host_attn = _host_index(host, f, rows, max_seqlen, max_positions, has_targets)
     present = {k: v for k, v in parts.items() if v is not None}
     lengths = {k: v.shape[0] for k, v in present.items()}
     buf = torch.empty(sum(lengths.values()), dtype=torch.int64, pin_memory=pin)
     np.concatenate(list(present.values()), out=buf.numpy())
-    return HostLayout(sizes, buf, lengths, list(parts), host_attn)
+    return HostLayout(sizes, buf, lengths, host_attn)
 
 
 def _index_layout(
@@ -472,8 +477,8 @@ def _index_layout(
     device: torch.device,
     static: StaticLayout | None = None,
 ) -> _IndexLayout:
-    """Every index tensor of the layout, computed with NumPy from the host lengths (``prep``,
-    `_host_layout`) and sent to ``device`` as one int64 buffer (pinned, non-blocking on CUDA):
+    """Every index tensor of the layout, computed with NumPy from the host lengths (``prep``)
+    and sent to ``device`` as one int64 buffer (pinned, non-blocking on CUDA):
     one copy instead of ~40 small device ops and their launches, and still no read back from the
     GPU. With ``static`` the tensors are views of ``static.index`` instead (filled by the caller:
     nothing is copied).
@@ -512,13 +517,8 @@ def _index_layout(
         padding_sequences=n_pad,
         inv_max_seqlen=None if static is None else static.inv_max_seqlen,
     )
-    attention = ("seq_offsets", "num_contexts", "num_targets")
-    return _IndexLayout(**{k: dev.get(k) for k in prep.all_names if k not in attention}, attn=attn)
-
-
-def _pin(device: torch.device) -> bool:
-    """Whether host buffers for ``device`` are page-locked (so the copy does not block)."""
-    return device.type == "cuda"
+    names = [f.name for f in fields(_IndexLayout) if f.name != "attn"]
+    return _IndexLayout(**{k: dev.get(k) for k in names}, attn=attn)
 
 
 def _host_index(

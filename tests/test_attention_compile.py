@@ -169,7 +169,13 @@ _CUDA_LIBRARY_STUBS = {
 
 
 @pytest.mark.parametrize(
-    "api", ["hstu_attention/api.cpp", "layer_norm_mul_dropout/api.cpp", "dynamic_embedding/api.cpp"]
+    "api",
+    [
+        "hstu_attention/api.cpp",
+        "layer_norm_mul_dropout/api.cpp",
+        "layer_norm_mul_dropout/tokens_api.cpp",
+        "dynamic_embedding/api.cpp",
+    ],
 )
 def test_torch_glue_compiles(api: str, tmp_path: Path, nvcc: str) -> None:
     """api.cpp (input checks, op schemas, CUDA and Meta implementations) passes a C++ syntax

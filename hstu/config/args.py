@@ -403,6 +403,10 @@ class NetworkArgs:
     # fused layer with the CUDA gating kernel and an fp32 residual stream: x + y W_o^T + b_o as
     # one GEMM that reads x (no 16-bit projection written and added back; False: two ops)
     fused_residual_gemm: bool = True
+    # CUDA, fp32 embeddings: the preprocessor's token assembly (item + position + action
+    # embeddings, contextual tokens, padding rows, input dropout) as one hstu_lnmd kernel each
+    # way (hstu.modules.token_assembly; False: the PyTorch ops, ~60 kernels a step)
+    fused_token_assembly: bool = True
     # Meta HSTU reference (research/) settings; the defaults keep this framework's own choices
     # learned relative attention bias inside the SiLU: none | position | time | position_time
     # ("time" needs a dataset with timestamps; docs/design.md "Relative attention bias")
@@ -480,6 +484,7 @@ class NetworkArgs:
         _bool(self, "fused_layernorm_kernel")
         _bool(self, "fused_stage_compile")
         _bool(self, "fused_residual_gemm")
+        _bool(self, "fused_token_assembly")
         _choice(self, "relative_attention_bias", RELATIVE_ATTENTION_BIAS)
         _int(
             self,

@@ -69,6 +69,7 @@ class GenerativeRecommender(nn.Module):
             position_init_std=net.position_init_std,
             pad_tokens=net.pad_tokens,
             timestamps=uses_time,
+            fused_tokens=net.fused_token_assembly,
         )
         # longest token sequence: contextual tokens + history/candidate positions + candidates
         max_tokens = len(self.contextual_names) + positions + info.max_num_candidates

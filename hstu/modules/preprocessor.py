@@ -22,6 +22,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from hstu.config.args import PAD_TOKENS
 from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
+from hstu.modules import token_assembly
 from hstu.modules.attention_inputs import AttentionInputs
 
 __all__ = [
@@ -142,8 +143,11 @@ class SequencePreprocessor(nn.Module):
         position_init_std: float = 0.02,
         pad_tokens: str = "auto",
         timestamps: bool = False,
+        fused_tokens: bool = True,
     ) -> None:
         super().__init__()
+        # the token assembly by the compiled kernels where they apply (`token_assembly`)
+        self.fused_tokens = bool(fused_tokens)
         # lay out per-token timestamps for the attention (a relative time bias needs them)
         self.timestamps = bool(timestamps)
         if pad_tokens not in PAD_TOKENS:
@@ -199,6 +203,18 @@ class SequencePreprocessor(nn.Module):
             self.num_contextual,
             self.max_positions,
             self.pad_tokens,
+            self._kernel_tokens(device),
+        )
+
+    def _kernel_tokens(self, device: torch.device) -> bool:
+        """Whether a forward on ``device`` assembles x with the compiled kernels (its layout
+        then carries their index arrays; `token_assembly.applies` checks each call's tensors)."""
+        return (
+            device.type == "cuda"
+            and self.fused_tokens
+            and self.num_action_bits <= MAX_COMBO_BITS
+            and token_assembly.supported(self.hidden_size, self.num_action_bits)
+            and token_assembly.kernel_available()
         )
 
     def _compute_host_layout(
@@ -207,7 +223,8 @@ class SequencePreprocessor(nn.Module):
         """``batch``'s `HostLayout` for a forward on ``device`` (page-locked on CUDA)."""
         sizes = self._sizes(batch, device, pad_sizes_per_octave)
         pin = device.type == "cuda"
-        return _host_layout(sizes, self.num_contextual, self.max_positions, pin)
+        tokens = self._kernel_tokens(device)
+        return _host_layout(sizes, self.num_contextual, self.max_positions, pin, tokens)
 
     def prepare_host(self, batch: Batch, device: torch.device | str) -> None:
         """Computes ``batch``'s `HostLayout` for a training forward on ``device`` ahead of the
@@ -302,24 +319,13 @@ class SequencePreprocessor(nn.Module):
         hist_index, cand_index, ctx_rows = lay.history_index, lay.candidate_index, lay.ctx_rows
 
         values = items.values()
-        pos_ids = lay.position_ids
-        scaled = values * self.item_scale if self.item_scale != 1.0 else values
-        tok = scaled + self.position_embedding(pos_ids)
         actions = batch.features[ACTION_FEATURE].values().to(device)
-        action_tok = self.action_tokens(actions, values.dtype) + self.history_embedding
-        # in place: tok is this call's own sum (an out-of-place op copies all of it). Each history
-        # row gets exactly one addition, so index_add_ (one kernel on CUDA, its atomics touching
-        # distinct rows) gives index_put_'s accumulate bit for bit without its index sort and
-        # bounds checks (~20 launches; in the benchmark model's profile 0.17 ms of GPU time and
-        # 0.63 ms of host time a step under the stack-recording profiler); deterministic mode
-        # keeps the sorted index_put_
-        if torch.are_deterministic_algorithms_enabled():
-            tok.index_put_((hist_index,), action_tok, accumulate=True)
+        if lay.row_src is not None and token_assembly.applies(
+            values, self.position_embedding.weight, contextual
+        ):
+            x = self._assemble_kernel(lay, values, actions, contextual, hist_index.shape[0])
         else:
-            tok.index_add_(0, hist_index, action_tok)
-
-        x = _AssembleTokens.apply(rows, num_tokens, dest, ctx_rows, tok, *contextual)
-        x = self.dropout(x)
+            x = self._assemble(lay, values, actions, contextual, rows, num_tokens)
         attn = lay.attn
         if self.timestamps:
             attn.timestamps = self._token_timestamps(batch, dest, ctx_rows, item_offsets, rows)
@@ -345,6 +351,63 @@ class SequencePreprocessor(nn.Module):
             host_num_candidates=host.candidates,
         )
         return x, layout
+
+    def _assemble(
+        self,
+        lay: _IndexLayout,
+        values: torch.Tensor,
+        actions: torch.Tensor,
+        contextual: list[torch.Tensor],
+        rows: int,
+        num_tokens: int,
+    ) -> torch.Tensor:
+        """x from PyTorch ops (every device; `token_assembly` is the compiled form)."""
+        hist_index = lay.history_index
+        scaled = values * self.item_scale if self.item_scale != 1.0 else values
+        tok = scaled + self.position_embedding(lay.position_ids)
+        action_tok = self.action_tokens(actions, values.dtype) + self.history_embedding
+        # in place: tok is this call's own sum (an out-of-place op copies all of it). Each history
+        # row gets exactly one addition, so index_add_ (one kernel on CUDA, its atomics touching
+        # distinct rows) gives index_put_'s accumulate bit for bit without its index sort and
+        # bounds checks (~20 launches; in the benchmark model's profile 0.17 ms of GPU time and
+        # 0.63 ms of host time a step under the stack-recording profiler); deterministic mode
+        # keeps the sorted index_put_
+        if torch.are_deterministic_algorithms_enabled():
+            tok.index_put_((hist_index,), action_tok, accumulate=True)
+        else:
+            tok.index_add_(0, hist_index, action_tok)
+        x = _AssembleTokens.apply(rows, num_tokens, lay.dest, lay.ctx_rows, tok, *contextual)
+        return self.dropout(x)
+
+    def _assemble_kernel(
+        self,
+        lay: _IndexLayout,
+        values: torch.Tensor,
+        actions: torch.Tensor,
+        contextual: list[torch.Tensor],
+        num_history: int,
+    ) -> torch.Tensor:
+        """x from the compiled token-assembly kernels (`token_assembly`): the same values as
+        `_assemble` (bitwise without dropout), one kernel each way."""
+        if actions.shape[0] != num_history:
+            raise ValueError(
+                f"the batch has {actions.shape[0]} action words for {num_history} history items: "
+                f"the '{ACTION_FEATURE}' feature must hold one word per history item"
+            )
+        idx = token_assembly.TokenIndex(
+            row_src=lay.row_src,
+            pos_ids=lay.position_ids,
+            action_index=lay.action_index,
+            dest=lay.dest,
+            pos_order=lay.pos_order,
+            pos_offsets=lay.pos_offsets,
+            ctx_rows=lay.ctx_rows if lay.ctx_rows is not None else lay.dest[:0],
+        )
+        p = self.dropout.p if self.training else 0.0
+        return token_assembly.assemble(
+            idx, values, self.item_scale, self.position_embedding.weight, self.action_embedding,
+            self.history_embedding, actions.long(), contextual, p,
+        )  # fmt: skip
 
     def _token_timestamps(
         self,
@@ -443,6 +506,11 @@ class _IndexLayout:
     history_index: torch.Tensor  # [N_hist] item indices of the history tokens
     candidate_index: torch.Tensor  # [N_cand] item indices of the candidates
     ctx_rows: torch.Tensor | None  # [B*F] row of contextual token i of sample s at s*F + i
+    # the token-assembly kernels' arrays (`token_assembly.host_token_index`), or None
+    row_src: torch.Tensor | None  # [rows] item t, -1 padding, -2 - k contextual token k
+    pos_order: torch.Tensor | None  # [N_items] items by position id (stable)
+    pos_offsets: torch.Tensor | None  # [max_positions + 1] each position's start in pos_order
+    action_index: torch.Tensor | None  # [N_items] index into the action words, -1 candidates
     attn: AttentionInputs  # the sequences plus the padding ones, with their host twins
 
 
@@ -460,11 +528,14 @@ class HostLayout:
     host_attn: tuple  # (seq_offsets, contexts, targets, padding sequences)
 
 
-def _host_layout(sizes: tuple, f: int, max_positions: int, pin: bool) -> HostLayout:
+def _host_layout(
+    sizes: tuple, f: int, max_positions: int, pin: bool, tokens: bool = False
+) -> HostLayout:
     """The `HostLayout` of a batch of ``sizes`` (`SequencePreprocessor._sizes`) with ``f``
-    contextual tokens per sample; ``pin``: a page-locked buffer (for a copy to a GPU)."""
+    contextual tokens per sample; ``pin``: a page-locked buffer (for a copy to a GPU);
+    ``tokens``: with the token-assembly kernels' arrays."""
     host, _, max_seqlen, has_targets, rows = sizes
-    parts, host_attn = _host_index(host, f, rows, max_seqlen, max_positions, has_targets)
+    parts, host_attn = _host_index(host, f, rows, max_seqlen, max_positions, has_targets, tokens)
     present = {k: v for k, v in parts.items() if v is not None}
     lengths = {k: v.shape[0] for k, v in present.items()}
     buf = torch.empty(sum(lengths.values()), dtype=torch.int64, pin_memory=pin)
@@ -528,10 +599,11 @@ def _host_index(
     max_seqlen: int,
     max_positions: int,
     has_targets: bool,
+    tokens: bool = False,
 ) -> tuple[dict[str, np.ndarray | None], tuple]:
     """The layout's index arrays (name -> int64 array, None where absent, in the order of the
     device buffer) and the attention's host arrays (seq_offsets, contexts, targets, padding
-    sequences) for `_index_layout`."""
+    sequences) for `_index_layout`; ``tokens``: with the token-assembly kernels' arrays."""
     items = host.items.numpy().astype(np.int64, copy=False)
     hist = host.history.numpy().astype(np.int64, copy=False)
     cand = host.candidates.numpy().astype(np.int64, copy=False)
@@ -574,6 +646,12 @@ def _host_index(
         "num_contexts": contexts,
         "num_targets": targets,
     }
+    if tokens:
+        parts.update(
+            token_assembly.host_token_index(
+                rows, dest, position_ids, is_hist, ctx_rows, max_positions
+            )
+        )
     return parts, (seq_offsets, contexts, targets, n_pad)
 
 

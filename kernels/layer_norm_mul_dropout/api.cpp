@@ -153,14 +153,7 @@ void check_width(const Tensor& x) {
 lnmd::Dropout make_dropout(double p, int64_t seed, int64_t offset) {
   LNMD_VALUE(std::isfinite(p) && p >= 0.0 && p < 1.0,
              "dropout p must be in [0, 1); got " + std::to_string(p));
-  lnmd::Dropout d;
-  d.seed = static_cast<uint64_t>(seed);
-  d.offset = static_cast<uint64_t>(offset);
-  int64_t thr = static_cast<int64_t>(std::llround(p * 65536.0));
-  if (thr > 65535) thr = 65535;
-  d.threshold = static_cast<uint32_t>(thr);
-  d.scale = thr == 0 ? 1.0f : static_cast<float>(65536.0 / static_cast<double>(65536 - thr));
-  return d;
+  return lnmd::make_dropout_params(p, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
 }
 
 // The device-side (seed, offset) pair, checked; nullptr when absent.

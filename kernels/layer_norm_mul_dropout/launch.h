@@ -52,6 +52,21 @@ void launch_cast_colsum(DType dtype, const CastColsumParams& p, int grid_y, cuda
 // for all of a call's sums, in a fixed order (bitwise reproducible).
 void launch_sum_partials(const SumPartialsParams& p, cudaStream_t stream);
 
+// The sequence preprocessor's token assembly (tokens.cu). tokens_bwd_shape: the block shape
+// (x: threads per row, y: lane groups) and grid of the backward for this problem (api sizes the
+// partial buffer [grid * y, num_bits + 1, cols] with it) and its dynamic shared memory in bytes.
+struct TokensBwdShape {
+  int tx;
+  int ty;
+  int grid;
+  int smem;
+};
+TokensBwdShape tokens_bwd_shape(int cols, int num_bits, int64_t work, int num_sms);
+// The largest num_bits the backward's shared-memory sums fit at this width (-1: none).
+int tokens_max_bits(int cols);
+void launch_tokens_fwd(const TokensFwdParams& p, int num_sms, cudaStream_t stream);
+void launch_tokens_bwd(const TokensBwdParams& p, const TokensBwdShape& s, cudaStream_t stream);
+
 // Per-dtype entry points (instantiations/*.cu).
 template <typename T>
 void run_fwd(const FwdParams& p, int num_sms, cudaStream_t stream);

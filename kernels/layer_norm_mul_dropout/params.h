@@ -7,6 +7,7 @@
 // mean and rstd are fp32 [rows]. cols is a multiple of 8 in [8, kMaxCols].
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace lnmd {
@@ -26,6 +27,19 @@ struct Dropout {
   // caller draws them inside the graph), where by-value fields would repeat the captured mask.
   const int64_t* seed_offset = nullptr;
 };
+
+// The Dropout of probability p (0 <= p < 1, checked by the caller): p quantised to
+// threshold / 65536 (philox.h), kept elements scaled by 65536 / (65536 - threshold).
+inline Dropout make_dropout_params(double p, uint64_t seed, uint64_t offset) {
+  Dropout d;
+  d.seed = seed;
+  d.offset = offset;
+  int64_t thr = static_cast<int64_t>(std::llround(p * 65536.0));
+  if (thr > 65535) thr = 65535;
+  d.threshold = static_cast<uint32_t>(thr);
+  d.scale = thr == 0 ? 1.0f : static_cast<float>(65536.0 / static_cast<double>(65536 - thr));
+  return d;
+}
 
 struct FwdParams {
   const void* x = nullptr;
@@ -160,6 +174,51 @@ struct SumPartialsParams {
   int width = 0;
   int cols = 0;
   float* outs[kMaxSumOuts] = {nullptr, nullptr};
+};
+
+// The sequence preprocessor's token assembly (tokens_kernel.h). All fp32 tensors contiguous
+// [*, cols] (values: any row stride that is a multiple of 8) and 16-byte aligned; cols a multiple
+// of 8; index tensors int64.
+struct TokensFwdParams {
+  const float* values = nullptr;      // [n_items, cols], row stride values_stride
+  int64_t values_stride = 0;
+  const float* pos_weight = nullptr;  // [positions, cols]
+  const int64_t* pos_ids = nullptr;   // [n_items]
+  const float* act_table = nullptr;   // [2^bits, cols]: action-bit combination sums + history
+  const int64_t* actions = nullptr;   // [n_history] action words
+  const int64_t* action_index = nullptr;  // [n_items]: index into actions, -1 for candidates
+  int64_t action_mask = 0;
+  const float* ctx = nullptr;         // [n_ctx, cols] contextual tokens
+  const int64_t* row_src = nullptr;   // [rows]: item t, -1 padding, -2 - k contextual token k
+  float* x = nullptr;                 // [rows, cols]
+  int64_t rows = 0;
+  int cols = 0;
+  float item_scale = 1.0f;
+  bool scale_items = false;
+  Dropout dropout;
+};
+
+struct TokensBwdParams {
+  const float* grad = nullptr;         // [rows, cols], row stride grad_stride
+  int64_t grad_stride = 0;
+  const int64_t* dest = nullptr;       // [n_items]: row of item t
+  const int64_t* pos_order = nullptr;  // [n_items]: items by position (stable)
+  const int64_t* pos_offsets = nullptr;  // [num_positions + 1]
+  const int64_t* actions = nullptr;
+  const int64_t* action_index = nullptr;
+  int64_t action_mask = 0;
+  int num_bits = 0;
+  const int64_t* ctx_rows = nullptr;   // [n_ctx]
+  int64_t num_ctx = 0;
+  int64_t num_positions = 0;
+  float* d_values = nullptr;           // [n_items, cols]
+  float* d_pos = nullptr;              // [num_positions, cols]
+  float* d_ctx = nullptr;              // [n_ctx, cols]
+  float* partials = nullptr;           // [groups, num_bits + 1, cols]
+  int cols = 0;
+  float item_scale = 1.0f;
+  bool scale_items = false;
+  Dropout dropout;
 };
 
 }  // namespace lnmd

@@ -1,0 +1,57 @@
+// Launch of the token-assembly kernels (tokens_kernel.h). Torch-free; tokens_api.cpp calls these.
+#include <algorithm>
+
+#include "launch.h"
+#include "tokens_kernel.h"
+
+namespace lnmd {
+namespace {
+
+constexpr int kTokensThreads = 256;
+constexpr int kTokensSmemMax = 96 * 1024;  // backward action sums per block, all lane groups
+constexpr int kTokensGroupsPerSm = 4;      // backward lane groups per SM (partial rows written)
+
+int row_threads(int nchunks) {
+  int tx = 1;
+  while (tx < nchunks && tx < 128) tx *= 2;
+  return tx;
+}
+
+}  // namespace
+
+int tokens_max_bits(int cols) {
+  const int64_t row_bytes = static_cast<int64_t>(cols) * 4;
+  return static_cast<int>(kTokensSmemMax / row_bytes) - 1;
+}
+
+TokensBwdShape tokens_bwd_shape(int cols, int num_bits, int64_t work, int num_sms) {
+  const int tx = row_threads(cols / 8);
+  int ty = kTokensThreads / tx;
+  const int64_t group_bytes = static_cast<int64_t>(num_bits + 1) * cols * 4;
+  while (ty > 1 && ty * group_bytes > kTokensSmemMax) ty /= 2;
+  const int64_t want = std::max<int64_t>(1, int64_t(kTokensGroupsPerSm) * num_sms / ty);
+  const int64_t needed = std::max<int64_t>(1, (work + ty - 1) / ty);
+  const int grid = static_cast<int>(std::min(want, needed));
+  return {tx, ty, grid, static_cast<int>(ty * group_bytes)};
+}
+
+void launch_tokens_fwd(const TokensFwdParams& p, int num_sms, cudaStream_t stream) {
+  if (p.rows == 0) return;
+  const int tx = row_threads(p.cols / 8);
+  const int ty = kTokensThreads / tx;
+  const int64_t needed = (p.rows + ty - 1) / ty;
+  const int grid = static_cast<int>(std::min<int64_t>(needed, int64_t(num_sms) * 8));
+  tokens_fwd_kernel<<<grid, dim3(tx, ty), 0, stream>>>(p);
+}
+
+void launch_tokens_bwd(const TokensBwdParams& p, const TokensBwdShape& s, cudaStream_t stream) {
+  static const bool attr = [] {
+    cudaFuncSetAttribute(tokens_bwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         kTokensSmemMax);
+    return true;
+  }();
+  (void)attr;
+  tokens_bwd_kernel<<<s.grid, dim3(s.tx, s.ty), s.smem, stream>>>(p);
+}
+
+}  // namespace lnmd

@@ -242,8 +242,12 @@ def test_preprocessor_with_and_without_the_kernel(autocast):
 def test_kernel_ops_reject_bad_input():
     _needs_kernel()
     pre, lay, rows, _, values, actions, contextual = _case(seed=5, d=64, device="cuda")
+    table = torch.zeros(8, 64, device="cuda")
     with pytest.raises(TypeError, match="values must be float32"):
-        _kernel(pre, lay, rows, values.double(), actions, contextual)
+        torch.ops.hstu_lnmd.tokens_fwd(
+            values.double(), 1.0, pre.position_embedding.weight, lay.position_ids, table,
+            actions, lay.action_index, 3, values[:0], lay.row_src, 0.0, 0, 0,
+        )  # fmt: skip
     with pytest.raises(ValueError, match="action_bits"):
         torch.ops.hstu_lnmd.tokens_fwd(
             values, 1.0, pre.position_embedding.weight, lay.position_ids,
@@ -253,8 +257,7 @@ def test_kernel_ops_reject_bad_input():
     with pytest.raises(ValueError, match="pos_ids must be a contiguous 1-D tensor of"):
         torch.ops.hstu_lnmd.tokens_fwd(
             values, 1.0, pre.position_embedding.weight, lay.position_ids[:-1],
-            torch.zeros(8, 64, device="cuda"), actions, lay.action_index, 3, values[:0],
-            lay.row_src, 0.0, 0, 0,
+            table, actions, lay.action_index, 3, values[:0], lay.row_src, 0.0, 0, 0,
         )  # fmt: skip
     with pytest.raises(ValueError, match=r"dropout p must be in \[0, 1\)"):
         _kernel(pre, lay, rows, values, actions, contextual, p=1.0)

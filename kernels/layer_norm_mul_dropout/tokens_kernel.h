@@ -63,50 +63,59 @@ __device__ __forceinline__ void apply_keep(float (&v)[8], uint64_t chunk, const 
   for (int k = 0; k < 8; ++k) v[k] = (bits >> k) & 1u ? __fmul_rn(v[k], d.scale) : 0.f;
 }
 
+// Rows (forward) and items (backward) a thread handles at once: their index loads, then their
+// row loads, are issued together (each row's sources are a chain of dependent index loads).
+constexpr int kTokBatch = 4;
+
 __global__ void __launch_bounds__(256) tokens_fwd_kernel(const TokensFwdParams p) {
   const int nchunks = p.cols / 8;
   const SeedPair sp = read_seed(p.dropout);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.y;
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; r < p.rows;
-       r += step) {
-    const int64_t src = p.row_src[r];
-    const float* vrow = nullptr;
-    const float* prow = nullptr;
-    const float* arow = nullptr;
-    const float* crow = nullptr;
-    if (src >= 0) {
-      vrow = p.values + src * p.values_stride;
-      prow = p.pos_weight + p.pos_ids[src] * p.cols;
-      const int64_t ai = p.action_index[src];
-      if (ai >= 0) arow = p.act_table + (p.actions[ai] & p.action_mask) * p.cols;
-    } else if (src <= -2) {
-      crow = p.ctx + (-2 - src) * p.cols;
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; r0 < p.rows;
+       r0 += kTokBatch * step) {
+    int64_t src[kTokBatch], pid[kTokBatch], ai[kTokBatch], code[kTokBatch];
+#pragma unroll
+    for (int i = 0; i < kTokBatch; ++i) {
+      const int64_t r = r0 + i * step;
+      src[i] = r < p.rows ? p.row_src[r] : -1;
     }
-    float* out = p.x + r * p.cols;
+#pragma unroll
+    for (int i = 0; i < kTokBatch; ++i) {
+      pid[i] = src[i] >= 0 ? p.pos_ids[src[i]] : 0;
+      ai[i] = src[i] >= 0 ? p.action_index[src[i]] : -1;
+    }
+#pragma unroll
+    for (int i = 0; i < kTokBatch; ++i) code[i] = ai[i] >= 0 ? p.actions[ai[i]] & p.action_mask : -1;
     for (int j = threadIdx.x; j < nchunks; j += blockDim.x) {
-      float v[8];
-      if (vrow != nullptr) {
-        float q[8];
-        load8(vrow + 8 * j, v);
-        load8(prow + 8 * j, q);
+      float v[kTokBatch][8], q[kTokBatch][8], a[kTokBatch][8];
+#pragma unroll
+      for (int i = 0; i < kTokBatch; ++i) {
+        if (src[i] >= 0) {
+          load8(p.values + src[i] * p.values_stride + 8 * j, v[i]);
+          load8(p.pos_weight + pid[i] * p.cols + 8 * j, q[i]);
+          if (code[i] >= 0) load8(p.act_table + code[i] * p.cols + 8 * j, a[i]);
+        } else if (src[i] <= -2) {
+          load8(p.ctx + (-2 - src[i]) * p.cols + 8 * j, v[i]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kTokBatch; ++i) {
+        const int64_t r = r0 + i * step;
+        if (r >= p.rows) break;
+        float out[8];
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-          const float s = p.scale_items ? __fmul_rn(v[k], p.item_scale) : v[k];
-          v[k] = __fadd_rn(s, q[k]);
+          if (src[i] >= 0) {
+            const float s = p.scale_items ? __fmul_rn(v[i][k], p.item_scale) : v[i][k];
+            out[k] = __fadd_rn(s, q[i][k]);
+            if (code[i] >= 0) out[k] = __fadd_rn(out[k], a[i][k]);
+          } else {
+            out[k] = src[i] <= -2 ? v[i][k] : 0.f;
+          }
         }
-        if (arow != nullptr) {
-          load8(arow + 8 * j, q);
-#pragma unroll
-          for (int k = 0; k < 8; ++k) v[k] = __fadd_rn(v[k], q[k]);
-        }
-      } else if (crow != nullptr) {
-        load8(crow + 8 * j, v);
-      } else {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = 0.f;
+        apply_keep(out, static_cast<uint64_t>(r) * nchunks + j, sp, p.dropout);
+        store8(p.x + r * p.cols + 8 * j, out);
       }
-      apply_keep(v, static_cast<uint64_t>(r) * nchunks + j, sp, p.dropout);
-      store8(out + 8 * j, v);
     }
   }
 }
@@ -119,8 +128,8 @@ __device__ __forceinline__ void grad_chunk(const TokensBwdParams& p, int64_t row
 }
 
 // One item's share of a position's work: its value gradient, the position sum, the action sums.
-__device__ __forceinline__ void item_grad(const TokensBwdParams& p, int64_t t, int j,
-                                          const float (&g)[8], float (&acc)[8],
+__device__ __forceinline__ void item_grad(const TokensBwdParams& p, int64_t t, int64_t code,
+                                          int j, const float (&g)[8], float (&acc)[8],
                                           float* __restrict__ sacc) {
   float dv[8];
 #pragma unroll
@@ -129,9 +138,7 @@ __device__ __forceinline__ void item_grad(const TokensBwdParams& p, int64_t t, i
     dv[k] = p.scale_items ? __fmul_rn(g[k], p.item_scale) : g[k];
   }
   store8(p.d_values + t * p.cols + 8 * j, dv);
-  const int64_t ai = p.action_index[t];
-  if (ai < 0) return;
-  const int64_t code = p.actions[ai] & p.action_mask;
+  if (code < 0) return;  // a candidate: no action term
   for (int b = 0; b <= p.num_bits; ++b) {
     // row num_bits: the history sum (every history item)
     if (b < p.num_bits && !((code >> b) & 1)) continue;
@@ -174,22 +181,28 @@ __global__ void __launch_bounds__(256) tokens_bwd_kernel(const TokensBwdParams p
       float acc[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) acc[k] = 0.f;
-      int64_t k = k0;
-      // two items at a time: both rows' loads are issued before either is used
-      for (; k + 1 < k1; k += 2) {
-        const int64_t t0 = p.pos_order[k];
-        const int64_t t1 = p.pos_order[k + 1];
-        float g0[8], g1[8];
-        grad_chunk(p, p.dest[t0], j, nchunks, sp, g0);
-        grad_chunk(p, p.dest[t1], j, nchunks, sp, g1);
-        item_grad(p, t0, j, g0, acc, sacc);
-        item_grad(p, t1, j, g1, acc, sacc);
-      }
-      if (k < k1) {
-        const int64_t t0 = p.pos_order[k];
-        float g0[8];
-        grad_chunk(p, p.dest[t0], j, nchunks, sp, g0);
-        item_grad(p, t0, j, g0, acc, sacc);
+      for (int64_t k = k0; k < k1; k += kTokBatch) {
+        int64_t t[kTokBatch], row[kTokBatch], code[kTokBatch];
+#pragma unroll
+        for (int i = 0; i < kTokBatch; ++i) t[i] = k + i < k1 ? p.pos_order[k + i] : -1;
+#pragma unroll
+        for (int i = 0; i < kTokBatch; ++i) {
+          row[i] = t[i] >= 0 ? p.dest[t[i]] : -1;
+          code[i] = t[i] >= 0 ? p.action_index[t[i]] : -1;
+        }
+#pragma unroll
+        for (int i = 0; i < kTokBatch; ++i) {
+          code[i] = code[i] >= 0 ? p.actions[code[i]] & p.action_mask : -1;
+        }
+        float g[kTokBatch][8];
+#pragma unroll
+        for (int i = 0; i < kTokBatch; ++i) {
+          if (row[i] >= 0) grad_chunk(p, row[i], j, nchunks, sp, g[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < kTokBatch; ++i) {
+          if (t[i] >= 0) item_grad(p, t[i], code[i], j, g[i], acc, sacc);
+        }
       }
       store8(p.d_pos + w * p.cols + 8 * j, acc);
     }

@@ -24,6 +24,7 @@ CUDA_SOURCES = [
     "silu.cu",
     "cast.cu",
     "colsum.cu",
+    "tokens.cu",
 ]
 
 
@@ -74,7 +75,7 @@ def test_setup_builds_every_kernel_source():
         os.environ.update(env)
     names = sorted(os.path.relpath(s, "kernels/layer_norm_mul_dropout") for s in srcs)
     # the torch glue: api.cpp and residual_gemm.cpp (cuBLASLt with torch's handle), then kernels
-    assert names == sorted(["api.cpp", "residual_gemm.cpp", *CUDA_SOURCES]), names
+    assert names == sorted(["api.cpp", "residual_gemm.cpp", "tokens_api.cpp", *CUDA_SOURCES]), names
 
 
 @pytest.mark.parametrize("name", CUDA_SOURCES)

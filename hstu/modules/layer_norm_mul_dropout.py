@@ -53,6 +53,10 @@ gradient, from the same pass); dq may also be the attention backward's fp32 accu
 x: fp32 [T, D] on CUDA, D a multiple of 8; y = x.to(dtype) (bf16/fp16), colsum = x.sum(0) in
 fp32, one pass (the fused layer's incoming gradient and its output bias gradient). Twin:
 `reference_cast_colsum`.
+
+The extension also holds the sequence preprocessor's token assembly (`tokens_fwd`,
+`tokens_bwd`; kernels/layer_norm_mul_dropout/tokens_api.cpp), whose Python face and twin are in
+`hstu/modules/token_assembly.py`; its dropout uses the same mask as these ops.
 """
 
 from __future__ import annotations

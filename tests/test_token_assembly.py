@@ -78,6 +78,16 @@ def test_host_token_index_arrays():
     act = lay.action_index.numpy()
     assert np.array_equal(act[is_hist], np.arange(int(is_hist.sum())))
     assert (act[~is_hist] == -1).all()
+    idx = lay.token_index()
+    assert idx.row_src is lay.row_src and idx.pos_ids is lay.position_ids
+    assert idx.ctx_rows is lay.ctx_rows
+    # without contextual tokens: an empty index tensor; without the arrays: a clear error
+    assert _case(seed=3, f=0)[1].token_index().ctx_rows.shape == (0,)
+    one = torch.tensor([2])
+    host = HostLengths(items=one, history=one, candidates=torch.tensor([0]))
+    bare = _index_layout(_host_layout((host, 2, 2, False, 2), 0, 3, False), torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="without the token-assembly arrays"):
+        bare.token_index()
 
 
 @pytest.mark.parametrize("scale", [1.0, 8.0])
@@ -137,13 +147,8 @@ def _needs_kernel():
 
 
 def _kernel(pre, lay, rows, values, actions, contextual, p=0.0, seed=0, offset=0, scale=1.0):
-    idx = ta.TokenIndex(
-        row_src=lay.row_src, pos_ids=lay.position_ids, action_index=lay.action_index,
-        dest=lay.dest, pos_order=lay.pos_order, pos_offsets=lay.pos_offsets,
-        ctx_rows=lay.ctx_rows if lay.ctx_rows is not None else lay.dest[:0],
-    )  # fmt: skip
     return ta._Tokens.apply(
-        idx, (p, seed, offset, None), scale, values, pre.position_embedding.weight,
+        lay.token_index(), (p, seed, offset, None), scale, values, pre.position_embedding.weight,
         pre.action_embedding, pre.history_embedding, actions, *contextual,
     )  # fmt: skip
 

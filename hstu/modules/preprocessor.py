@@ -394,18 +394,9 @@ class SequencePreprocessor(nn.Module):
                 f"the batch has {actions.shape[0]} action words for {num_history} history items: "
                 f"the '{ACTION_FEATURE}' feature must hold one word per history item"
             )
-        idx = token_assembly.TokenIndex(
-            row_src=lay.row_src,
-            pos_ids=lay.position_ids,
-            action_index=lay.action_index,
-            dest=lay.dest,
-            pos_order=lay.pos_order,
-            pos_offsets=lay.pos_offsets,
-            ctx_rows=lay.ctx_rows if lay.ctx_rows is not None else lay.dest[:0],
-        )
         p = self.dropout.p if self.training else 0.0
         return token_assembly.assemble(
-            idx, values, self.item_scale, self.position_embedding.weight, self.action_embedding,
+            lay.token_index(), values, self.item_scale, self.position_embedding.weight, self.action_embedding,
             self.history_embedding, actions.long(), contextual, p,
         )  # fmt: skip
 
@@ -512,6 +503,20 @@ class _IndexLayout:
     pos_offsets: torch.Tensor | None  # [max_positions + 1] each position's start in pos_order
     action_index: torch.Tensor | None  # [N_items] index into the action words, -1 candidates
     attn: AttentionInputs  # the sequences plus the padding ones, with their host twins
+
+    def token_index(self) -> token_assembly.TokenIndex:
+        """The index tensors the token-assembly kernels read (a layout made with their arrays)."""
+        if self.row_src is None:
+            raise RuntimeError("this layout was made without the token-assembly arrays")
+        return token_assembly.TokenIndex(
+            row_src=self.row_src,
+            pos_ids=self.position_ids,
+            action_index=self.action_index,
+            dest=self.dest,
+            pos_order=self.pos_order,
+            pos_offsets=self.pos_offsets,
+            ctx_rows=self.ctx_rows if self.ctx_rows is not None else self.dest[:0],
+        )
 
 
 @dataclass

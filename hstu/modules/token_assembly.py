@@ -64,9 +64,14 @@ def max_action_bits(hidden: int) -> int:
     return _SMEM_BUDGET // (4 * hidden) - 1
 
 
+_available: list[bool] = []
+
+
 def kernel_available() -> bool:
-    """The extension is built with the token-assembly ops."""
-    return lnmd.load_extension() and hasattr(torch.ops.hstu_lnmd, "tokens_fwd")
+    """The extension is built with the token-assembly ops (looked up once)."""
+    if not _available:
+        _available.append(lnmd.load_extension() and hasattr(torch.ops.hstu_lnmd, "tokens_fwd"))
+    return _available[0]
 
 
 def supported(hidden: int, num_action_bits: int) -> bool:

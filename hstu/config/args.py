@@ -405,7 +405,7 @@ class NetworkArgs:
     fused_residual_gemm: bool = True
     # CUDA, fp32 embeddings: the preprocessor's token assembly (item + position + action
     # embeddings, contextual tokens, padding rows, input dropout) as one hstu_lnmd kernel each
-    # way (hstu.modules.token_assembly; False: the PyTorch ops, ~60 kernels a step)
+    # way (hstu.modules.token_assembly; False: the PyTorch ops, ~80 kernels a step)
     fused_token_assembly: bool = True
     # Meta HSTU reference (research/) settings; the defaults keep this framework's own choices
     # learned relative attention bias inside the SiLU: none | position | time | position_time

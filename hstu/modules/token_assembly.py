@@ -7,7 +7,7 @@ over [tokens, D] fp32 tensors: the position gather, the item + position add, the
 gather and broadcast add, their `index_add_` into the history rows, the copy into x's rows and
 the dropout; the backward as many again (dropout, two row gathers, the embedding backwards with
 their sorts, a reduction for the history embedding). On the benchmark model (~28k tokens, D =
-1024) they took ~1.4 ms of GPU time a step in ~60 kernels (docs/benchmarks.md). Here each
+1024) they took ~1.4 ms of GPU time a step in ~80 kernels (docs/benchmarks.md). Here each
 direction is one kernel (kernels/layer_norm_mul_dropout/tokens_kernel.h):
 
 - forward, per row r of x from its source (`row_src[r]`: item t, contextual token k as

@@ -124,7 +124,8 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="after the timed steps, this many more steps each issued into an idle GPU's empty "
         "queue: the median host time to issue one is host_issue_alone_ms (the host's own cost; "
         "the timed loop's host_issue_ms_per_step reaches the step time whenever the launch "
-        "queue is full, host-bound or not); 0 = skip",
+        "queue is full, host-bound or not), the fastest and slowest host_issue_alone_range_ms; "
+        "0 = skip",
     )
     p.add_argument(
         "--profile-stack",
@@ -896,7 +897,12 @@ def _issue_alone(trainer, probes: int, graphs) -> dict:
     if not times:
         return {"host_issue_alone_ms": None}
     times.sort()
-    return {"host_issue_alone_ms": 1e3 * times[len(times) // 2], "issue_probes": len(times)}
+    return {
+        "host_issue_alone_ms": 1e3 * times[len(times) // 2],
+        # the fastest and slowest probe: how far one run's median can move
+        "host_issue_alone_range_ms": [1e3 * times[0], 1e3 * times[-1]],
+        "issue_probes": len(times),
+    }
 
 
 def _host_profile(trainer, args: argparse.Namespace, path: str, steps: int, top: int = 25) -> dict:

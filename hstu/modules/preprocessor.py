@@ -276,12 +276,11 @@ class SequencePreprocessor(nn.Module):
         spent up to ~4.5 ms of host time per step choosing a kernel for it (its weight gradient,
         [bits, N] x [N, D], ~0.35 ms more)."""
         n_bits = self.num_action_bits
-        shifts = torch.arange(n_bits, device=actions.device)
         if n_bits > MAX_COMBO_BITS:
+            shifts = torch.arange(n_bits, device=actions.device)
             bits = (actions.view(-1, 1) >> shifts) & 1
             return bits.to(dtype) @ self.action_embedding
-        combos = torch.arange(1 << n_bits, device=actions.device).view(-1, 1) >> shifts
-        sums = (combos & 1).to(dtype) @ self.action_embedding  # [2^bits, D]
+        sums = token_assembly.combination_sums(self.action_embedding, dtype)  # [2^bits, D]
         return nn.functional.embedding(actions & ((1 << n_bits) - 1), sums)
 
     def forward(
@@ -396,8 +395,8 @@ class SequencePreprocessor(nn.Module):
             )
         p = self.dropout.p if self.training else 0.0
         return token_assembly.assemble(
-            lay.token_index(), values, self.item_scale, self.position_embedding.weight, self.action_embedding,
-            self.history_embedding, actions.long(), contextual, p,
+            lay.token_index(), values, self.item_scale, self.position_embedding.weight,
+            self.action_embedding, self.history_embedding, actions.long(), contextual, p,
         )  # fmt: skip
 
     def _token_timestamps(

@@ -49,10 +49,13 @@ __all__ = [
     "TokenIndex",
     "applies",
     "assemble",
+    "combination_sums",
+    "combination_table",
     "host_token_index",
     "kernel_available",
     "max_action_bits",
     "reference_assemble",
+    "supported",
 ]
 
 _SMEM_BUDGET = 96 * 1024  # tokens.cu, kTokensSmemMax: the backward's action sums per block
@@ -123,26 +126,32 @@ def host_token_index(
 
 
 def applies(values: torch.Tensor, pos_weight: torch.Tensor, contextual: list) -> bool:
-    """Whether this call's tensors take the kernel: CUDA, fp32 everywhere."""
+    """Whether this call's tensors take the kernel: CUDA, fp32 everywhere (the caller's layout
+    carries the kernels' arrays only where `kernel_available` and `supported` hold)."""
     return (
         values.is_cuda
         and values.dtype == torch.float32
         and pos_weight.dtype == torch.float32
         and all(c.dtype == torch.float32 and c.device == values.device for c in contextual)
-        and kernel_available()
     )
+
+
+def combination_sums(action_embedding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[2^bits, D]: every action-bit combination's sum of action_embedding rows, one
+    [2^bits, bits] x [bits, D] matmul in ``dtype`` (under the caller's autocast, in its dtype);
+    `SequencePreprocessor.action_tokens` gathers its rows per token."""
+    bits = action_embedding.shape[0]
+    shifts = torch.arange(bits, device=action_embedding.device)
+    combos = torch.arange(1 << bits, device=action_embedding.device).view(-1, 1) >> shifts
+    return (combos & 1).to(dtype) @ action_embedding
 
 
 def combination_table(
     action_embedding: torch.Tensor, history_embedding: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """[2^bits, D] fp32: every action-bit combination's sum of action_embedding rows (the
-    matmul `SequencePreprocessor.action_tokens` makes, under the caller's autocast) plus the
-    history embedding: the action term of a history token with that code."""
-    bits = action_embedding.shape[0]
-    shifts = torch.arange(bits, device=action_embedding.device)
-    combos = torch.arange(1 << bits, device=action_embedding.device).view(-1, 1) >> shifts
-    sums = (combos & 1).to(dtype) @ action_embedding
+    """[2^bits, D] fp32: `combination_sums` plus the history embedding, the action term of a
+    history token with that code."""
+    sums = combination_sums(action_embedding, dtype)
     return (sums + history_embedding).float().contiguous()
 
 

@@ -280,29 +280,52 @@ def test_graphed_encoder_equals_eager(fused, bias):
     graphed, eager = _encoders(fused, bias)
     batches = [([120, 60, 30], [3, 0, 5]), ([110, 50, 50], [1, 1, 1]), ([90, 90, 30], [0, 2, 0])]
     for step, (lengths, targets) in enumerate(batches):
-        attn, x = _batch(lengths, 256, targets, step)
-        g = torch.randn(256, 64, device="cuda")
-        outs = []
-        for enc in (graphed, eager):
-            enc.zero_grad(set_to_none=True)
-            xx = x.detach().clone().requires_grad_(True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                y = enc(xx, attn)
-            (y.float() * g).sum().backward()
-            outs.append(
-                (y.detach().float(), xx.grad, {n: p.grad for n, p in enc.named_parameters()})
-            )
-        (yg, dxg, pg), (ye, dxe, pe) = outs
-        torch.testing.assert_close(yg, ye, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(dxg, dxe, rtol=2e-2, atol=2e-2)
-        for name, grad in pe.items():
-            if grad is None:
-                assert pg[name] is None, name
-                continue
-            scale = grad.abs().max().clamp(min=1e-6)
-            assert ((pg[name] - grad).abs().max() / scale) < 3e-2, name
+        _assert_same_step(graphed, eager, *_batch(lengths, 256, targets, step))
     stats = graphed.graphs.stats
     assert stats.captures == 1 and stats.replays == 3 and stats.disabled == "", stats
+
+
+def _assert_same_step(graphed, eager, attn, x):
+    """One forward + backward of both encoders on (x, attn): outputs and every gradient agree."""
+    g = torch.randn(x.shape, device="cuda")
+    outs = []
+    for enc in (graphed, eager):
+        enc.zero_grad(set_to_none=True)
+        xx = x.detach().clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = enc(xx, attn)
+        (y.float() * g).sum().backward()
+        outs.append((y.detach().float(), xx.grad, {n: p.grad for n, p in enc.named_parameters()}))
+    (yg, dxg, pg), (ye, dxe, pe) = outs
+    torch.testing.assert_close(yg, ye, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dxg, dxe, rtol=2e-2, atol=2e-2)
+    for name, grad in pe.items():
+        if grad is None:
+            assert pg[name] is None, name
+            continue
+        scale = grad.abs().max().clamp(min=1e-6)
+        assert ((pg[name] - grad).abs().max() / scale) < 3e-2, name
+
+
+@gpu
+def test_a_graph_with_more_sequences_and_a_longer_bound_replays_smaller_keys():
+    """A batch of a captured token count whose key has no graph replays one with more sequence
+    slots and a longer length bound (same values as eager); only a longer bound than every graph
+    of that count holds is captured anew."""
+    _needs_kernels()
+    graphed, eager = _encoders(True, "position_time")
+    batches = [
+        ([200] + [10] * 8, [1] * 9),  # bound 256, 10 sequences (+1 padding): 16 slots
+        ([100, 60, 30, 70, 60], [3, 0, 5, 0, 1]),  # bound 128, 8 slots: the first graph
+        ([120] + [10] * 12, [0] * 13),  # 13 sequences (+ padding) in 16 slots: the first graph
+        ([300, 20], [2, 2]),  # bound 512: a capture
+    ]
+    for step, (lengths, targets) in enumerate(batches):
+        _assert_same_step(graphed, eager, *_batch(lengths, 320, targets, step))
+        if step == 2:
+            assert graphed.graphs.stats.captures == 1, graphed.graphs.stats
+    stats = graphed.graphs.stats
+    assert stats.captures == 2 and stats.replays == 4 and stats.graphs == 2, stats
 
 
 @gpu

@@ -10,7 +10,10 @@ Shapes. A graph replays fixed shapes and fixed kernel arguments, so a graph is k
 `GraphKey`: the token rows (the preprocessor already rounds them, `padded_token_count`), the
 number of sequences rounded up to a multiple of `SEQ_GRAIN` (the extra ones are empty), an upper
 bound of the longest sequence (the next power of two, at least 64: it sizes the attention grid;
-blocks past a sequence's end exit at once) and which optional inputs are present. The batch's
+blocks past a sequence's end exit at once) and which optional inputs are present. A batch whose
+key has no graph replays one of the same rows and inputs with more sequence slots or a larger
+bound where one exists (`_covering`), so a token count is captured again only for a longer
+bound or more sequences than any of its graphs holds. The batch's
 own values travel through device memory that the graph reads: the jagged offsets, contextual and
 target counts, timestamps, the last query times and 1 / the longest sequence
 (`AttentionInputs.inv_max_seqlen`, the attention's default scaling, which the kernel reads at
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -67,7 +70,10 @@ logger = logging.getLogger(__name__)
 GRAPH_PAD_SIZES_PER_OCTAVE = 8
 SEQ_GRAIN = 8  # sequences per key rounded up to a multiple of this (empty sequences fill up)
 MIN_SEQLEN_BOUND = 64  # the attention kernels' smallest query tile
-BUFFER_HEADROOM = 1.25  # shared buffers grow to this multiple of the rows that outgrew them
+# shared buffers grow to this multiple of the rows that outgrew them (growing drops every graph:
+# the benchmark model's batches spread over ~0.6x-1.4x their mean token count, and 1.25 met a
+# larger one after the warm-up)
+BUFFER_HEADROOM = 1.5
 RECENT_CAPTURES = 16  # captures GraphStats.recent_captures keeps
 
 
@@ -203,6 +209,7 @@ class EncoderGraphs:
         self.stats = GraphStats()
         self._seen: dict[GraphKey, int] = {}
         self._entries: dict[GraphKey, _Entry] = {}
+        self._cover: dict[GraphKey, GraphKey] = {}  # keys without a graph -> the one they replay
         self._pool = None
         self._rows_capacity = 0
         self._buffers: dict[str, torch.Tensor] = {}
@@ -217,6 +224,7 @@ class EncoderGraphs:
         if self._entries:
             self.stats.resets += 1
         self._entries.clear()
+        self._cover.clear()
         self._seen.clear()
         self._buffers.clear()
         self._rows_capacity = 0
@@ -272,7 +280,7 @@ class EncoderGraphs:
         if key is None or not self._fits(key, x, attn):
             self.stats.eager += 1
             return encoder.forward_eager(x, attn)
-        entry = self._entries.get(key)
+        entry = self._entries.get(key) or self._covering(key)
         why = "first seen"
         if entry is not None and self._param_ptrs != tuple(p.data_ptr() for p in self.params):
             self.reset()  # parameters were replaced (e.g. moved): the graphs read stale addresses
@@ -310,6 +318,32 @@ class EncoderGraphs:
             input_grad=x.requires_grad,
             autocast=(torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)),
         )
+
+    def _covering(self, key: GraphKey) -> _Entry | None:
+        """A captured pair that can run ``key``'s batch: the same rows, inputs and autocast, at
+        least as many sequence slots (the extra ones are loaded empty) and at least the length
+        bound (the attention grid's blocks past a sequence's end exit at once); the smallest such
+        one, None if there is none. Without it every batch whose longest sequence or sequence
+        count crosses a boundary would be captured again at a token count already captured (the
+        benchmark model's batches met both bounds 2048 and 4096 at one count)."""
+        if key in self._cover:
+            return self._entries.get(self._cover[key])
+        best = None
+        for entry in self._entries.values():
+            k = entry.key
+            if (
+                k.num_seqs >= key.num_seqs
+                and k.seqlen_bound >= key.seqlen_bound
+                and k == replace(key, num_seqs=k.num_seqs, seqlen_bound=k.seqlen_bound)
+                and (
+                    best is None
+                    or (k.seqlen_bound, k.num_seqs) < (best.key.seqlen_bound, best.key.num_seqs)
+                )
+            ):
+                best = entry
+        if best is not None:  # remembered until the graphs change (a capture or a reset)
+            self._cover[key] = best.key
+        return best
 
     @staticmethod
     def _fits(key: GraphKey, x: torch.Tensor, attn: AttentionInputs) -> bool:
@@ -522,9 +556,10 @@ class EncoderGraphs:
                     if key.input_grad:
                         entry.grad_x.copy_(grads.pop(0))
                     entry.used = [g is not None for g in grads]
-                    for buf, g in zip(self.param_grads, grads):
-                        if g is not None:
-                            buf.copy_(g)
+                    # one multi-tensor copy kernel for all of them, not one copy per parameter
+                    pairs = [(buf, g) for buf, g in zip(self.param_grads, grads) if g is not None]
+                    if pairs:
+                        torch._foreach_copy_([b for b, _ in pairs], [g for _, g in pairs])
                 finally:
                     bwd.capture_end()
                 del y, grads
@@ -536,6 +571,7 @@ class EncoderGraphs:
         torch.cuda.synchronize(x.device)
         torch.cuda.empty_cache()
         self._entries[key] = entry
+        self._cover.clear()  # a smaller graph may cover some keys now
         took = time.perf_counter() - start
         flags = "".join(
             c

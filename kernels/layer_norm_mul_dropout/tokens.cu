@@ -1,5 +1,6 @@
 // Launch of the token-assembly kernels (tokens_kernel.h). Torch-free; tokens_api.cpp calls these.
 #include <algorithm>
+#include <atomic>
 
 #include "launch.h"
 #include "tokens_kernel.h"
@@ -44,13 +45,26 @@ void launch_tokens_fwd(const TokensFwdParams& p, int num_sms, cudaStream_t strea
   tokens_fwd_kernel<<<grid, dim3(tx, ty), 0, stream>>>(p);
 }
 
+// The backward's dynamic shared-memory limit is a per-device setting of the kernel: raised once
+// on each device a process launches it on. A failed call leaves its error for the launch check.
+namespace {
+void raise_bwd_smem_limit() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<bool> raised[kMaxDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return;
+  const bool cached = dev >= 0 && dev < kMaxDevices;
+  if (cached && raised[dev].load(std::memory_order_relaxed)) return;
+  if (cudaFuncSetAttribute(tokens_bwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           kTokensSmemMax) == cudaSuccess &&
+      cached) {
+    raised[dev].store(true, std::memory_order_relaxed);
+  }
+}
+}  // namespace
+
 void launch_tokens_bwd(const TokensBwdParams& p, const TokensBwdShape& s, cudaStream_t stream) {
-  static const bool attr = [] {
-    cudaFuncSetAttribute(tokens_bwd_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         kTokensSmemMax);
-    return true;
-  }();
-  (void)attr;
+  if (s.smem > 48 * 1024) raise_bwd_smem_limit();
   tokens_bwd_kernel<<<s.grid, dim3(s.tx, s.ty), s.smem, stream>>>(p);
 }
 

@@ -71,8 +71,8 @@ GRAPH_PAD_SIZES_PER_OCTAVE = 8
 SEQ_GRAIN = 8  # sequences per key rounded up to a multiple of this (empty sequences fill up)
 MIN_SEQLEN_BOUND = 64  # the attention kernels' smallest query tile
 # shared buffers grow to this multiple of the rows that outgrew them (growing drops every graph:
-# the benchmark model's batches spread over ~0.6x-1.4x their mean token count, and 1.25 met a
-# larger one after the warm-up)
+# the benchmark model's batches spanned 18k-45k rows in one run, mean ~29k, and 1.25 met a larger
+# one after the warm-up)
 BUFFER_HEADROOM = 1.5
 RECENT_CAPTURES = 16  # captures GraphStats.recent_captures keeps
 

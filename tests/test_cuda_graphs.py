@@ -125,6 +125,44 @@ def test_keys_round_sequences_and_bound_lengths():
     assert EncoderGraphs()._key(torch.zeros(17, 8), no_host) is None  # eager: the op checks
 
 
+def test_a_key_without_a_graph_takes_the_smallest_covering_one():
+    """`_covering` picks, among graphs of the same rows, inputs and autocast, the one with the
+    smallest length bound, then the fewest sequence slots, that hold the key; none of another
+    token count or other inputs; the choice is remembered until the graphs change."""
+    from dataclasses import replace
+
+    from hstu.modules.graphed_encoder import _Entry
+
+    graphs = EncoderGraphs()
+    base = _key(_attn([5, 9, 3], contexts=1), 17)
+
+    def add(**changes) -> GraphKey:
+        k = replace(base, **changes)
+        z = torch.zeros(1)
+        graphs._entries[k] = _Entry(k, z, None, None, None, None, z, z, z, z, z)
+        return k
+
+    add(num_seqs=16, seqlen_bound=256)
+    add(num_seqs=8, seqlen_bound=512)
+    smallest = add(num_seqs=24, seqlen_bound=128)
+    add(num_seqs=16, seqlen_bound=128)  # fewer slots at the same bound: preferred
+    add(num_seqs=64, seqlen_bound=64)  # too short a bound
+    add(rows=18, num_seqs=64, seqlen_bound=4096)  # another token count
+    add(targets=True, num_seqs=64, seqlen_bound=4096)  # other inputs
+    want = replace(base, num_seqs=16, seqlen_bound=128)
+    query = replace(base, num_seqs=8, seqlen_bound=128)
+    assert graphs._covering(query).key == want
+    assert graphs._cover == {query: want}
+    del graphs._entries[want]
+    graphs._cover.clear()
+    assert graphs._covering(query).key == smallest
+    assert graphs._covering(replace(base, num_seqs=8, seqlen_bound=1024)) is None
+    assert graphs._covering(replace(base, num_seqs=32, seqlen_bound=128)) is None
+    assert graphs._covering(replace(base, rows=19)) is None
+    graphs.reset()
+    assert graphs._cover == {} and graphs._covering(query) is None
+
+
 @pytest.mark.parametrize(
     "change",
     ["offsets_start", "total", "too_long", "negative_length", "contexts_exceed", "bad_targets"],

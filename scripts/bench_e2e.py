@@ -120,7 +120,7 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--issue-probes",
         type=int,
-        default=7,
+        default=15,
         help="after the timed steps, this many more steps each issued into an idle GPU's empty "
         "queue: the median host time to issue one is host_issue_alone_ms (the host's own cost; "
         "the timed loop's host_issue_ms_per_step reaches the step time whenever the launch "

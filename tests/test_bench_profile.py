@@ -66,7 +66,7 @@ def test_bench_e2e_profile_writes_trace_and_summary(tmp_path):
     )
     # the host's issue time per step into an empty queue, and its share of the step
     row = rows[-1]
-    assert row["issue_probes"] == 7 and row["host_issue_alone_ms"] > 0
+    assert row["issue_probes"] == 15 and row["host_issue_alone_ms"] > 0
     low, high = row["host_issue_alone_range_ms"]
     assert 0 < low <= row["host_issue_alone_ms"] <= high
     assert row["host_issue_share"] == pytest.approx(row["host_issue_alone_ms"] / row["step_ms"])

@@ -6,19 +6,19 @@ and its backward (`torch.autograd.grad` of the output with respect to the input 
 parameter) into two CUDA graphs and afterwards replays them: one launch each instead of every
 layer's operators.
 
-Shapes. A graph replays fixed shapes and fixed kernel arguments, so a graph is keyed by
-`GraphKey`: the token rows (the preprocessor already rounds them, `padded_token_count`), the
-number of sequences rounded up to a multiple of `SEQ_GRAIN` (the extra ones are empty), an upper
-bound of the longest sequence (the next power of two, at least 64: it sizes the attention grid;
-blocks past a sequence's end exit at once) and which optional inputs are present. A batch whose
-key has no graph replays one of the same rows and inputs with more sequence slots or a larger
-bound where one exists (`_covering`), so a token count is captured again only for a longer
-bound or more sequences than any of its graphs holds. The batch's
-own values travel through device memory that the graph reads: the jagged offsets, contextual and
-target counts, timestamps, the last query times and 1 / the longest sequence
-(`AttentionInputs.inv_max_seqlen`, the attention's default scaling, which the kernel reads at
-run time). Dropout masks are drawn inside the graph (torch's generators and the gating kernel's
-device-side seed, `layer_norm_mul_dropout.draw_seed_tensor`), so each replay draws fresh ones.
+Shapes. A graph replays fixed shapes and fixed kernel arguments, so a graph is keyed by `GraphKey`:
+the token rows (the preprocessor already rounds them, `padded_token_count`), the number of
+sequences rounded up to a multiple of `SEQ_GRAIN` (the extra ones are empty), an upper bound of the
+longest sequence (the next power of two, at least 64: it sizes the attention grid; blocks past a
+sequence's end exit at once) and which optional inputs are present. A batch whose key has no graph
+replays one of the same rows and inputs with more sequence slots or a larger bound where one exists
+(`_covering`), so a token count is captured again only for a longer bound or more sequences than
+any of its graphs holds. The batch's own values travel through device memory that the graph reads:
+the jagged offsets, contextual and target counts, timestamps, the last query times and 1 / the
+longest sequence (`AttentionInputs.inv_max_seqlen`, the attention's default scaling, which the
+kernel reads at run time). Dropout masks are drawn inside the graph (torch's generators and the
+gating kernel's device-side seed, `layer_norm_mul_dropout.draw_seed_tensor`), so each replay draws
+fresh ones.
 
 The compiled attention op validates its metadata on every eager call; a replay cannot, so
 `run` checks each batch's host copy of the metadata (`AttentionInputs.host_*`) against the key

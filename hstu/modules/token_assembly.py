@@ -38,6 +38,7 @@ keeps the PyTorch path everywhere.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,14 +68,10 @@ def max_action_bits(hidden: int) -> int:
     return _SMEM_BUDGET // (4 * hidden) - 1
 
 
-_available: list[bool] = []
-
-
+@functools.cache
 def kernel_available() -> bool:
     """The extension is built with the token-assembly ops (looked up once)."""
-    if not _available:
-        _available.append(lnmd.load_extension() and hasattr(torch.ops.hstu_lnmd, "tokens_fwd"))
-    return _available[0]
+    return lnmd.load_extension() and hasattr(torch.ops.hstu_lnmd, "tokens_fwd")
 
 
 def supported(hidden: int, num_action_bits: int) -> bool:

@@ -823,3 +823,49 @@ def test_layer_ops_are_chosen_once_per_layer_and_input_kind(monkeypatch):
     assert "_ops_cache" not in twin.__dict__
     torch.testing.assert_close(twin(x, attn), fused(x, attn))
     assert len(calls) == 3  # the copy chose for itself
+
+
+def test_weight_grad_off_cuda_is_the_cast_product_and_ignores_destinations():
+    """Off CUDA (no fp32-output GEMM there) a weight gradient is the product in the operands'
+    dtype cast to the parameter's; a destination named for the parameter is not written, and
+    the destinations are gone after the block, also when it raises."""
+    torch.manual_seed(0)
+    a = torch.randn(8, 16).bfloat16()
+    b = torch.randn(16, 4).bfloat16()
+    w = nn.Parameter(torch.zeros(8, 4))
+    buf = torch.full((8, 4), 7.0)
+    with fused_mod.weight_grads_into({id(w): buf}):
+        g = fused_mod._weight_grad(a, b, w)
+    assert g.dtype == torch.float32 and g.data_ptr() != buf.data_ptr()
+    torch.testing.assert_close(g, (a @ b).float(), atol=0, rtol=0)
+    assert bool((buf == 7.0).all())
+    with pytest.raises(RuntimeError, match="inside"):
+        with fused_mod.weight_grads_into({id(w): buf}):
+            raise RuntimeError("inside")
+    assert not fused_mod._grad_destinations
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weight_grad_cuda_is_one_fp32_gemm_into_its_destination(dtype):
+    """On CUDA the gradient of an fp32 weight from 16-bit operands comes out of the GEMM in fp32:
+    the fp32 product of the (transposed) operands within fp32 accumulation error, closer to it
+    than the 16-bit product cast; with a destination it is written there and returned as is."""
+    if not fused_mod._has_mm_out_dtype():
+        pytest.skip("this torch has no aten::mm.dtype")
+    torch.manual_seed(0)
+    dz = torch.randn(3000, 512, device="cuda", dtype=dtype)
+    n = torch.randn(3000, 256, device="cuda", dtype=dtype)
+    w = nn.Parameter(torch.zeros(512, 256, device="cuda"))
+    exact = dz.double().t() @ n.double()
+    g = fused_mod._weight_grad(dz.t(), n, w)
+    assert g.dtype == torch.float32 and g.shape == w.shape
+    err = (g.double() - exact).norm() / exact.norm()
+    err_cast = ((dz.t() @ n).double() - exact).norm() / exact.norm()
+    assert err < 1e-5 and err < err_cast, (float(err), float(err_cast))
+    buf = torch.full_like(w, float("nan"))
+    with fused_mod.weight_grads_into({id(w): buf}):
+        g2 = fused_mod._weight_grad(dz.t(), n, w)
+    assert g2.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf, g, atol=0, rtol=0)

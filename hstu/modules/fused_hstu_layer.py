@@ -349,6 +349,49 @@ def _output_grad(spec: _LayerSpec, dout: torch.Tensor, cdtype: torch.dtype, dt_b
     return dproj, dproj.sum(0, dtype=torch.float32).to(dt_bias)
 
 
+# Destinations of weight gradients, by id of the parameter: set by `weight_grads_into` while
+# the encoder's CUDA graphs capture a backward (hstu/modules/graphed_encoder.py).
+_grad_destinations: dict[int, torch.Tensor] = {}
+
+
+@contextlib.contextmanager
+def weight_grads_into(buffers: dict[int, torch.Tensor]):
+    """Within the block, a fused layer's backward writes the fp32 gradient of a projection
+    weight whose ``id`` is in ``buffers`` straight into that buffer (`_weight_grad`) and returns
+    the buffer itself. The encoder's graphs hand the replay's gradient buffers over this way
+    instead of copying each gradient into them after the capture."""
+    _grad_destinations.update(buffers)
+    try:
+        yield
+    finally:
+        _grad_destinations.clear()
+
+
+@functools.cache
+def _has_mm_out_dtype() -> bool:
+    """Whether this torch has `aten::mm.dtype` (16-bit operands, fp32 output; CUDA only)."""
+    return "dtype" in torch.ops.aten.mm.overloads()
+
+
+def _weight_grad(a: torch.Tensor, b: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``a @ b``, a projection weight's gradient, in ``param``'s dtype. On CUDA with 16-bit
+    operands and an fp32 parameter, one GEMM with an fp32 output (`torch.mm(..., out_dtype=)`):
+    no 16-bit product written, read back and cast (one rounding instead of two); into the
+    buffer `weight_grads_into` names for ``param``, when there is one. Otherwise the product in
+    the operands' dtype, cast."""
+    if (
+        param.dtype == torch.float32
+        and a.dtype in (torch.bfloat16, torch.float16)
+        and a.device.type == "cuda"
+        and _has_mm_out_dtype()
+    ):
+        out = _grad_destinations.get(id(param))
+        if out is not None and out.shape == param.shape and out.dtype == torch.float32:
+            return torch.mm(a, b, out_dtype=torch.float32, out=out)
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return _cast(a @ b, param.dtype)
+
+
 def _residual(x: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
     out = x + proj  # one kernel; promotes bf16 proj into an fp32 residual stream
     return out if out.dtype == x.dtype else out.to(x.dtype)
@@ -739,7 +782,8 @@ class _FusedHSTUFunction(torch.autograd.Function):
 
         ctx.spec, ctx.cdtype, ctx.scale, ctx.p, ctx.seed = spec, cdtype, scale, p, seed
         ctx.seed_offset = seed_offset
-        ctx.param_dtypes = (w_uvqk.dtype, b_uvqk.dtype, w_out.dtype, b_out.dtype)
+        ctx.param_dtypes = (b_uvqk.dtype, b_out.dtype)
+        ctx.weights = (w_uvqk, w_out)  # the parameters themselves (`_weight_grad`)
         saved_n = None if spec.recompute_input_layernorm else n_c
         saved_act = None if spec.recompute_uvqk_silu else act
         ctx.save_for_backward(
@@ -753,7 +797,8 @@ class _FusedHSTUFunction(torch.autograd.Function):
         (x, mean1, rstd1, n_c, z, act, attn, mean2, rstd2, mask,
          w_in, b_in, w_uvqk_c, w_attn, b_attn, w_out_c, w_pos, w_time) = ctx.saved_tensors  # fmt: skip
         spec, cdtype, scale = ctx.spec, ctx.cdtype, ctx.scale
-        dt_w_uvqk, dt_b_uvqk, dt_w_out, dt_b_out = ctx.param_dtypes
+        dt_b_uvqk, dt_b_out = ctx.param_dtypes
+        w_uvqk, w_out = ctx.weights
         dev = x.device
         # autograd runs the backward with autocast off unless the caller's backward() sits in
         # an autocast region: only then is a region that disables it needed
@@ -795,7 +840,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
                     cdtype, compile_stages=spec.stage_compile,
                 )  # fmt: skip
             del dy
-            d_w_out = _cast(dproj.t() @ y_c, dt_w_out)
+            d_w_out = _weight_grad(dproj.t(), y_c, w_out)
             del y_c
 
             # attention (q, k, v: contiguous views of the chunk-major SiLU output)
@@ -823,7 +868,7 @@ class _FusedHSTUFunction(torch.autograd.Function):
                     "recompute_norm", dev, x, mean1, rstd1, w_in, b_in, cdtype,
                     compile_stages=spec.stage_compile,
                 )  # fmt: skip
-            d_w_uvqk = _cast(dz.t() @ n_c, dt_w_uvqk)
+            d_w_uvqk = _weight_grad(dz.t(), n_c, w_uvqk)
             dn = dz @ w_uvqk_c
             del dz
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from hstu.modules import fused_hstu_layer
 from hstu.modules.attention_inputs import AttentionInputs
 
 __all__ = [
@@ -552,12 +553,20 @@ class EncoderGraphs:
                     fwd.capture_end()
                 bwd.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
-                    grads = list(self._grads(entry, y, x_leaf))
+                    # the fused layers' projection weight gradients are written straight into
+                    # the replay's buffers; the others are copied there
+                    into = {id(p): buf for p, buf in zip(self.params, self.param_grads)}
+                    with fused_hstu_layer.weight_grads_into(into):
+                        grads = list(self._grads(entry, y, x_leaf))
                     if key.input_grad:
                         entry.grad_x.copy_(grads.pop(0))
                     entry.used = [g is not None for g in grads]
                     # one multi-tensor copy kernel for all of them, not one copy per parameter
-                    pairs = [(buf, g) for buf, g in zip(self.param_grads, grads) if g is not None]
+                    pairs = [
+                        (buf, g)
+                        for buf, g in zip(self.param_grads, grads)
+                        if g is not None and g.data_ptr() != buf.data_ptr()
+                    ]
                     if pairs:
                         torch._foreach_copy_([b for b, _ in pairs], [g for _, g in pairs])
                 finally:

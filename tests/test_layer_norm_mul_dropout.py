@@ -624,6 +624,39 @@ def test_residual_gemm_matches_twin_cuda(dtype, t, n, k, x_stride, y_stride):
 
 @pytest.mark.gpu
 @needs_kernel
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_residual_gemm_algorithm_choice_keeps_the_result_cuda(deterministic):
+    """The algorithm is timed on a shape's first eager call (or kept as the heuristic's first
+    choice under deterministic algorithms): that call, the cached plan's next call, a call
+    captured in a CUDA graph before any eager call of its shape (its replay) and the eager call
+    after the capture all give x + y w^T within fp32 accumulation error."""
+    op = torch.ops.hstu_lnmd.residual_gemm
+    gen = torch.Generator().manual_seed(11)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        for t in (3000 + 128 * deterministic, 5000 + 128 * deterministic):
+            x = torch.randn(t, 512, generator=gen).cuda()
+            y = (torch.randn(t, 520, generator=gen) * 0.5).to("cuda", torch.bfloat16)
+            w = (torch.randn(512, 520, generator=gen) * 0.05).to("cuda", torch.bfloat16)
+            exact = x.double() + y.double() @ w.double().t()
+            bound = 3e-5 * (x.double().abs() + y.double().abs() @ w.double().abs().t()) + 1e-6
+            outs = []
+            if t >= 5000:  # the shape's first call inside a capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = op(x, y, w)
+                graph.replay()
+                outs.append(captured.clone())
+            outs += [op(x, y, w), op(x, y, w)]
+            for out in outs:
+                assert bool(((out.double() - exact).abs() <= bound).all()), t
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.gpu
+@needs_kernel
 def test_residual_gemm_meta_and_input_errors_cuda():
     op = torch.ops.hstu_lnmd.residual_gemm
     m = op(torch.empty(7, 64, device="meta"), torch.empty(7, 72, device="meta", dtype=torch.bfloat16),

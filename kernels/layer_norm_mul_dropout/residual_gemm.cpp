@@ -13,9 +13,16 @@
 //   out [T, N] row-major, contiguous, fp32
 // D (N x T) = op(A) op(B) + C = w y^T + x^T, i.e. out = y w^T + x.
 //
-// The matmul's algorithm comes from cuBLASLt's heuristic, asked once per shape, leading
-// dimensions, dtype, pointer alignment and device (cached with its descriptors); the workspace is
-// torch's cuBLASLt workspace for the current stream, as torch's own matmuls use it. Declared in
+// The matmul's algorithm is chosen once per shape, leading dimensions, dtype, pointer alignment
+// and device (cached with its descriptors): cuBLASLt's heuristic proposes up to kCandidates
+// algorithms and the first call of the shape times each of them (one warm-up run, then
+// kTimedRuns, on the call's own stream and tensors; the call then runs the fastest, so its result
+// is the chosen algorithm's). The heuristic's first choice alone measured up to 1.4x slower than
+// the fastest at some token counts (docs/kernels.md, "Fused HSTU layer"). The first choice is
+// kept, untimed, inside a CUDA graph capture (a capture cannot wait on events), under
+// torch.use_deterministic_algorithms (the choice would then depend on timing noise: another run
+// could pick an algorithm with another summation order) and with HSTU_RESIDUAL_GEMM_TUNE=0. The
+// workspace is torch's cuBLASLt workspace for the current stream, as torch's own matmuls use it. Declared in
 // api.cpp, which checks the tensors first (this file, like api.cpp, is torch glue: the kernel
 // headers and .cu files stay torch-free).
 #include <ATen/cuda/CUDAContext.h>
@@ -24,11 +31,15 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace lnmd {
 namespace {
@@ -51,6 +62,8 @@ struct Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
   size_t workspace = 0;
+  // the heuristic's proposals, best first, until the first call has timed them
+  std::vector<cublasLtMatmulHeuristicResult_t> candidates;
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -67,6 +80,9 @@ struct Plan {
 // (device, dtype, T, N, K, ld w, ld y, ld x, alignments of w, y, x, out, workspace bytes)
 using PlanKey = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t,
                            uint32_t, uint32_t, uint32_t, size_t>;
+
+constexpr int kCandidates = 8;  // algorithms the heuristic proposes for the timing
+constexpr int kTimedRuns = 3;   // timed runs of each
 
 std::unique_ptr<Plan> make_plan(cublasLtHandle_t lt, cudaDataType_t dt, int64_t t, int64_t n,
                                 int64_t k, int64_t ldw, int64_t ldy, int64_t ldx,
@@ -97,19 +113,77 @@ std::unique_ptr<Plan> make_plan(cublasLtHandle_t lt, cudaDataType_t dt, int64_t 
   for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; ++i) {
     st = cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &align[i], sizeof(align[i]));
   }
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int found = 0;
   if (st == CUBLAS_STATUS_SUCCESS) {
-    st = cublasLtMatmulAlgoGetHeuristic(lt, plan->op, plan->a, plan->b, plan->c, plan->d, pref, 1,
-                                        &result, &found);
+    st = cublasLtMatmulAlgoGetHeuristic(lt, plan->op, plan->a, plan->b, plan->c, plan->d, pref,
+                                        kCandidates, results, &found);
   }
   cublasLtMatmulPreferenceDestroy(pref);
   check_lt(st, "cublasLtMatmulAlgoGetHeuristic");
   TORCH_CHECK(found > 0, "layer_norm_mul_dropout: residual_gemm: cuBLASLt has no algorithm for "
               "T=", t, " N=", n, " K=", k, " (set NetworkArgs.fused_residual_gemm=False)");
-  plan->algo = result.algo;
-  plan->workspace = result.workspaceSize;
+  plan->algo = results[0].algo;
+  plan->workspace = results[0].workspaceSize;
+  for (int i = 0; i < found; ++i) {
+    if (results[i].state == CUBLAS_STATUS_SUCCESS) plan->candidates.push_back(results[i]);
+  }
   return plan;
+}
+
+enum class Tuning { kOff, kLater, kNow };
+
+// Whether a call on ``stream`` times the proposals: not under deterministic algorithms or with
+// HSTU_RESIDUAL_GEMM_TUNE=0 (off for good), not inside a capture (a later eager call does).
+Tuning tuning(cudaStream_t stream) {
+  const char* e = std::getenv("HSTU_RESIDUAL_GEMM_TUNE");
+  if ((e != nullptr && std::strcmp(e, "0") == 0) || at::globalContext().deterministicAlgorithms()) {
+    return Tuning::kOff;
+  }
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+  return capturing == cudaStreamCaptureStatusNone ? Tuning::kNow : Tuning::kLater;
+}
+
+struct Operands {
+  const void *w, *y, *x;
+  void* out;
+  void* ws;
+};
+
+cublasStatus_t run(cublasLtHandle_t lt, const Plan& plan, const cublasLtMatmulAlgo_t& algo,
+                   size_t workspace, const Operands& o, cudaStream_t stream) {
+  const float alpha = 1.0f, beta = 1.0f;
+  return cublasLtMatmul(lt, plan.op, &alpha, o.w, plan.a, o.y, plan.b, &beta, o.x, plan.c, o.out,
+                        plan.d, &algo, o.ws, workspace, stream);
+}
+
+// Times the plan's candidates on the call's operands (out is written, then overwritten by the
+// call itself) and keeps the fastest; a candidate that fails to launch is skipped.
+void choose_algorithm(cublasLtHandle_t lt, Plan& plan, const Operands& o, cudaStream_t stream) {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  C10_CUDA_CHECK(cudaEventCreate(&start));
+  C10_CUDA_CHECK(cudaEventCreate(&stop));
+  float best = std::numeric_limits<float>::infinity();
+  for (const auto& cand : plan.candidates) {
+    if (run(lt, plan, cand.algo, cand.workspaceSize, o, stream) != CUBLAS_STATUS_SUCCESS) continue;
+    C10_CUDA_CHECK(cudaEventRecord(start, stream));
+    bool ok = true;
+    for (int r = 0; r < kTimedRuns && ok; ++r) {
+      ok = run(lt, plan, cand.algo, cand.workspaceSize, o, stream) == CUBLAS_STATUS_SUCCESS;
+    }
+    C10_CUDA_CHECK(cudaEventRecord(stop, stream));
+    C10_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    if (ok && ms < best) {
+      best = ms;
+      plan.algo = cand.algo;
+      plan.workspace = cand.workspaceSize;
+    }
+  }
+  C10_CUDA_CHECK(cudaEventDestroy(start));
+  C10_CUDA_CHECK(cudaEventDestroy(stop));
 }
 
 }  // namespace
@@ -126,6 +200,9 @@ void residual_gemm_lt(const at::Tensor& x, const at::Tensor& y, const at::Tensor
   const PlanKey key{x.get_device(), static_cast<int>(dt), t, n, k, w.stride(0), y.stride(0),
                     x.stride(0), align[0], align[1], align[2], align[3], ws_size};
 
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const Operands ops{w.data_ptr(), y.data_ptr(), x.data_ptr(), out.data_ptr(), ws};
+
   static std::mutex mu;
   static std::map<PlanKey, std::unique_ptr<Plan>> plans;
   Plan* plan = nullptr;
@@ -138,12 +215,16 @@ void residual_gemm_lt(const at::Tensor& x, const at::Tensor& y, const at::Tensor
                .first;
     }
     plan = it->second.get();
+    // the first call outside a capture times the proposals; a capture runs the first choice
+    if (!plan->candidates.empty()) {
+      const Tuning when = tuning(stream);
+      if (when == Tuning::kNow && plan->candidates.size() > 1) {
+        choose_algorithm(lt, *plan, ops, stream);
+      }
+      if (when != Tuning::kLater) plan->candidates.clear();
+    }
   }
-  const float alpha = 1.0f, beta = 1.0f;
-  check_lt(cublasLtMatmul(lt, plan->op, &alpha, w.data_ptr(), plan->a, y.data_ptr(), plan->b,
-                          &beta, x.data_ptr(), plan->c, out.data_ptr(), plan->d, &plan->algo, ws,
-                          plan->workspace, at::cuda::getCurrentCUDAStream()),
-           "cublasLtMatmul");
+  check_lt(run(lt, *plan, plan->algo, plan->workspace, ops, stream), "cublasLtMatmul");
 }
 
 }  // namespace lnmd

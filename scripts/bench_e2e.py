@@ -212,6 +212,22 @@ def _without_option(argv: list[str], name: str) -> list[str]:
     return out
 
 
+# A sweep's launches all run the encoder eagerly: several processes never replay CUDA graphs, so
+# a graphed N=1 launch (the benchmark config's default) would not compare with the others.
+SWEEP_BINDING = "NetworkArgs.cuda_graphs=False"
+
+
+def _with_eager_encoder(argv: list[str]) -> list[str]:
+    """argv with `SWEEP_BINDING` first among its gin bindings (a later binding of the user's
+    still wins)."""
+    for i, tok in enumerate(argv):
+        if tok == "--bindings":
+            return argv[: i + 1] + [SWEEP_BINDING] + argv[i + 1 :]
+        if tok.startswith("--bindings="):
+            return argv[:i] + ["--bindings", SWEEP_BINDING, tok.split("=", 1)[1]] + argv[i + 1 :]
+    return argv + ["--bindings", SWEEP_BINDING]
+
+
 def _sweep(args: argparse.Namespace, argv: list[str]) -> int:
     """One torchrun launch per GPU count; then the scaling rows."""
     import tempfile
@@ -225,7 +241,7 @@ def _sweep(args: argparse.Namespace, argv: list[str]) -> int:
                 f"{have} are visible (CUDA_VISIBLE_DEVICES); drop the larger counts or use "
                 "--device cpu (gloo)"
             )
-    base = _without_option(_without_option(argv, "--nproc"), "--out")
+    base = _with_eager_encoder(_without_option(_without_option(argv, "--nproc"), "--out"))
     rows: dict[int, list[dict]] = {}
     for n in counts:
         with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp:

@@ -543,3 +543,19 @@ def test_bench_e2e_repeat_batch_is_one_process_only():
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0 and "--repeat-batch runs on one process" in proc.stderr
+
+
+def test_scaling_sweep_runs_every_launch_with_the_eager_encoder(load_script):
+    """--nproc sweeps bind NetworkArgs.cuda_graphs=False first among the gin bindings (added to
+    an existing --bindings list, also in its --bindings=X form, or as a new one), so a graphed
+    N=1 launch never meets eager N>1 launches; a user's own later binding still wins."""
+    bench = load_script("bench_e2e")
+    b = bench.SWEEP_BINDING
+    assert b == "NetworkArgs.cuda_graphs=False"
+    assert bench._with_eager_encoder(["--steps", "3"]) == ["--steps", "3", "--bindings", b]
+    assert bench._with_eager_encoder(["--bindings", "A=1", "B=2", "--steps", "3"]) == [
+        "--bindings", b, "A=1", "B=2", "--steps", "3",
+    ]  # fmt: skip
+    assert bench._with_eager_encoder(["--bindings=A=1", "--steps", "3"]) == [
+        "--bindings", b, "A=1", "--steps", "3",
+    ]  # fmt: skip

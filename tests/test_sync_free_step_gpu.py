@@ -38,6 +38,7 @@ BINDINGS = [
     "NetworkArgs.kv_channels=64",
     "EmbeddingArgs.item_capacity=100000",
     "EmbeddingArgs.user_capacity=100000",
+    "NetworkArgs.cuda_graphs=False",  # the eager forward, op by op (a capture synchronises)
 ]
 
 

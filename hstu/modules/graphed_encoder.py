@@ -27,8 +27,10 @@ before replaying and runs the encoder eagerly, with the op's own checks, when it
 Memory. All graphs capture into one memory pool and are replayed strictly as forward then
 backward of one key, so their temporaries share memory. The input, output and both gradients of
 every key are views of four shared buffers (grown when a larger shape arrives; the graphs are
-then captured again), and the parameter gradients land in one shared buffer per parameter: the
-persistent cost is those buffers, not a copy per key.
+then captured again), and the parameter gradients land in one shared buffer per parameter (the
+fused layers' projection weight GEMMs write theirs there directly, `weight_grads_into`; the rest
+are copied there at the end of the backward graph): the persistent cost is those buffers, not a
+copy per key.
 
 When. A key is captured the first time it is seen, while fewer than `max_graphs` exist; otherwise
 the step runs eagerly. Capturing at first sight keeps a large model's steps out of the ordinary

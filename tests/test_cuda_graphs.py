@@ -108,6 +108,25 @@ def test_run_off_cuda_is_eager_even_at_first_sight():
     assert (stats.eager, stats.captures, stats.replays) == (1, 0, 0)
 
 
+def test_several_processes_turn_graphs_off_with_an_info_line_not_a_warning(monkeypatch, caplog):
+    """A config that graphs one GPU, launched on several: `applies` turns the graphs off for the
+    run and says so once, at INFO (expected, not a fault)."""
+    import logging
+
+    enc = HSTUEncoder(1, 16, num_heads=2, head_dim=8, cuda_graphs=True, fused=True)
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with caplog.at_level(logging.INFO, logger="hstu.modules.graphed_encoder"):
+        assert not enc.graphs.applies(enc, torch.device("cuda"))
+        assert not enc.graphs.applies(enc, torch.device("cuda"))
+    lines = [r for r in caplog.records if "are off" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert "several processes" in enc.graphs.stats.disabled
+
+
 def _key(attn: AttentionInputs, rows: int) -> GraphKey:
     return EncoderGraphs()._key(torch.zeros(rows, 8), attn)
 

@@ -253,9 +253,9 @@ class EncoderGraphs:
     def __deepcopy__(self, memo) -> EncoderGraphs:
         return EncoderGraphs(**self._settings())
 
-    def _disable(self, reason: str) -> None:
+    def _disable(self, reason: str, level: int = logging.WARNING) -> None:
         if not self.stats.disabled:
-            logger.warning("CUDA graphs of the encoder are off: %s; it runs eagerly", reason)
+            logger.log(level, "CUDA graphs of the encoder are off: %s; it runs eagerly", reason)
         self.stats.disabled = reason
         self.reset()
 
@@ -271,7 +271,8 @@ class EncoderGraphs:
             return False
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._disable("several processes (DDP); multi-GPU runs are not graphed")
+            # expected (a config that graphs one GPU launched on several), so not a warning
+            self._disable("several processes (DDP); multi-GPU runs are not graphed", logging.INFO)
             return False
         return True
 

@@ -357,8 +357,8 @@ _grad_destinations: dict[int, torch.Tensor] = {}
 @contextlib.contextmanager
 def weight_grads_into(buffers: dict[int, torch.Tensor]):
     """Within the block, a fused layer's backward writes the fp32 gradient of a projection
-    weight whose ``id`` is in ``buffers`` straight into that buffer (`_weight_grad`) and returns
-    the buffer itself. The encoder's graphs hand the replay's gradient buffers over this way
+    weight whose ``id`` is in ``buffers`` straight into that buffer (`_weight_grad`; the first
+    gradient of that weight only) and returns the buffer itself. The encoder's graphs hand the replay's gradient buffers over this way
     instead of copying each gradient into them after the capture."""
     _grad_destinations.update(buffers)
     try:
@@ -385,7 +385,9 @@ def _weight_grad(a: torch.Tensor, b: torch.Tensor, param: torch.Tensor) -> torch
         and a.device.type == "cuda"
         and _has_mm_out_dtype()
     ):
-        out = _grad_destinations.get(id(param))
+        # taken once: a weight that two layers share gets its buffer from the first backward
+        # only (autograd then sums the second's fresh gradient onto it, not onto itself)
+        out = _grad_destinations.pop(id(param), None)
         if out is not None and out.shape == param.shape and out.dtype == torch.float32:
             return torch.mm(a, b, out_dtype=torch.float32, out=out)
         return torch.mm(a, b, out_dtype=torch.float32)

@@ -358,8 +358,9 @@ _grad_destinations: dict[int, torch.Tensor] = {}
 def weight_grads_into(buffers: dict[int, torch.Tensor]):
     """Within the block, a fused layer's backward writes the fp32 gradient of a projection
     weight whose ``id`` is in ``buffers`` straight into that buffer (`_weight_grad`; the first
-    gradient of that weight only) and returns the buffer itself. The encoder's graphs hand the replay's gradient buffers over this way
-    instead of copying each gradient into them after the capture."""
+    gradient of that weight only) and returns the buffer itself. The encoder's graphs hand the
+    replay's gradient buffers over this way instead of copying each gradient into them after
+    the capture."""
     _grad_destinations.update(buffers)
     try:
         yield

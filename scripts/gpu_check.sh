@@ -85,7 +85,8 @@ step() {
       for g in False True; do e2e_bench "$E2E_ITEMS" "NetworkArgs.cuda_graphs=$g"; done ;;
     e2e-graph-sizes)  # eager, then graphs padding to 16 and to 32 token counts per power of two
       # (32: eager's own padding), each with a profile of 10 steps (its steady_* figures)
-      e2e_bench "$E2E_ITEMS" --profile "$out/prof_eager" --profile-steps 10 --out "$out/e2e_graph_sizes.jsonl"
+      e2e_bench "$E2E_ITEMS" "NetworkArgs.cuda_graphs=False" --profile "$out/prof_eager" \
+        --profile-steps 10 --out "$out/e2e_graph_sizes.jsonl"
       for n in 16 32; do
         e2e_bench "$E2E_ITEMS" "NetworkArgs.cuda_graphs=True" "NetworkArgs.cuda_graph_pad_sizes=$n" \
           --profile "$out/prof_graphs$n" --profile-steps 10 --out "$out/e2e_graph_sizes.jsonl"

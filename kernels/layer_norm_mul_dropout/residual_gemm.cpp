@@ -22,9 +22,9 @@
 // kept, untimed, inside a CUDA graph capture (a capture cannot wait on events), under
 // torch.use_deterministic_algorithms (the choice would then depend on timing noise: another run
 // could pick an algorithm with another summation order) and with HSTU_RESIDUAL_GEMM_TUNE=0. The
-// workspace is torch's cuBLASLt workspace for the current stream, as torch's own matmuls use it. Declared in
-// api.cpp, which checks the tensors first (this file, like api.cpp, is torch glue: the kernel
-// headers and .cu files stay torch-free).
+// workspace is torch's cuBLASLt workspace for the current stream, as torch's own matmuls use it.
+// Declared in api.cpp, which checks the tensors first (this file, like api.cpp, is torch glue:
+// the kernel headers and .cu files stay torch-free).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>

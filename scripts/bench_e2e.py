@@ -170,6 +170,13 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         "innermost frame inside hstu/, the call, count per step); each such wait drains the "
         "launch queue, so the GPU idles while the host issues what follows",
     )
+    p.add_argument(
+        "--memory-history",
+        action="store_true",
+        help="record the CUDA allocator's history over each path's whole run (slower) and "
+        "report memory_peak_breakdown: the tensors alive at the run's allocated peak "
+        "(peak_mem_gb_run), GB by the innermost frame in hstu/ or scripts/ that allocated them",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.profile_steps < 1:
         p.error("--steps and --profile-steps must be >= 1")
@@ -1011,7 +1018,13 @@ def _time_trainer(trainer, args: argparse.Namespace, path: str = "compiled") -> 
             warmup += REPEAT_WARMUP
         _sync(trainer)
         g0 = dataclasses.replace(graphs) if graphs is not None else None
+        warm_peak = (0.0, 0.0)
         if trainer.device.type == "cuda":
+            # the warm-up's peaks (captures included) count in the whole run's
+            warm_peak = (
+                torch.cuda.max_memory_allocated(trainer.device),
+                torch.cuda.max_memory_reserved(trainer.device),
+            )
             torch.cuda.reset_peak_memory_stats(trainer.device)
         flops = tokens = samples = 0.0
         start = time.perf_counter()
@@ -1082,18 +1095,26 @@ def _time_trainer(trainer, args: argparse.Namespace, path: str = "compiled") -> 
     if trainer.device.type == "cuda":
         # allocated: the tensors alive at the peak; reserved: the device memory the caching
         # allocator held, which also counts a CUDA graph pool's memory (a replay allocates
-        # nothing, so the graphs' activations never show as allocated)
-        peak = torch.tensor(
-            [
-                torch.cuda.max_memory_allocated(trainer.device) / 2**30,
-                torch.cuda.max_memory_reserved(trainer.device) / 2**30,
-            ],
-            device=trainer.device,
+        # nothing, so the graphs' activations show as allocated only while a capture runs);
+        # over the timed steps, and ("_run") over the whole run, warm-up and captures included
+        timed = (
+            torch.cuda.max_memory_allocated(trainer.device),
+            torch.cuda.max_memory_reserved(trainer.device),
+        )
+        peak = (
+            torch.tensor(
+                [*timed, max(timed[0], warm_peak[0]), max(timed[1], warm_peak[1])],
+                device=trainer.device,
+                dtype=torch.float64,
+            )
+            / 2**30
         )
         if dist.is_initialized() and world > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the fullest rank
         row["peak_mem_gb"] = float(peak[0])
         row["peak_reserved_gb"] = float(peak[1])
+        row["peak_mem_gb_run"] = float(peak[2])
+        row["peak_reserved_gb_run"] = float(peak[3])
     if dist.is_initialized() and world > 1:  # the slowest rank's host
         from hstu.training.distributed import host_group
 
@@ -1101,6 +1122,58 @@ def _time_trainer(trainer, args: argparse.Namespace, path: str = "compiled") -> 
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group()[1])
         row["host_issue_ms_per_step"] = float(t)
     return row
+
+
+def _alloc_site(frames: list) -> str:
+    """The innermost frame of ``frames`` (a memory history's Python stack, innermost first)
+    in hstu/ or scripts/, as "file.py:line:function"; the innermost frame otherwise."""
+    own = [f for f in frames if "/hstu/" in f["filename"] or "/scripts/" in f["filename"]]
+    f = (own or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
+    return f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}"
+
+
+def peak_breakdown(snapshot: dict, device: int = 0, top: int = 12) -> dict:
+    """The tensors alive at the allocated peak of a `torch.cuda.memory._snapshot()` taken with
+    the history on: ``peak_gb`` (those the history saw allocated, plus ``before_history_gb``,
+    blocks still alive that it never saw), ``by_site_gb`` (the ``top`` allocation sites by
+    size, `_alloc_site`) and ``peak_site`` (the stack of the allocation that made the peak)."""
+    trace = snapshot["device_traces"][device]
+    seen = {e["addr"] for e in trace if e["action"] == "alloc"}
+    before = sum(
+        b["size"]
+        for seg in snapshot["segments"]
+        if seg.get("device", device) == device
+        for b in seg["blocks"]
+        if b["state"] == "active_allocated" and b["address"] not in seen
+    )
+    live, total, peak, peak_at = {}, 0, 0, -1
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+            if total > peak:
+                peak, peak_at = total, i
+        elif e["action"] == "free_requested" and e["addr"] in live:
+            total -= live.pop(e["addr"])
+    sites: dict[str, int] = {}
+    alive: dict[int, dict] = {}
+    for e in trace[: peak_at + 1]:
+        if e["action"] == "alloc":
+            alive[e["addr"]] = e
+        elif e["action"] == "free_requested":
+            alive.pop(e["addr"], None)
+    for e in alive.values():
+        site = _alloc_site(e.get("frames", []))
+        sites[site] = sites.get(site, 0) + e["size"]
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "peak_gb": round((peak + before) / 2**30, 3),
+        "before_history_gb": round(before / 2**30, 3),
+        "by_site_gb": {k: round(v / 2**30, 3) for k, v in ranked},
+        "peak_site": [_alloc_site([f]) for f in trace[peak_at].get("frames", [])][:8]
+        if peak_at >= 0
+        else [],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1113,6 +1186,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"--find-syncs needs a CUDA device (CUDA sync debugging); this run is on {device_type}: "
             "drop the flag or run on a GPU"
+        )
+    if args.memory_history and device_type != "cuda":
+        raise SystemExit(
+            f"--memory-history records the CUDA allocator; this run is on {device_type}: drop "
+            "the flag or run on a GPU"
         )
     if args.profile_gpu_only and device_type != "cuda":
         raise SystemExit(
@@ -1130,7 +1208,14 @@ def main(argv: list[str] | None = None) -> int:
         paths = [p for p in paths if p != "compiled"] or ["reference"]
     rows = {}
     for p in paths:
+        if args.memory_history:
+            torch.cuda.memory._record_memory_history(max_entries=5_000_000, stacks="python")
         rows[p] = _run_path(p, args, device_type, world)
+        if args.memory_history:
+            rows[p]["memory_peak_breakdown"] = peak_breakdown(
+                torch.cuda.memory._snapshot(), torch.cuda.current_device()
+            )
+            torch.cuda.memory._record_memory_history(enabled=None)
         if rank == 0:
             emit_json(rows[p], args.out)
     if rank == 0 and {"compiled", "reference"} <= rows.keys():

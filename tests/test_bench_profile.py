@@ -325,6 +325,53 @@ def test_bench_e2e_profile_two_processes_trace_every_rank(tmp_path):
     assert (prof_dir / "reference_w2_rank1_trace.json.gz").exists()
 
 
+def test_bench_e2e_memory_history_needs_cuda():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--device", "cpu",
+         "--memory-history"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "--memory-history records the CUDA allocator" in proc.stderr
+
+
+def test_peak_breakdown_takes_the_tensors_alive_at_the_allocated_peak(load_script):
+    """--memory-history: the allocation history is replayed to its allocated peak; the tensors
+    alive there are summed by the innermost hstu/ or scripts/ frame that allocated them, and
+    blocks alive from before the history count in the peak."""
+    peak_breakdown = load_script("bench_e2e").peak_breakdown
+    gib = 2**30
+
+    def frames(*sites):
+        return [{"filename": f, "line": n, "name": fn} for f, n, fn in sites]
+
+    layer = frames(("/t/torch/_ops.py", 1, "__call__"), ("/r/hstu/modules/layer.py", 7, "fwd"))
+    table = frames(("/r/hstu/embeddings/table.py", 3, "empty"))
+    head = frames(("/r/scripts/bench_e2e.py", 9, "step"))
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 3 * gib, "frames": table},
+        {"action": "alloc", "addr": 2, "size": 2 * gib, "frames": layer},
+        {"action": "alloc", "addr": 3, "size": 1 * gib, "frames": layer},  # the peak: 6 GB
+        {"action": "free_requested", "addr": 2, "size": 2 * gib},
+        {"action": "free_requested", "addr": 3, "size": 1 * gib},
+        {"action": "alloc", "addr": 4, "size": 2 * gib, "frames": head},  # 5 GB: below the peak
+        {"action": "free_completed", "addr": 2, "size": 2 * gib},
+    ]
+    segments = [
+        {"device": 0, "blocks": [
+            {"address": 1, "size": 3 * gib, "state": "active_allocated"},
+            {"address": 9, "size": gib // 2, "state": "active_allocated"},  # before the history
+            {"address": 4, "size": 2 * gib, "state": "active_allocated"},
+            {"address": 5, "size": gib, "state": "inactive"},
+        ]},
+    ]  # fmt: skip
+    out = peak_breakdown({"device_traces": [trace], "segments": segments})
+    assert out["peak_gb"] == 6.5 and out["before_history_gb"] == 0.5
+    assert out["by_site_gb"] == {"table.py:3:empty": 3.0, "layer.py:7:fwd": 3.0}
+    assert out["peak_site"] == ["_ops.py:1:__call__", "layer.py:7:fwd"]
+    empty = peak_breakdown({"device_traces": [[]], "segments": []})
+    assert empty == {"peak_gb": 0.0, "before_history_gb": 0.0, "by_site_gb": {}, "peak_site": []}
+
+
 def test_sync_site_names_the_innermost_hstu_frame(load_script):
     """--find-syncs reports each synchronising call by the innermost frame inside the hstu
     package, whatever library frames (torch, the standard library) sit below it."""
@@ -339,7 +386,9 @@ def test_sync_site_names_the_innermost_hstu_frame(load_script):
         FS("/venv/site-packages/torch/_tensor.py", 50, "item"),
     ]
     site = _sync_site(stack, "called a synchronizing CUDA operation\nmore text")
-    assert site == "hstu/modules/preprocessor.py:120 forward | called a synchronizing CUDA operation"
+    assert (
+        site == "hstu/modules/preprocessor.py:120 forward | called a synchronizing CUDA operation"
+    )
     assert _sync_site(stack[:1], "x").startswith("(outside hstu) | x")
     assert _sync_site([], "").endswith("| ?")
 

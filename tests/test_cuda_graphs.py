@@ -417,6 +417,85 @@ def test_captures_of_several_keys_share_one_pool():
 
 
 @gpu
+def test_a_second_call_before_the_backward_runs_eagerly():
+    """Two calls of the graphed encoder before one backward: the first replays, the second runs
+    eagerly (a replay would overwrite the first one's activations and input), and outputs and
+    gradients equal the eager encoder's. A forward whose graph is dropped without a backward does
+    not hold the graphs back."""
+    _needs_kernels()
+    graphed, eager = _encoders(True, "position_time")
+    (a1, x1), (a2, x2) = (
+        _batch([120, 60, 30], 256, [3, 0, 5], 0),
+        _batch([90, 90, 30], 256, [0, 2, 0], 1),
+    )
+    g1, g2 = torch.randn(x1.shape, device="cuda"), torch.randn(x2.shape, device="cuda")
+    results = []
+    for enc in (graphed, eager):
+        enc.zero_grad(set_to_none=True)
+        xx1, xx2 = (x.detach().clone().requires_grad_(True) for x in (x1, x2))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y1, y2 = enc(xx1, a1), enc(xx2, a2)
+        ((y1.float() * g1).sum() + (y2.float() * g2).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in enc.named_parameters() if p.grad is not None}
+        results.append((y1.detach().float(), y2.detach().float(), xx1.grad, xx2.grad, grads))
+    stats = graphed.graphs.stats
+    assert stats.captures == 1 and stats.replays == 1 and stats.eager == 1, stats
+    for got, want in zip(results[0][:4], results[1][:4]):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for name, want in results[1][4].items():
+        scale = want.abs().max().clamp(min=1e-6)
+        assert ((results[0][4][name] - want).abs().max() / scale) < 3e-2, name
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        graphed(x1.detach(), a1)  # dropped without a backward
+        y = graphed(x1.detach(), a1)
+    y.float().sum().backward()
+    assert stats.replays == 3 and stats.eager == 1, stats
+
+
+@gpu
+def test_a_pending_backward_replays_after_its_encoder_is_dropped():
+    """Dropping the encoder while a replay's backward is pending, and a garbage collection of a
+    reference cycle through the graphs: the backward still replays (its node holds the captured
+    pair and the buffers) and the process lives on."""
+    import gc
+
+    _needs_kernels()
+    graphed, eager = _encoders(True, "none")
+    attn, x = _batch([120, 60, 30], 256, [3, 0, 5], 0)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = graphed(x.detach(), attn)
+        want = eager(x.detach(), attn).float()
+    assert graphed.graphs.stats.replays == 1
+    runner = graphed.graphs
+    runner.cycle = runner  # a reference cycle: only the collector frees it
+    del graphed, runner
+    gc.collect()
+    y.float().sum().backward()  # the pending backward replays after its encoder is gone
+    torch.testing.assert_close(y.detach().float(), want, rtol=2e-2, atol=2e-2)
+    del y
+    gc.collect()
+    torch.cuda.synchronize()
+
+
+@gpu
+def test_the_layers_output_keeps_its_values_through_the_backward():
+    """The output buffer is not shared with the gradients: code after the encoder may read the
+    layers' output after the backward (the gradients share the other buffer)."""
+    _needs_kernels()
+    graphed, eager = _encoders(True, "none")
+    attn, x = _batch([120, 60, 30], 256, [3, 0, 5], 0)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = graphed(x, attn, final_norm=False)
+        want = eager(x.detach(), attn, final_norm=False).detach().float()
+    before = y.detach().float().clone()
+    (y.float() * 3.0).sum().backward()
+    assert graphed.graphs.stats.replays == 1
+    assert torch.equal(y.detach().float(), before)
+    torch.testing.assert_close(before, want, rtol=2e-2, atol=2e-2)
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@gpu
 @pytest.mark.parametrize("failures", [1, 2])
 def test_capture_out_of_memory_is_retried_once_then_runs_eagerly(monkeypatch, failures):
     """A capture that runs out of memory is tried once more after the cached blocks are released;

@@ -25,12 +25,15 @@ The compiled attention op validates its metadata on every eager call; a replay c
 before replaying and runs the encoder eagerly, with the op's own checks, when it does not fit.
 
 Memory. All graphs capture into one memory pool and are replayed strictly as forward then
-backward of one key, so their temporaries share memory. The input, output and both gradients of
-every key are views of four shared buffers (grown when a larger shape arrives; the graphs are
-then captured again), and the parameter gradients land in one shared buffer per parameter (the
-fused layers' projection weight GEMMs write theirs there directly, `weight_grads_into`; the rest
-are copied there at the end of the backward graph): the persistent cost is those buffers, not a
-copy per key.
+backward of one key, so their temporaries share memory; a call while a replay still waits for
+its backward (the encoder called twice before one backward) runs eagerly. The input, the output
+and the gradients of every key are views of three shared buffers: the output's gradient and the
+input's share one (the backward graph reads the first at its start and writes the second at its
+end), the output keeps its own (code after the encoder may read it after the backward). They
+grow when a larger shape arrives (the graphs are then captured again). The parameter gradients
+land in one shared buffer per parameter (the fused layers' projection weight GEMMs write theirs
+there directly, `weight_grads_into`; the rest are copied there at the end of the backward
+graph): the persistent cost is those buffers, not a copy per key.
 
 When. A key is captured the first time it is seen, while fewer than `max_graphs` exist; otherwise
 the step runs eagerly. Capturing at first sight keeps a large model's steps out of the ordinary
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -154,12 +158,15 @@ class _Replay(torch.autograd.Function):
         entry.x.copy_(x)
         entry.fwd.replay()
         ctx.runner, ctx.entry = runner, entry
+        # the replay's activations stay in the pool until this node's backward
+        runner._pending = weakref.ref(ctx)
         return entry.y.detach()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):  # type: ignore[override]
         runner, entry = ctx.runner, ctx.entry
+        runner._pending = None
         entry.grad_y.copy_(grad_y)
         entry.bwd.replay()
         grads = []
@@ -220,6 +227,8 @@ class EncoderGraphs:
         self.param_grads: list[torch.Tensor] = []
         self._param_ptrs: tuple[int, ...] = ()
         self._stream: torch.cuda.Stream | None = None
+        # the last forward replay's autograd node while its backward has not run (`run`)
+        self._pending: weakref.ref | None = None
 
     # ---- state ---------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -281,7 +290,7 @@ class EncoderGraphs:
         if due), else eagerly."""
         # off CUDA (which `applies` keeps away; a caller that skips it) the step runs eagerly
         key = self._key(x, attn) if x.device.type == "cuda" else None
-        if key is None or not self._fits(key, x, attn):
+        if key is None or not self._fits(key, x, attn) or self._replay_pending():
             self.stats.eager += 1
             return encoder.forward_eager(x, attn)
         entry = self._entries.get(key) or self._covering(key)
@@ -302,6 +311,18 @@ class EncoderGraphs:
         self._load(entry, x, attn)
         self.stats.replays += 1
         return _Replay.apply(self, entry, x, *self.params)
+
+    def _replay_pending(self) -> bool:
+        """Whether a forward replay still waits for its backward: its activations and its input
+        live in the pool and the shared buffers, which another replay or capture would
+        overwrite (e.g. the encoder called twice before one backward), so the call runs eagerly.
+        A forward whose autograd graph was dropped without a backward no longer counts."""
+        if self._pending is None:
+            return False
+        if self._pending() is None:
+            self._pending = None
+            return False
+        return True
 
     # ---- keys and checks -----------------------------------------------------------------------
     def _key(self, x: torch.Tensor, attn: AttentionInputs) -> GraphKey | None:
@@ -398,8 +419,10 @@ class EncoderGraphs:
         self.stats.captures = captured_before
         rows = max(key.rows, int(key.rows * BUFFER_HEADROOM))
         opts = dict(dtype=key.dtype, device=x.device)
+        # "grad": the output's gradient (read first by the backward graph) and the input's
+        # (written last), module docstring "Memory"
         self._buffers = {
-            name: torch.zeros((rows, key.hidden), **opts) for name in ("x", "y", "grad_y", "grad_x")
+            name: torch.zeros((rows, key.hidden), **opts) for name in ("x", "y", "grad")
         }
         self._rows_capacity = rows
         # the layers' parameters: the graphs run the layers only (`forward_eager`)
@@ -436,8 +459,8 @@ class EncoderGraphs:
             inv_max_seqlen=torch.ones(1, dtype=torch.float32, device=dev),
             x=self._buffers["x"][: key.rows],
             y=self._buffers["y"][: key.rows],
-            grad_y=self._buffers["grad_y"][: key.rows],
-            grad_x=self._buffers["grad_x"][: key.rows],
+            grad_y=self._buffers["grad"][: key.rows],
+            grad_x=self._buffers["grad"][: key.rows],
         )
 
     @staticmethod

@@ -108,6 +108,23 @@ def test_run_off_cuda_is_eager_even_at_first_sight():
     assert (stats.eager, stats.captures, stats.replays) == (1, 0, 0)
 
 
+def test_a_replay_is_pending_while_its_autograd_node_lives():
+    """`_replay_pending` (a call then runs eagerly): true while the last forward replay's node is
+    alive and its backward has not run; a node dropped without a backward releases it."""
+    import weakref
+
+    class Node:  # stands for the replay's autograd node (weak-referenceable, like ctx)
+        pass
+
+    runner = EncoderGraphs()
+    assert not runner._replay_pending()
+    node = Node()
+    runner._pending = weakref.ref(node)
+    assert runner._replay_pending()
+    del node  # the step's graph dropped without a backward
+    assert not runner._replay_pending() and runner._pending is None
+
+
 def test_several_processes_turn_graphs_off_with_an_info_line_not_a_warning(monkeypatch, caplog):
     """A config that graphs one GPU, launched on several: `applies` turns the graphs off for the
     run and says so once, at INFO (expected, not a fault)."""

@@ -1209,7 +1209,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     for p in paths:
         if args.memory_history:
-            torch.cuda.memory._record_memory_history(max_entries=5_000_000, stacks="python")
+            # each path's history alone (a second path would otherwise replay the first's too)
+            torch.cuda.memory._record_memory_history(
+                max_entries=5_000_000, stacks="python", clear_history=True
+            )
         rows[p] = _run_path(p, args, device_type, world)
         if args.memory_history:
             rows[p]["memory_peak_breakdown"] = peak_breakdown(

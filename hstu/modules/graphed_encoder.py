@@ -143,8 +143,8 @@ class _Entry:
     inv_max_seqlen: torch.Tensor
     x: torch.Tensor
     y: torch.Tensor
-    grad_y: torch.Tensor
-    grad_x: torch.Tensor
+    # the output's gradient going in, the input's coming out (module docstring "Memory")
+    grad: torch.Tensor
     used: list[bool] = field(default_factory=list)  # per parameter: has a gradient
     fwd: torch.cuda.CUDAGraph | None = None
     bwd: torch.cuda.CUDAGraph | None = None
@@ -167,7 +167,7 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, grad_y):  # type: ignore[override]
         runner, entry = ctx.runner, ctx.entry
         runner._pending = None
-        entry.grad_y.copy_(grad_y)
+        entry.grad.copy_(grad_y)
         entry.bwd.replay()
         grads = []
         for p, used, buf in zip(runner.params, entry.used, runner.param_grads):
@@ -179,7 +179,7 @@ class _Replay(torch.autograd.Function):
                 grads.append(buf.detach())
             else:  # accumulating into an existing gradient: hand over a copy
                 grads.append(buf.clone())
-        grad_x = entry.grad_x.detach() if entry.key.input_grad else None
+        grad_x = entry.grad.detach() if entry.key.input_grad else None
         return (None, None, grad_x, *grads)
 
 
@@ -459,8 +459,7 @@ class EncoderGraphs:
             inv_max_seqlen=torch.ones(1, dtype=torch.float32, device=dev),
             x=self._buffers["x"][: key.rows],
             y=self._buffers["y"][: key.rows],
-            grad_y=self._buffers["grad"][: key.rows],
-            grad_x=self._buffers["grad"][: key.rows],
+            grad=self._buffers["grad"][: key.rows],
         )
 
     @staticmethod
@@ -505,7 +504,7 @@ class EncoderGraphs:
 
     def _grads(self, entry: _Entry, y: torch.Tensor, x_leaf: torch.Tensor):
         inputs = ([x_leaf] if entry.key.input_grad else []) + self.params
-        return torch.autograd.grad(y, inputs, entry.grad_y, allow_unused=True)
+        return torch.autograd.grad(y, inputs, entry.grad, allow_unused=True)
 
     def _capture(
         self,
@@ -585,7 +584,7 @@ class EncoderGraphs:
                     with fused_hstu_layer.weight_grads_into(into):
                         grads = list(self._grads(entry, y, x_leaf))
                     if key.input_grad:
-                        entry.grad_x.copy_(grads.pop(0))
+                        entry.grad.copy_(grads.pop(0))
                     entry.used = [g is not None for g in grads]
                     # one multi-tensor copy kernel for all of them, not one copy per parameter
                     pairs = [

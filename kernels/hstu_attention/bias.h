@@ -364,7 +364,9 @@ __device__ __forceinline__ int row_window_code(RowBuckets const& rb, int far_buc
 // acc(i, j) += rab(m0 + i, n0 + j) / alpha over an m16n8k16 accumulator fragment
 // (((2,2), MMA_M, MMA_N)); tScS holds each element's (row, col) in the tile. `diag_buf` /
 // `key_buf` / `query_buf` select the tile's filled buffers (diagonals, key and query times).
-template <int kBlockM, class Tables, class CoordT, class Acc>
+// kInit: acc(i, j) = rab / alpha instead (every element is written), the forward's score
+// accumulator before its GEMM (docs/kernels.md: the backward measured slower that way).
+template <int kBlockM, bool kInit = false, class Tables, class CoordT, class Acc>
 __device__ __forceinline__ void add_rel_bias(Tables const& t, int diag_buf, int key_buf,
                                              int query_buf, CoordT const& tScS, Acc& acc) {
   // Row by row (one row's keys at a time keeps few loaded values live: the fragments already
@@ -411,7 +413,11 @@ __device__ __forceinline__ void add_rel_bias(Tables const& t, int diag_buf, int 
           w = col < sg.hi ? w_mid : w;
           w = col < sg.lo ? w_low : w;
         }
-        acc(make_coord(cc, r), mi, ni) += w + diag[col - row + kBlockM - 1];
+        if constexpr (kInit) {
+          acc(make_coord(cc, r), mi, ni) = w + diag[col - row + kBlockM - 1];
+        } else {
+          acc(make_coord(cc, r), mi, ni) += w + diag[col - row + kBlockM - 1];
+        }
       }
       if constexpr (kBwd && (kMode == 1 || kMode == 2)) {
         const int col = get<1>(tScS(make_coord(0, r), mi, ni));

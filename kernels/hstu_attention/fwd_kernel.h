@@ -169,16 +169,16 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   while (n_block >= n_lo) {
     const int n0 = n_block * kBlockN;
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
-    clear(acc_s);
+    if constexpr (!kBias) clear(acc_s);
     cute::cp_async_wait<0>();
     __syncthreads();
     load_kv(v_ptr, tVsV, n_block);
     cute::cp_async_fence();
+    // With a bias, the score GEMM accumulates onto it (its tables were filled before the
+    // barrier above): one add per element less, and the bias does not wait for the GEMM.
+    if constexpr (kBias) add_rel_bias<kBlockM, true>(bt, tile_buf, tile_buf, 0, tScS, acc_s);
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
             smem_thr_copy_Q, smem_thr_copy_K);
-    if constexpr (kBias) {
-      add_rel_bias<kBlockM>(bt, tile_buf, tile_buf, 0, tScS, acc_s);
-    }
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) {
       acc_s(i) = silu_scaled(acc_s(i), half_alpha, half_alpha_scale);

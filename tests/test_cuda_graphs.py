@@ -517,6 +517,42 @@ def test_the_layers_output_keeps_its_values_through_the_backward():
 
 
 @gpu
+def test_later_captures_warm_up_in_the_graph_pool():
+    """A capture's eager warm-up allocates in the graphs' pool once graphs hold it: capturing a
+    second key of the same rows barely raises the reserved peak (its warm-up and capture reuse
+    the first capture's freed blocks), where a warm-up in the ordinary pool would reserve a
+    step's activations beside the pool."""
+    _needs_kernels()
+    torch.manual_seed(0)
+    enc = HSTUEncoder(4, 256, num_heads=2, head_dim=128, fused=True, cuda_graphs=True).cuda()
+    enc.graphs.min_uses = 1
+    rows = 16384
+    x = torch.randn(rows, 256, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    grown = []
+    for longest in (400, 100):  # length bounds 512 and 128: two keys of one row count
+        n = rows // longest
+        attn = _attn([longest] * n + ([rows - n * longest] if rows > n * longest else []),
+                     device="cuda")  # fmt: skip
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = enc(x, attn)
+        y.float().sum().backward()
+        torch.cuda.synchronize()
+        grown.append(torch.cuda.max_memory_reserved() - before)
+        del y
+    stats = enc.graphs.stats
+    assert stats.captures == 2 and stats.disabled == "", stats
+    first = grown[0]
+    assert first > 0 and grown[1] < 0.25 * first, f"reserved peak growth per capture: {grown}"
+    assert torch.cuda.memory_reserved() - base < 1.5 * first
+
+
+@gpu
 @pytest.mark.parametrize("failures", [1, 2])
 def test_capture_out_of_memory_is_retried_once_then_runs_eagerly(monkeypatch, failures):
     """A capture that runs out of memory is tried once more after the cached blocks are released;

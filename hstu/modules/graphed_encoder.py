@@ -26,7 +26,10 @@ before replaying and runs the encoder eagerly, with the op's own checks, when it
 
 Memory. All graphs capture into one memory pool and are replayed strictly as forward then
 backward of one key, so their temporaries share memory; a call while a replay still waits for
-its backward (the encoder called twice before one backward) runs eagerly. The input, the output
+its backward (the encoder called twice before one backward) runs eagerly. A capture's eager
+warm-up passes allocate in that pool too once graphs hold it (`_warmup_allocations`), so the
+capture reuses the blocks its warm-up freed; the first capture's warm-up runs in the ordinary
+pool, whose cached blocks are released before the capture. The input, the output
 and the gradients of every key are views of three shared buffers: the output's gradient and the
 input's share one (the backward graph reads the first at its start and writes the second at its
 end), the output keeps its own (code after the encoder may read it after the backward). They
@@ -49,6 +52,7 @@ eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -432,6 +436,31 @@ class EncoderGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         return True
 
+    @contextlib.contextmanager
+    def _warmup_allocations(self, device: torch.device):
+        """Where a capture's eager warm-up allocates: in the graphs' pool once graphs hold it
+        (the capture then reuses the blocks its warm-up freed, and the ordinary pool never holds
+        a second step's activations beside the pool), in the ordinary pool before. The routing
+        takes the calling thread's allocations, so the backward runs on this thread too.
+        Entering a pool that nothing holds would leave it unowned on exit, and the allocator
+        refuses to take such a pool again, so the first capture warms up outside it."""
+        # The graphs' pool is a bare id (`graph_pool_handle`), routed to as `use_mem_pool` routes
+        # to a MemPool's. No MemPool object is made: one destroyed by a garbage collection while
+        # any CUDA graph capture is under way (another trainer's step graphs) aborts the process.
+        begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
+        if not self._entries or begin is None:
+            yield
+            return
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        begin(index, self._pool)
+        try:
+            with torch.autograd.set_multithreading_enabled(False):
+                yield
+        finally:
+            torch._C._cuda_endAllocateToPool(index, self._pool)
+            torch._C._cuda_releasePool(index, self._pool)
+
     def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The one stream every capture (and its warm-up) runs on. The caching allocator hands a
         freed block only to allocations on the stream it was made on, in the graphs' pool as in
@@ -564,11 +593,17 @@ class EncoderGraphs:
         side.wait_stream(current)
         try:
             with torch.cuda.stream(side):
-                for _ in range(self.warmup):  # compilation, kernel setup, allocator warm-up
-                    y = self._static_forward(encoder, entry, x_leaf)
-                    self._grads(entry, y, x_leaf)
-                del y
+                # compilation, kernel setup, algorithm choices (module docstring "Memory": where)
+                with self._warmup_allocations(x.device):
+                    for _ in range(self.warmup):
+                        y = self._static_forward(encoder, entry, x_leaf)
+                        self._grads(entry, y, x_leaf)
+                    del y
                 torch.cuda.synchronize(x.device)
+                if not self._entries:
+                    # the first capture into this pool: its warm-up's blocks go back before the
+                    # capture takes the same amount again in the pool
+                    torch.cuda.empty_cache()
                 fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 fwd.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:

@@ -187,6 +187,21 @@ class _Replay(torch.autograd.Function):
         return (None, None, grad_x, *grads)
 
 
+class _IntoBuffer(torch.autograd.Function):
+    """``y`` copied into ``buf`` as an autograd identity: the result is ``buf`` (a view of it), so
+    nothing holds ``y`` afterwards unless its own node saved it."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, buf: torch.Tensor):  # type: ignore[override]
+        buf.copy_(y)
+        return buf
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
 class EncoderGraphs:
     """CUDA graphs of an encoder's training forward + backward (module docstring).
 
@@ -607,8 +622,9 @@ class EncoderGraphs:
                 fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
                 fwd.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
-                    y = self._static_forward(encoder, entry, x_leaf)
-                    entry.y.copy_(y)
+                    # the backward starts from the buffer, so the layers' own output block is
+                    # free again once copied: the backward's temporaries reuse it
+                    y = _IntoBuffer.apply(self._static_forward(encoder, entry, x_leaf), entry.y)
                 finally:
                     fwd.capture_end()
                 bwd.capture_begin(pool=self._pool, capture_error_mode="thread_local")

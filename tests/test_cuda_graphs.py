@@ -19,6 +19,7 @@ from model_helpers import needs_compiled_kernels
 from hstu.config.gin_utils import ConfigError, load_config
 from hstu.modules.attention_inputs import AttentionInputs
 from hstu.modules.graphed_encoder import (
+    fresh_parameter_leaves,
     SEQ_GRAIN,
     EncoderGraphs,
     GraphKey,
@@ -635,3 +636,46 @@ def test_graphed_training_follows_the_eager_losses(tmp_path, run_dir_bindings):
         losses[graphs] = [loss for _, loss in result.losses]
     a, b = torch.tensor(losses[True]), torch.tensor(losses[False])
     torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+
+
+def _accumulators(root) -> set[int]:
+    """ids of the leaf tensors whose gradient accumulators ``root``'s autograd graph reaches."""
+    seen, stack, leaves = set(), [root], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if hasattr(fn, "variable"):
+            leaves.add(id(fn.variable))
+        stack.extend(f for f, _ in fn.next_functions)
+    return leaves
+
+
+def test_fresh_parameter_leaves_differentiate_like_the_parameters():
+    """A capture's parameters are fresh leaves over the same storage: the same outputs and
+    gradients as the module's own parameters, none of the accumulators an earlier graph kept
+    alive, and the module's parameters back in place after the block (a tied one gets one leaf)."""
+    torch.manual_seed(0)
+    enc = HSTUEncoder(2, 32, num_heads=2, head_dim=8)
+    enc.layers[1].register_parameter("tied", enc.layers[0].uvqk.weight)  # one tensor, two modules
+    params = [p for p in enc.layers.parameters() if p.requires_grad]
+    attn = _attn([5, 3])
+    x = torch.randn(8, 32)
+    y0 = enc.forward_eager(x, attn)  # an earlier graph, kept alive
+    want = torch.autograd.grad(y0.square().sum(), params, retain_graph=True)
+    before = [id(p) for p in params]
+    with fresh_parameter_leaves(enc, params) as leaves:
+        assert len(leaves) == len(params)
+        assert all(a is not p and a.data_ptr() == p.data_ptr() for a, p in zip(leaves, params))
+        assert enc.layers[1].tied is enc.layers[0].uvqk.weight  # still one tensor
+        y = enc.forward_eager(x, attn)
+        reached = _accumulators(y.grad_fn)
+        assert not reached & {id(p) for p in params}
+        assert reached <= {id(a) for a in leaves}
+        got = torch.autograd.grad(y.square().sum(), leaves)
+    torch.testing.assert_close(y, y0)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert [id(p) for p in enc.layers.parameters() if p.requires_grad] == before
+    assert isinstance(enc.layers[0].uvqk.weight, torch.nn.Parameter)

@@ -29,7 +29,9 @@ backward of one key, so their temporaries share memory; a call while a replay st
 its backward (the encoder called twice before one backward) runs eagerly. A capture's eager
 warm-up passes allocate in that pool too once graphs hold it (`_warmup_allocations`), so the
 capture reuses the blocks its warm-up freed; the first capture's warm-up runs in the ordinary
-pool, whose cached blocks are released before the capture. The input, the output
+pool, whose cached blocks are released before the capture. Warm-up and capture differentiate with
+respect to fresh leaves over the parameters' storage (`fresh_parameter_leaves`), never through a
+gradient accumulator that an earlier step's graph keeps alive. The input, the output
 and the gradients of every key are views of three shared buffers: the output's gradient and the
 input's share one (the backward graph reads the first at its start and writes the second at its
 end), the output keeps its own (code after the encoder may read it after the backward). They
@@ -67,6 +69,7 @@ from hstu.modules.attention_inputs import AttentionInputs
 __all__ = [
     "GRAPH_PAD_SIZES_PER_OCTAVE",
     "EncoderGraphs",
+    "fresh_parameter_leaves",
     "GraphKey",
     "GraphStats",
     "SEQ_GRAIN",
@@ -185,6 +188,28 @@ class _Replay(torch.autograd.Function):
                 grads.append(buf.clone())
         grad_x = entry.grad.detach() if entry.key.input_grad else None
         return (None, None, grad_x, *grads)
+
+
+@contextlib.contextmanager
+def fresh_parameter_leaves(module: nn.Module, params: list[torch.Tensor]):
+    """Within the block, ``module``'s parameters among ``params`` are fresh leaf tensors that share
+    their storage (yielded in the order of ``params``; a parameter two modules share gets one).
+    A capture differentiates with respect to these, so its autograd graph reaches no gradient
+    accumulator made earlier: one that a previous step's graph keeps alive (its output or loss
+    still referenced) belongs to the stream it was made on, and the backward would make that
+    stream wait on an event recorded inside the capture, which invalidates the capture."""
+    fresh = {id(p): p.detach().requires_grad_(p.requires_grad) for p in params}
+    swapped = []
+    try:
+        for mod in module.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None and id(p) in fresh:
+                    mod._parameters[name] = fresh[id(p)]
+                    swapped.append((mod, name, p))
+        yield [fresh[id(p)] for p in params]
+    finally:
+        for mod, name, p in reversed(swapped):
+            mod._parameters[name] = p
 
 
 class _IntoBuffer(torch.autograd.Function):
@@ -546,8 +571,8 @@ class EncoderGraphs:
         with torch.autocast("cuda", enabled=enabled, dtype=dtype, cache_enabled=False):
             return encoder.forward_eager(x, attn)
 
-    def _grads(self, entry: _Entry, y: torch.Tensor, x_leaf: torch.Tensor):
-        inputs = ([x_leaf] if entry.key.input_grad else []) + self.params
+    def _grads(self, entry: _Entry, y: torch.Tensor, x_leaf: torch.Tensor, params: list):
+        inputs = ([x_leaf] if entry.key.input_grad else []) + params
         return torch.autograd.grad(y, inputs, entry.grad, allow_unused=True)
 
     def _capture(
@@ -607,12 +632,12 @@ class EncoderGraphs:
         side = self._capture_stream(x.device)
         side.wait_stream(current)
         try:
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), fresh_parameter_leaves(encoder, self.params) as params:
                 # compilation, kernel setup, algorithm choices (module docstring "Memory": where)
                 with self._warmup_allocations(x.device):
                     for _ in range(self.warmup):
                         y = self._static_forward(encoder, entry, x_leaf)
-                        self._grads(entry, y, x_leaf)
+                        self._grads(entry, y, x_leaf, params)
                     del y
                 torch.cuda.synchronize(x.device)
                 if not self._entries:
@@ -631,9 +656,9 @@ class EncoderGraphs:
                 try:
                     # the fused layers' projection weight gradients are written straight into
                     # the replay's buffers; the others are copied there
-                    into = {id(p): buf for p, buf in zip(self.params, self.param_grads)}
+                    into = {id(p): buf for p, buf in zip(params, self.param_grads)}
                     with fused_hstu_layer.weight_grads_into(into):
-                        grads = list(self._grads(entry, y, x_leaf))
+                        grads = list(self._grads(entry, y, x_leaf, params))
                     if key.input_grad:
                         entry.grad.copy_(grads.pop(0))
                     entry.used = [g is not None for g in grads]
@@ -647,7 +672,7 @@ class EncoderGraphs:
                         torch._foreach_copy_([b for b, _ in pairs], [g for _, g in pairs])
                 finally:
                     bwd.capture_end()
-                del y, grads
+                del y, grads, params
         finally:
             current.wait_stream(side)
         entry.fwd, entry.bwd = fwd, bwd

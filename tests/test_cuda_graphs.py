@@ -19,10 +19,10 @@ from model_helpers import needs_compiled_kernels
 from hstu.config.gin_utils import ConfigError, load_config
 from hstu.modules.attention_inputs import AttentionInputs
 from hstu.modules.graphed_encoder import (
-    fresh_parameter_leaves,
     SEQ_GRAIN,
     EncoderGraphs,
     GraphKey,
+    fresh_parameter_leaves,
     seqlen_bound,
 )
 from hstu.modules.hstu_layer import HSTUEncoder

@@ -586,6 +586,36 @@ def test_capture_out_of_memory_is_retried_once_then_runs_eagerly(monkeypatch, fa
 
 
 @gpu
+def test_a_capture_that_fails_midway_leaves_random_draws_working(monkeypatch):
+    """A capture invalidated in the middle (here: a synchronisation inside it) turns graphs off
+    with the reason, the step runs eagerly, and the CUDA generator leaves capture mode: random
+    draws and dropout keep working afterwards."""
+    _needs_kernels()
+    graphed, _ = _encoders(True, "none", dropout=0.3)
+    runner = graphed.graphs
+    real = runner._static_forward
+
+    def breaks_the_capture(*args, **kwargs):
+        y = real(*args, **kwargs)
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not allowed while capturing: the capture is invalidated
+        return y
+
+    monkeypatch.setattr(runner, "_static_forward", breaks_the_capture)
+    attn, x = _batch([120, 60, 30], 256, [3, 0, 5], 0)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = graphed(x, attn)
+    y.float().sum().backward()
+    assert runner.stats.captures == 0 and "capturing failed" in runner.stats.disabled
+    assert torch.isfinite(y).all()
+    draws = torch.rand(1024, device="cuda")  # refused while the generator counts a capture
+    assert torch.isfinite(draws).all() and draws.std() > 0
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        a, b = graphed(x, attn), graphed(x, attn)  # eager now: fresh dropout masks each call
+    assert not torch.equal(a, b)
+
+
+@gpu
 def test_graphed_dropout_draws_a_fresh_mask_per_replay():
     _needs_kernels()
     graphed, _ = _encoders(True, "none", dropout=0.3)

@@ -69,6 +69,7 @@ from hstu.modules.attention_inputs import AttentionInputs
 __all__ = [
     "GRAPH_PAD_SIZES_PER_OCTAVE",
     "EncoderGraphs",
+    "end_generator_capture",
     "fresh_parameter_leaves",
     "GraphKey",
     "GraphStats",
@@ -210,6 +211,26 @@ def fresh_parameter_leaves(module: nn.Module, params: list[torch.Tensor]):
     finally:
         for mod, name, p in reversed(swapped):
             mod._parameters[name] = p
+
+
+def end_generator_capture(device: torch.device) -> None:
+    """Takes the default CUDA generator of ``device`` out of capture mode after a capture that
+    stopped with an error. Such a capture never reaches the step that ends the generator's
+    capture mode, and every later random draw outside a capture would then fail ("Offset
+    increment outside graph capture"). A capture that begins and ends cleanly (one small fill,
+    on a stream of its own) ends that mode; after a capture that ended normally it changes
+    nothing."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            torch.zeros(1, device=device)
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    del graph
 
 
 class _IntoBuffer(torch.autograd.Function):
@@ -597,6 +618,7 @@ class EncoderGraphs:
                 error, retry = f"{type(exc).__name__}: {exc}", False
             # here the failed attempt's tensors are gone with its traceback
             torch.cuda.synchronize(x.device)
+            end_generator_capture(x.device)
             if not retry:
                 break
             freed = torch.cuda.memory_reserved(x.device) - torch.cuda.memory_allocated(x.device)

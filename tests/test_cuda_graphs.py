@@ -409,17 +409,24 @@ def test_a_graph_with_more_sequences_and_a_longer_bound_replays_smaller_keys():
     assert stats.captures == 2 and stats.replays == 4 and stats.graphs == 2, stats
 
 
+def _pool_encoder(layers: int, rows: int):
+    """A graphed fused encoder (hidden 256, 2 heads x 128) that captures at first sight, and an
+    input of ``rows`` tokens."""
+    _needs_kernels()
+    torch.manual_seed(0)
+    enc = HSTUEncoder(layers, 256, num_heads=2, head_dim=128, fused=True, cuda_graphs=True)
+    enc = enc.cuda()
+    enc.graphs.min_uses = 1
+    return enc, torch.randn(rows, 256, device="cuda", requires_grad=True)
+
+
 @gpu
 def test_captures_of_several_keys_share_one_pool():
     """Every key's capture reuses the memory that the captures before it freed: four keys of the
     same token rows (different length bounds) reserve about what the first one alone did, not
     four steps' activations (captures on streams of their own could not share freed blocks)."""
-    _needs_kernels()
-    torch.manual_seed(0)
-    enc = HSTUEncoder(2, 256, num_heads=2, head_dim=128, fused=True, cuda_graphs=True).cuda()
-    enc.graphs.min_uses = 1
     rows = 8192
-    x = torch.randn(rows, 256, device="cuda", requires_grad=True)
+    enc, x = _pool_encoder(2, rows)
     reserved = []
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -523,12 +530,8 @@ def test_later_captures_warm_up_in_the_graph_pool():
     second key of the same rows barely raises the reserved peak (its warm-up and capture reuse
     the first capture's freed blocks), where a warm-up in the ordinary pool would reserve a
     step's activations beside the pool."""
-    _needs_kernels()
-    torch.manual_seed(0)
-    enc = HSTUEncoder(4, 256, num_heads=2, head_dim=128, fused=True, cuda_graphs=True).cuda()
-    enc.graphs.min_uses = 1
     rows = 16384
-    x = torch.randn(rows, 256, device="cuda", requires_grad=True)
+    enc, x = _pool_encoder(4, rows)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved()

@@ -685,12 +685,13 @@ def _accumulators(root) -> set[int]:
     return leaves
 
 
-def test_fresh_parameter_leaves_differentiate_like_the_parameters():
+@pytest.mark.parametrize("fused", [False, True])
+def test_fresh_parameter_leaves_differentiate_like_the_parameters(fused):
     """A capture's parameters are fresh leaves over the same storage: the same outputs and
     gradients as the module's own parameters, none of the accumulators an earlier graph kept
     alive, and the module's parameters back in place after the block (a tied one gets one leaf)."""
     torch.manual_seed(0)
-    enc = HSTUEncoder(2, 32, num_heads=2, head_dim=8)
+    enc = HSTUEncoder(2, 32, num_heads=2, head_dim=8, fused=fused)
     enc.layers[1].register_parameter("tied", enc.layers[0].uvqk.weight)  # one tensor, two modules
     params = [p for p in enc.layers.parameters() if p.requires_grad]
     attn = _attn([5, 3])

@@ -45,8 +45,9 @@ the step runs eagerly. Capturing at first sight keeps a large model's steps out 
 pool: an eager step of a new shape would hold a whole step's activations there beside the graphs'
 pool (a second copy of the activations; docs/benchmarks.md measured 54.8 GB reserved against
 24.2 GB eager when keys were captured the second time they were seen). After each capture the
-allocator's cached free blocks of the ordinary pool (the warm-up passes' activations) go back to
-the device: the graphs' own pool holds what a replay needs. Captures are counted and
+allocator's cached free blocks of the ordinary pool go back to the device (the first capture's
+warm-up passes ran there; later ones run in the graphs' pool, "Memory"): the graphs' own pool
+holds what a replay needs. Captures are counted and
 timed (`stats`) so that logs and benchmarks can report them apart from the steady state.
 Training on one CUDA process only: under DDP (several ranks) and in evaluation the encoder runs
 eagerly.

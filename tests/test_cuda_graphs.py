@@ -713,3 +713,24 @@ def test_fresh_parameter_leaves_differentiate_like_the_parameters(fused):
         torch.testing.assert_close(g, w)
     assert [id(p) for p in enc.layers.parameters() if p.requires_grad] == before
     assert isinstance(enc.layers[0].uvqk.weight, torch.nn.Parameter)
+
+
+def test_warmup_routing_without_the_allocator_api_warns_once_and_runs_in_the_ordinary_pool(
+    monkeypatch, caplog
+):
+    """A torch without the allocator's pool routing: the warm-up runs unrouted (no error), and
+    the log says so once, naming what is missing."""
+    graphs = EncoderGraphs()
+    monkeypatch.delattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", raising=False)
+    with graphs._warmup_allocations(torch.device("cpu")):  # no graph yet: nothing to route
+        pass
+    assert "lacks" not in caplog.text
+    graphs._entries = {"held": object()}  # graphs hold the pool: routing would apply
+    with caplog.at_level("WARNING", logger="hstu.modules.graphed_encoder"):
+        for _ in range(2):
+            with graphs._warmup_allocations(torch.device("cpu")):
+                ran = True
+    assert ran
+    warnings = [r for r in caplog.records if "lacks" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "_cuda_beginAllocateCurrentThreadToPool" in warnings[0].getMessage()

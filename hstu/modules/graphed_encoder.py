@@ -295,6 +295,7 @@ class EncoderGraphs:
         self._stream: torch.cuda.Stream | None = None
         # the last forward replay's autograd node while its backward has not run (`run`)
         self._pending: weakref.ref | None = None
+        self._warned_routing = False  # `_warmup_allocations` said once that torch lacks it
 
     # ---- state ---------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -509,10 +510,25 @@ class EncoderGraphs:
         # The graphs' pool is a bare id (`graph_pool_handle`), routed to as `use_mem_pool` routes
         # to a MemPool's. No MemPool object is made: one destroyed by a garbage collection while
         # any CUDA graph capture is under way (another trainer's step graphs) aborts the process.
-        begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
-        if not self._entries or begin is None:
+        names = (
+            "_cuda_beginAllocateCurrentThreadToPool",
+            "_cuda_endAllocateToPool",
+            "_cuda_releasePool",
+        )
+        routing = [getattr(torch._C, n, None) for n in names]
+        if self._entries and None in routing and not self._warned_routing:
+            self._warned_routing = True
+            logger.warning(
+                "this torch (%s) lacks %s: CUDA graph captures warm up in the ordinary memory "
+                "pool, so a capture can hold a second step's activations beside the graphs' "
+                "pool (more reserved memory; docs/architecture.md, CUDA graphs)",
+                torch.__version__,
+                ", ".join(n for n, f in zip(names, routing) if f is None),
+            )
+        if not self._entries or None in routing:
             yield
             return
+        begin, end, release = routing
         index = torch.device(device).index
         index = torch.cuda.current_device() if index is None else index
         begin(index, self._pool)
@@ -520,8 +536,8 @@ class EncoderGraphs:
             with torch.autograd.set_multithreading_enabled(False):
                 yield
         finally:
-            torch._C._cuda_endAllocateToPool(index, self._pool)
-            torch._C._cuda_releasePool(index, self._pool)
+            end(index, self._pool)
+            release(index, self._pool)
 
     def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The one stream every capture (and its warm-up) runs on. The caching allocator hands a

@@ -70,10 +70,10 @@ from hstu.modules.attention_inputs import AttentionInputs
 __all__ = [
     "GRAPH_PAD_SIZES_PER_OCTAVE",
     "EncoderGraphs",
-    "end_generator_capture",
     "fresh_parameter_leaves",
     "GraphKey",
     "GraphStats",
+    "release_generator",
     "SEQ_GRAIN",
     "seqlen_bound",
 ]
@@ -91,6 +91,12 @@ MIN_SEQLEN_BOUND = 64  # the attention kernels' smallest query tile
 # one after the warm-up)
 BUFFER_HEADROOM = 1.5
 RECENT_CAPTURES = 16  # captures GraphStats.recent_captures keeps
+# the allocator's calls that route a thread's allocations to a graphs' pool (`_warmup_allocations`)
+_POOL_ROUTING = (
+    "_cuda_beginAllocateCurrentThreadToPool",
+    "_cuda_endAllocateToPool",
+    "_cuda_releasePool",
+)
 
 
 def seqlen_bound(max_seqlen: int) -> int:
@@ -214,24 +220,15 @@ def fresh_parameter_leaves(module: nn.Module, params: list[torch.Tensor]):
             mod._parameters[name] = p
 
 
-def end_generator_capture(device: torch.device) -> None:
-    """Takes the default CUDA generator of ``device`` out of capture mode after a capture that
-    stopped with an error. Such a capture never reaches the step that ends the generator's
-    capture mode, and every later random draw outside a capture would then fail ("Offset
-    increment outside graph capture"). A capture that begins and ends cleanly (one small fill,
-    on a stream of its own) ends that mode; after a capture that ended normally it changes
-    nothing."""
-    stream = torch.cuda.Stream(device=device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            torch.zeros(1, device=device)
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    del graph
+def release_generator(device: torch.device) -> None:
+    """After a failed capture: the device's default CUDA generator gets a fresh copy of its
+    state. A capture that ends in an error leaves the state marked as capturing, and every
+    later random op (dropout, negatives) of the eager steps would then raise ("Offset increment
+    outside graph capture"); the copy keeps the seed and offset without that mark. Used by the
+    encoder's graphs and the whole-step graphs (`hstu.training.step_graphs`)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    gen = torch.cuda.default_generators[index]
+    gen.graphsafe_set_state(gen.clone_state())
 
 
 class _IntoBuffer(torch.autograd.Function):
@@ -510,12 +507,7 @@ class EncoderGraphs:
         # The graphs' pool is a bare id (`graph_pool_handle`), routed to as `use_mem_pool` routes
         # to a MemPool's. No MemPool object is made: one destroyed by a garbage collection while
         # any CUDA graph capture is under way (another trainer's step graphs) aborts the process.
-        names = (
-            "_cuda_beginAllocateCurrentThreadToPool",
-            "_cuda_endAllocateToPool",
-            "_cuda_releasePool",
-        )
-        routing = [getattr(torch._C, n, None) for n in names]
+        routing = [getattr(torch._C, n, None) for n in _POOL_ROUTING]
         if self._entries and None in routing and not self._warned_routing:
             self._warned_routing = True
             logger.warning(
@@ -523,7 +515,7 @@ class EncoderGraphs:
                 "pool, so a capture can hold a second step's activations beside the graphs' "
                 "pool (more reserved memory; docs/architecture.md, CUDA graphs)",
                 torch.__version__,
-                ", ".join(n for n, f in zip(names, routing) if f is None),
+                ", ".join(n for n, f in zip(_POOL_ROUTING, routing) if f is None),
             )
         if not self._entries or None in routing:
             yield
@@ -635,7 +627,7 @@ class EncoderGraphs:
                 error, retry = f"{type(exc).__name__}: {exc}", False
             # here the failed attempt's tensors are gone with its traceback
             torch.cuda.synchronize(x.device)
-            end_generator_capture(x.device)
+            release_generator(x.device)
             if not retry:
                 break
             freed = torch.cuda.memory_reserved(x.device) - torch.cuda.memory_allocated(x.device)

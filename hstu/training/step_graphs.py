@@ -61,7 +61,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
-from hstu.modules.graphed_encoder import SEQ_GRAIN, GraphStats, seqlen_bound
+from hstu.modules.graphed_encoder import SEQ_GRAIN, GraphStats, release_generator, seqlen_bound
 from hstu.modules.preprocessor import StaticLayout, host_lengths, padded_token_count
 
 __all__ = [
@@ -350,16 +350,6 @@ def _float_bits(values: list[float]) -> np.ndarray:
     return np.asarray(values, dtype=np.float64).view(np.int64)
 
 
-def _release_generator(device: torch.device) -> None:
-    """After a failed capture: the device's default CUDA generator gets a fresh copy of its
-    state. A capture that ends in an error leaves the state marked as capturing, and every
-    later random op (dropout, negatives) of the eager steps would then raise; the copy keeps
-    the seed and offset without that mark."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    gen = torch.cuda.default_generators[index]
-    gen.graphsafe_set_state(gen.clone_state())
-
-
 class StepGraphs:
     """CUDA graphs of the training step, one per `StepKey` (module docstring).
 
@@ -551,7 +541,7 @@ class StepGraphs:
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager from now on, say why
             logger.warning("CUDA graphs of the step: the capture failed", exc_info=True)
             torch.cuda.synchronize(self.device)
-            _release_generator(self.device)
+            release_generator(self.device)
             self.disable(f"capturing failed ({type(exc).__name__}: {exc})")
             return None
 

@@ -1166,7 +1166,47 @@ def peak_breakdown(snapshot: dict, device: int = 0, top: int = 12) -> dict:
         site = _alloc_site(e.get("frames", []))
         sites[site] = sites.get(site, 0) + e["size"]
     ranked = sorted(sites.items(), key=lambda kv: -kv[1])[:top]
+    # the device memory the allocator held (segments), at its peak: by the site whose
+    # allocation made each segment, and by pool (the ordinary pool is (0, 0))
+    segs, held, held_peak, held_at = {}, 0, 0, -1
+    for i, e in enumerate(trace):
+        if e["action"] == "segment_alloc":
+            segs[e["addr"]] = e
+            held += e["size"]
+            if held > held_peak:
+                held_peak, held_at = held, i
+        elif e["action"] == "segment_free" and e["addr"] in segs:
+            held -= segs.pop(e["addr"])["size"]
+    held_sites: dict[str, int] = {}
+    held_pools: dict[str, int] = {}
+    open_segs: dict[int, dict] = {}
+    for e in trace[: held_at + 1]:
+        if e["action"] == "segment_alloc":
+            open_segs[e["addr"]] = e
+        elif e["action"] == "segment_free":
+            open_segs.pop(e["addr"], None)
+    pool_of = {
+        s.get("address"): str(tuple(s.get("segment_pool_id", (0, 0)))) for s in snapshot["segments"]
+    }
+    for e in open_segs.values():
+        site = _alloc_site(e.get("frames", []))
+        held_sites[site] = held_sites.get(site, 0) + e["size"]
+        pool = str(tuple(e["pool_id"])) if "pool_id" in e else pool_of.get(e["addr"], "(0, 0)")
+        held_pools[pool] = held_pools.get(pool, 0) + e["size"]
+    held_ranked = sorted(held_sites.items(), key=lambda kv: -kv[1])[:top]
+    final_pools: dict[str, int] = {}
+    for seg in snapshot["segments"]:
+        if seg.get("device", device) == device and "total_size" in seg:
+            pool = str(tuple(seg.get("segment_pool_id", (0, 0))))
+            final_pools[pool] = final_pools.get(pool, 0) + seg["total_size"]
     return {
+        "reserved_final_by_pool_gb": {k: round(v / 2**30, 3) for k, v in final_pools.items()},
+        "reserved_seen_peak_gb": round(held_peak / 2**30, 3),
+        "reserved_by_site_gb": {k: round(v / 2**30, 3) for k, v in held_ranked},
+        "reserved_by_pool_gb": {k: round(v / 2**30, 3) for k, v in held_pools.items()},
+        "reserved_peak_site": [_alloc_site([f]) for f in trace[held_at].get("frames", [])][:8]
+        if held_at >= 0
+        else [],
         "peak_gb": round((peak + before) / 2**30, 3),
         "before_history_gb": round(before / 2**30, 3),
         "by_site_gb": {k: round(v / 2**30, 3) for k, v in ranked},

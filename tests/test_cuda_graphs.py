@@ -556,6 +556,50 @@ def test_later_captures_warm_up_in_the_graph_pool():
     assert torch.cuda.memory_reserved() - base < 1.5 * first
 
 
+def _regrowth_footprint(keep_small_output: bool) -> tuple[int, bool]:
+    """The reserved memory a graphed encoder holds after capturing a small key and then a key
+    beyond its shared buffers (the graphs are dropped and captured anew), with the small step's
+    output kept or not, and whether the small key's graph is gone."""
+    import weakref
+
+    small, big = 4096, 8192  # big > BUFFER_HEADROOM x small
+    enc, x_big = _pool_encoder(4, big)
+    x_small = torch.randn(small, 256, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+
+    def step(x):
+        attn = _attn([256] * (x.shape[0] // 256), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = enc(x, attn)
+        y.float().sum().backward()
+        return y
+
+    kept = step(x_small)  # a trainer keeps its last loss (and so the replay's node) alive
+    old = weakref.ref(next(iter(enc.graphs._entries.values())).fwd)
+    if not keep_small_output:
+        del kept
+    y = step(x_big)
+    torch.cuda.synchronize()
+    stats = enc.graphs.stats
+    assert stats.captures == 2 and stats.graphs == 1 and stats.disabled == "", stats
+    del y
+    return torch.cuda.memory_reserved() - base, old() is None
+
+
+@gpu
+def test_growing_buffers_give_the_old_graphs_memory_back():
+    """A key beyond the shared buffers drops every graph; their pool goes back to the device
+    even while the previous step's output is still referenced (its replay node no longer holds
+    the graphs after its backward), so the process holds about what it holds when nothing keeps
+    the old step alive, not both pools."""
+    kept, gone = _regrowth_footprint(True)
+    assert gone, "the previous step's replay node keeps the dropped graph alive"
+    dropped, _ = _regrowth_footprint(False)
+    assert kept < 1.15 * dropped, f"reserved {kept} with the old step kept, {dropped} without"
+
+
 @gpu
 @pytest.mark.parametrize("failures", [1, 2])
 def test_capture_out_of_memory_is_retried_once_then_runs_eagerly(monkeypatch, failures):

@@ -86,10 +86,11 @@ logger = logging.getLogger(__name__)
 GRAPH_PAD_SIZES_PER_OCTAVE = 8
 SEQ_GRAIN = 8  # sequences per key rounded up to a multiple of this (empty sequences fill up)
 MIN_SEQLEN_BOUND = 64  # the attention kernels' smallest query tile
-# shared buffers grow to this multiple of the rows that outgrew them (growing drops every graph:
-# the benchmark model's batches spanned 18k-45k rows in one run, mean ~29k, and 1.25 met a larger
-# one after the warm-up)
-BUFFER_HEADROOM = 1.5
+# shared buffers grow to this multiple of the rows that outgrew them. Growing drops every graph
+# (captured again at first sight; the old pool goes back to the device, `reset`). The benchmark
+# model's batches spanned 18k-45k rows in one run, mean ~29k; on its timed batches 1.25 held
+# 26.85 GB of device memory at the peak against 29.97 GB with 1.5 (docs/benchmarks.md)
+BUFFER_HEADROOM = 1.25
 RECENT_CAPTURES = 16  # captures GraphStats.recent_captures keeps
 # the allocator's calls that route a thread's allocations to a graphs' pool (`_warmup_allocations`)
 _POOL_ROUTING = (
@@ -195,6 +196,9 @@ class _Replay(torch.autograd.Function):
             else:  # accumulating into an existing gradient: hand over a copy
                 grads.append(buf.clone())
         grad_x = entry.grad.detach() if entry.key.input_grad else None
+        # the node outlives its backward while its output is referenced (a trainer's last loss):
+        # without these references it no longer keeps dropped graphs and their pool alive
+        ctx.runner = ctx.entry = None
         return (None, None, grad_x, *grads)
 
 
@@ -296,9 +300,11 @@ class EncoderGraphs:
 
     # ---- state ---------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Drops every graph and buffer (they are captured again on demand)."""
+        """Drops every graph and buffer (they are captured again on demand); the graphs' pool
+        goes back to the device once no pending replay holds its graphs."""
         if self._entries:
             self.stats.resets += 1
+        held_pool = self._pool is not None
         self._entries.clear()
         self._cover.clear()
         self._seen.clear()
@@ -307,6 +313,11 @@ class EncoderGraphs:
         self.params, self.param_grads, self._param_ptrs = [], [], ()
         self._pool = None
         self.stats.graphs = 0
+        if held_pool and torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():
+            # a dropped pool's blocks stay reserved until the allocator's cache is emptied: the
+            # buffers' regrowth would otherwise hold the old pool beside the new one
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def _settings(self) -> dict:
         return dict(

@@ -1132,11 +1132,38 @@ def _alloc_site(frames: list) -> str:
     return f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}"
 
 
+def _live_at_peak(trace: list, take: str, give: str) -> tuple[int, int, dict]:
+    """Replays ``trace`` (a memory history's entries) counting the bytes of entries whose action
+    is ``take`` until one whose action is ``give`` names the same address: the peak, the index
+    of the entry that made it (-1 if none), and the entries alive there by address."""
+    live: dict[int, dict] = {}
+    total, peak, peak_at = 0, 0, -1
+    for i, e in enumerate(trace):
+        if e["action"] == take:
+            live[e["addr"]] = e
+            total += e["size"]
+            if total > peak:
+                peak, peak_at = total, i
+        elif e["action"] == give and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+    alive: dict[int, dict] = {}
+    for e in trace[: peak_at + 1]:
+        if e["action"] == take:
+            alive[e["addr"]] = e
+        elif e["action"] == give:
+            alive.pop(e["addr"], None)
+    return peak, peak_at, alive
+
+
 def peak_breakdown(snapshot: dict, device: int = 0, top: int = 12) -> dict:
     """The tensors alive at the allocated peak of a `torch.cuda.memory._snapshot()` taken with
     the history on: ``peak_gb`` (those the history saw allocated, plus ``before_history_gb``,
     blocks still alive that it never saw), ``by_site_gb`` (the ``top`` allocation sites by
-    size, `_alloc_site`) and ``peak_site`` (the stack of the allocation that made the peak)."""
+    size, `_alloc_site`) and ``peak_site`` (the stack of the allocation that made the peak);
+    for the device memory held (segments): ``reserved_seen_peak_gb``, the segments held there by
+    the site whose allocation made each (``reserved_by_site_gb``) and by memory pool
+    (``reserved_by_pool_gb``), ``reserved_peak_site``, and the segments held when the snapshot
+    was taken by pool (``reserved_final_by_pool_gb``)."""
     trace = snapshot["device_traces"][device]
     seen = {e["addr"] for e in trace if e["action"] == "alloc"}
     before = sum(
@@ -1146,48 +1173,20 @@ def peak_breakdown(snapshot: dict, device: int = 0, top: int = 12) -> dict:
         for b in seg["blocks"]
         if b["state"] == "active_allocated" and b["address"] not in seen
     )
-    live, total, peak, peak_at = {}, 0, 0, -1
-    for i, e in enumerate(trace):
-        if e["action"] == "alloc":
-            live[e["addr"]] = e["size"]
-            total += e["size"]
-            if total > peak:
-                peak, peak_at = total, i
-        elif e["action"] == "free_requested" and e["addr"] in live:
-            total -= live.pop(e["addr"])
+    peak, peak_at, alive = _live_at_peak(trace, "alloc", "free_requested")
     sites: dict[str, int] = {}
-    alive: dict[int, dict] = {}
-    for e in trace[: peak_at + 1]:
-        if e["action"] == "alloc":
-            alive[e["addr"]] = e
-        elif e["action"] == "free_requested":
-            alive.pop(e["addr"], None)
     for e in alive.values():
         site = _alloc_site(e.get("frames", []))
         sites[site] = sites.get(site, 0) + e["size"]
     ranked = sorted(sites.items(), key=lambda kv: -kv[1])[:top]
     # the device memory the allocator held (segments), at its peak: by the site whose
     # allocation made each segment, and by pool (the ordinary pool is (0, 0))
-    segs, held, held_peak, held_at = {}, 0, 0, -1
-    for i, e in enumerate(trace):
-        if e["action"] == "segment_alloc":
-            segs[e["addr"]] = e
-            held += e["size"]
-            if held > held_peak:
-                held_peak, held_at = held, i
-        elif e["action"] == "segment_free" and e["addr"] in segs:
-            held -= segs.pop(e["addr"])["size"]
-    held_sites: dict[str, int] = {}
-    held_pools: dict[str, int] = {}
-    open_segs: dict[int, dict] = {}
-    for e in trace[: held_at + 1]:
-        if e["action"] == "segment_alloc":
-            open_segs[e["addr"]] = e
-        elif e["action"] == "segment_free":
-            open_segs.pop(e["addr"], None)
+    held_peak, held_at, open_segs = _live_at_peak(trace, "segment_alloc", "segment_free")
     pool_of = {
         s.get("address"): str(tuple(s.get("segment_pool_id", (0, 0)))) for s in snapshot["segments"]
     }
+    held_sites: dict[str, int] = {}
+    held_pools: dict[str, int] = {}
     for e in open_segs.values():
         site = _alloc_site(e.get("frames", []))
         held_sites[site] = held_sites.get(site, 0) + e["size"]

@@ -376,7 +376,9 @@ def test_peak_breakdown_takes_the_tensors_alive_at_the_allocated_peak(load_scrip
     # the held segments at their peak (9 GB), by the site that made each and by pool
     assert out["reserved_seen_peak_gb"] == 9.0
     assert out["reserved_by_site_gb"] == {
-        "table.py:3:empty": 4.0, "layer.py:7:fwd": 3.0, "bench_e2e.py:9:step": 2.0
+        "table.py:3:empty": 4.0,
+        "layer.py:7:fwd": 3.0,
+        "bench_e2e.py:9:step": 2.0,
     }
     assert out["reserved_by_pool_gb"] == {"(0, 0)": 6.0, "(1, 2)": 3.0}
     assert out["reserved_peak_site"] == ["bench_e2e.py:9:step"]
@@ -388,8 +390,14 @@ def test_peak_breakdown_takes_the_tensors_alive_at_the_allocated_peak(load_scrip
     assert final == {"(0, 3)": 1.0, "(0, 0)": 2.0}
     empty = peak_breakdown({"device_traces": [[]], "segments": []})
     assert empty == {
-        "reserved_final_by_pool_gb": {}, "reserved_seen_peak_gb": 0.0, "reserved_by_site_gb": {}, "reserved_by_pool_gb": {},
-        "reserved_peak_site": [], "peak_gb": 0.0, "before_history_gb": 0.0, "by_site_gb": {},
+        "reserved_final_by_pool_gb": {},
+        "reserved_seen_peak_gb": 0.0,
+        "reserved_by_site_gb": {},
+        "reserved_by_pool_gb": {},
+        "reserved_peak_site": [],
+        "peak_gb": 0.0,
+        "before_history_gb": 0.0,
+        "by_site_gb": {},
         "peak_site": [],
     }
 

@@ -35,7 +35,10 @@ gradient accumulator that an earlier step's graph keeps alive. The input, the ou
 and the gradients of every key are views of three shared buffers: the output's gradient and the
 input's share one (the backward graph reads the first at its start and writes the second at its
 end), the output keeps its own (code after the encoder may read it after the backward). They
-grow when a larger shape arrives (the graphs are then captured again). The parameter gradients
+grow to `BUFFER_HEADROOM` times the rows of a larger shape when one arrives: every graph is
+dropped and captured again, and the dropped graphs' pool goes back to the device at once (a
+replay's autograd node lets go of its graphs after its backward, so an output kept from an
+earlier step does not hold them; `reset` empties the allocator's cache). The parameter gradients
 land in one shared buffer per parameter (the fused layers' projection weight GEMMs write theirs
 there directly, `weight_grads_into`; the rest are copied there at the end of the backward
 graph): the persistent cost is those buffers, not a copy per key.
@@ -313,7 +316,11 @@ class EncoderGraphs:
         self.params, self.param_grads, self._param_ptrs = [], [], ()
         self._pool = None
         self.stats.graphs = 0
-        if held_pool and torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():
+        if (
+            held_pool
+            and torch.cuda.is_initialized()
+            and not torch.cuda.is_current_stream_capturing()
+        ):
             # a dropped pool's blocks stay reserved until the allocator's cache is emptied: the
             # buffers' regrowth would otherwise hold the old pool beside the new one
             torch.cuda.synchronize()

@@ -1161,9 +1161,7 @@ def peak_breakdown(snapshot: dict, device: int = 0, top: int = 12) -> dict:
     blocks still alive that it never saw), ``by_site_gb`` (the ``top`` allocation sites by
     size, `_alloc_site`) and ``peak_site`` (the stack of the allocation that made the peak);
     for the device memory held (segments): ``reserved_seen_peak_gb``, the segments held there by
-    the site whose allocation made each (``reserved_by_site_gb``) and by memory pool
-    (``reserved_by_pool_gb``), ``reserved_peak_site``, and the segments held when the snapshot
-    was taken by pool (``reserved_final_by_pool_gb``)."""
+    the site whose allocation made each (``reserved_by_site_gb``) and ``reserved_peak_site``."""
     trace = snapshot["device_traces"][device]
     seen = {e["addr"] for e in trace if e["action"] == "alloc"}
     before = sum(
@@ -1179,30 +1177,17 @@ def peak_breakdown(snapshot: dict, device: int = 0, top: int = 12) -> dict:
         site = _alloc_site(e.get("frames", []))
         sites[site] = sites.get(site, 0) + e["size"]
     ranked = sorted(sites.items(), key=lambda kv: -kv[1])[:top]
-    # the device memory the allocator held (segments), at its peak: by the site whose
-    # allocation made each segment, and by pool (the ordinary pool is (0, 0))
+    # the device memory the allocator held (segments), at its peak, by the site whose
+    # allocation made each segment
     held_peak, held_at, open_segs = _live_at_peak(trace, "segment_alloc", "segment_free")
-    pool_of = {
-        s.get("address"): str(tuple(s.get("segment_pool_id", (0, 0)))) for s in snapshot["segments"]
-    }
     held_sites: dict[str, int] = {}
-    held_pools: dict[str, int] = {}
     for e in open_segs.values():
         site = _alloc_site(e.get("frames", []))
         held_sites[site] = held_sites.get(site, 0) + e["size"]
-        pool = str(tuple(e["pool_id"])) if "pool_id" in e else pool_of.get(e["addr"], "(0, 0)")
-        held_pools[pool] = held_pools.get(pool, 0) + e["size"]
     held_ranked = sorted(held_sites.items(), key=lambda kv: -kv[1])[:top]
-    final_pools: dict[str, int] = {}
-    for seg in snapshot["segments"]:
-        if seg.get("device", device) == device and "total_size" in seg:
-            pool = str(tuple(seg.get("segment_pool_id", (0, 0))))
-            final_pools[pool] = final_pools.get(pool, 0) + seg["total_size"]
     return {
-        "reserved_final_by_pool_gb": {k: round(v / 2**30, 3) for k, v in final_pools.items()},
         "reserved_seen_peak_gb": round(held_peak / 2**30, 3),
         "reserved_by_site_gb": {k: round(v / 2**30, 3) for k, v in held_ranked},
-        "reserved_by_pool_gb": {k: round(v / 2**30, 3) for k, v in held_pools.items()},
         "reserved_peak_site": [_alloc_site([f]) for f in trace[held_at].get("frames", [])][:8]
         if held_at >= 0
         else [],

@@ -347,11 +347,10 @@ def test_peak_breakdown_takes_the_tensors_alive_at_the_allocated_peak(load_scrip
     layer = frames(("/t/torch/_ops.py", 1, "__call__"), ("/r/hstu/modules/layer.py", 7, "fwd"))
     table = frames(("/r/hstu/embeddings/table.py", 3, "empty"))
     head = frames(("/r/scripts/bench_e2e.py", 9, "step"))
-    pool = [1, 2]  # a graphs' pool
     trace = [
         {"action": "segment_alloc", "addr": 100, "size": 4 * gib, "frames": table},
         {"action": "alloc", "addr": 1, "size": 3 * gib, "frames": table},
-        {"action": "segment_alloc", "addr": 200, "size": 3 * gib, "frames": layer, "pool_id": pool},
+        {"action": "segment_alloc", "addr": 200, "size": 3 * gib, "frames": layer},
         {"action": "alloc", "addr": 2, "size": 2 * gib, "frames": layer},
         {"action": "alloc", "addr": 3, "size": 1 * gib, "frames": layer},  # the peak: 6 GB
         {"action": "free_requested", "addr": 2, "size": 2 * gib},
@@ -373,27 +372,18 @@ def test_peak_breakdown_takes_the_tensors_alive_at_the_allocated_peak(load_scrip
     assert out["peak_gb"] == 6.5 and out["before_history_gb"] == 0.5
     assert out["by_site_gb"] == {"table.py:3:empty": 3.0, "layer.py:7:fwd": 3.0}
     assert out["peak_site"] == ["_ops.py:1:__call__", "layer.py:7:fwd"]
-    # the held segments at their peak (9 GB), by the site that made each and by pool
+    # the held segments at their peak (9 GB), by the site that made each
     assert out["reserved_seen_peak_gb"] == 9.0
     assert out["reserved_by_site_gb"] == {
         "table.py:3:empty": 4.0,
         "layer.py:7:fwd": 3.0,
         "bench_e2e.py:9:step": 2.0,
     }
-    assert out["reserved_by_pool_gb"] == {"(0, 0)": 6.0, "(1, 2)": 3.0}
     assert out["reserved_peak_site"] == ["bench_e2e.py:9:step"]
-    # the segments held at the end, by pool (the test's segments carry no sizes)
-    assert out["reserved_final_by_pool_gb"] == {}
-    sized = [{"device": 0, "total_size": gib, "segment_pool_id": (0, 3), "blocks": []},
-             {"device": 0, "total_size": 2 * gib, "blocks": []}]  # fmt: skip
-    final = peak_breakdown({"device_traces": [[]], "segments": sized})["reserved_final_by_pool_gb"]
-    assert final == {"(0, 3)": 1.0, "(0, 0)": 2.0}
     empty = peak_breakdown({"device_traces": [[]], "segments": []})
     assert empty == {
-        "reserved_final_by_pool_gb": {},
         "reserved_seen_peak_gb": 0.0,
         "reserved_by_site_gb": {},
-        "reserved_by_pool_gb": {},
         "reserved_peak_site": [],
         "peak_gb": 0.0,
         "before_history_gb": 0.0,

@@ -413,11 +413,7 @@ __device__ __forceinline__ void add_rel_bias(Tables const& t, int diag_buf, int 
           w = col < sg.hi ? w_mid : w;
           w = col < sg.lo ? w_low : w;
         }
-        if constexpr (kInit) {
-          acc(make_coord(cc, r), mi, ni) = w + diag[col - row + kBlockM - 1];
-        } else {
-          acc(make_coord(cc, r), mi, ni) += w + diag[col - row + kBlockM - 1];
-        }
+        acc(make_coord(cc, r), mi, ni) += w;
       }
       if constexpr (kBwd && (kMode == 1 || kMode == 2)) {
         const int col = get<1>(tScS(make_coord(0, r), mi, ni));
@@ -426,6 +422,20 @@ __device__ __forceinline__ void add_rel_bias(Tables const& t, int diag_buf, int 
       }
     }
   };
+  // The position term first, over the whole fragment without a branch (kInit: it initialises
+  // every element): the elements of one diagonal j - i read one shared-memory word, and with no
+  // branch between a thread's rows the compiler loads it once for all of them (a thread's rows
+  // are 8 or 16 apart, its columns 8 apart, so its diagonals repeat across rows).
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    const float d = diag[get<1>(tScS(i)) - get<0>(tScS(i)) + kBlockM - 1];
+    if constexpr (kInit) {
+      acc(i) = d;
+    } else {
+      acc(i) += d;
+    }
+  }
+  if (!t.has_time) return;
   using Uniform = cute::C<0>;
   using Thresholds = cute::C<1>;
   using PerKey = cute::C<2>;

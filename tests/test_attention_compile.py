@@ -21,6 +21,7 @@ FILES = [
     "bwd_fp16_hdim64.cu",
     "fwd_bias_fp16_hdim64.cu",
     "bwd_bias_bf16_hdim64.cu",
+    "bwd_biaspos_bf16_hdim64.cu",
 ]
 
 
@@ -52,6 +53,8 @@ def test_one_instantiation_per_dtype_headdim_direction_bias() -> None:
         for dtype in ("bf16", "fp16")
         for d in (32, 64, 128, 256)
     }
+    # the backward with the position term alone (the time term compiled out), bf16 only
+    expected |= {f"bwd_biaspos_bf16_hdim{d}.cu" for d in (32, 64, 128, 256)}
     assert names == expected
 
 

@@ -497,7 +497,15 @@ Tensor tile_map_for(hstu::HstuParams& p, const Tensor& q) {
 
 void launch(hstu::Direction dir, hstu::HstuParams& p) {
   const bool bias = p.pos_w != nullptr || p.time_w != nullptr;
-  hstu::Launcher fn = hstu::find_launcher(dir, p.dtype, p.head_dim, bias);
+  hstu::Launcher fn = nullptr;
+  // The position-only backward where built (bf16); HSTU_ATTN_POSITION_BWD=0 takes the general
+  // biased kernel instead (the two are compared in tests and benchmarks).
+  const char* pos_bwd = std::getenv("HSTU_ATTN_POSITION_BWD");
+  if (dir == hstu::Direction::kBwd && p.pos_w != nullptr && p.time_w == nullptr &&
+      !(pos_bwd != nullptr && pos_bwd[0] == '0')) {
+    fn = hstu::find_launcher(dir, p.dtype, p.head_dim, hstu::BiasKind::kPosition);
+  }
+  if (fn == nullptr) fn = hstu::find_launcher(dir, p.dtype, p.head_dim, hstu::bias_kind(bias));
   const char* dt = p.dtype == hstu::DType::kBf16 ? "bf16" : "fp16";
   HSTU_CHECK(fn != nullptr, "hstu_attention: the ", dir == hstu::Direction::kFwd ? "fwd" : "bwd",
               bias ? " (relative bias)" : "", " kernel for ", dt, " head dim ", p.head_dim,

@@ -120,8 +120,9 @@ __device__ __forceinline__ void store_dkv(SmemK const& sK, SmemV const& sV, Rows
 
 // kBias: the relative attention bias (bias.h) enters every score tile, and its two weight
 // gradients are summed in shared memory (bias_smem_bytes past Kt::kSmemSize) and flushed into
-// p.dpos_w / p.dtime_w.
-template <typename Kt, bool kBias>
+// p.dpos_w / p.dtime_w. kTime = false compiles the time term out (the position-only kernel:
+// the time code's registers made the d128 kernel spill ~5x more, docs/kernels.md).
+template <typename Kt, bool kBias, bool kTime = kBias>
 __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
     hstu_bwd_kernel(const __grid_constant__ HstuParams p) {
   using Element = typename Kt::Element;
@@ -398,7 +399,8 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   // shared memory for the time gradient. Weight gradients: the position sums go to global
   // memory per tile, the time histogram sums the whole CTA and is flushed after the epilogue's
   // barrier.
-  [[maybe_unused]] const auto bt = bias_tables<kBlockM, kBlockN, true>(p, smem_ + Kt::kSmemSize);
+  [[maybe_unused]] auto bt = bias_tables<kBlockM, kBlockN, true>(p, smem_ + Kt::kSmemSize);
+  if constexpr (!kTime) bt.has_time = false;  // a constant for every bias function below
   int tile_buf = 0;
   auto bias_tile_start = [&](int next) {  // after the iteration's first barrier
     if constexpr (kBias) {

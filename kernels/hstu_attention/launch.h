@@ -426,11 +426,11 @@ cudaError_t launch_bwd_grid(Kernel kernel, int smem, int (&slots)[kMaxDevices], 
   return cudaGetLastError();
 }
 
-template <typename Kt, bool kBias>
+template <typename Kt, bool kBias, bool kTime = kBias>
 cudaError_t launch_hstu_bwd_kernel(HstuParams& p, cudaStream_t stream) {
   static int slots[kMaxDevices] = {};
-  return launch_bwd_grid<Kt>(&hstu_bwd_kernel<Kt, kBias>, bwd_smem_bytes<Kt, kBias>(), slots, p,
-                             stream);
+  return launch_bwd_grid<Kt>(&hstu_bwd_kernel<Kt, kBias, kTime>, bwd_smem_bytes<Kt, kBias>(),
+                             slots, p, stream);
 }
 
 // The SM90 backward (bwd_kernel_sm90.h) leaves deterministic mode and the in-kernel dQ
@@ -440,7 +440,8 @@ inline bool sm90_bwd_usable(HstuParams const& p, int smem) {
 }
 
 // The largest of the (dtype, head dim)'s backward configurations that the smem budget allows.
-template <typename T, int D, bool kBias>
+// kTime = false: the position-only kernel (the time term compiled out; same tiles).
+template <typename T, int D, bool kBias, bool kTime = kBias>
 cudaError_t launch_hstu_bwd_config(HstuParams& p, cudaStream_t stream) {
   using Small = typename BwdConfig<T, D>::type;
   using Big = typename BwdConfig<T, D>::big_smem;
@@ -456,37 +457,37 @@ cudaError_t launch_hstu_bwd_config(HstuParams& p, cudaStream_t stream) {
   }
 #endif
   if constexpr (kBias && BwdBiasConfig<T, D>::kOverride) {
-    return launch_hstu_bwd_kernel<typename BwdBiasConfig<T, D>::type, kBias>(p, stream);
+    return launch_hstu_bwd_kernel<typename BwdBiasConfig<T, D>::type, kBias, kTime>(p, stream);
   } else {
     [[maybe_unused]] const int budget = smem_budget();
     if constexpr (!std::is_same_v<Big, Huge>) {
       if (budget >= bwd_smem_bytes<Huge, kBias>()) {
-        return launch_hstu_bwd_kernel<Huge, kBias>(p, stream);
+        return launch_hstu_bwd_kernel<Huge, kBias, kTime>(p, stream);
       }
     }
     if constexpr (!std::is_same_v<Small, Big>) {
       if (budget >= bwd_smem_bytes<Big, kBias>()) {
-        return launch_hstu_bwd_kernel<Big, kBias>(p, stream);
+        return launch_hstu_bwd_kernel<Big, kBias, kTime>(p, stream);
       }
     }
     if constexpr (kBias) {
       using Fallback = typename BwdBiasConfig<T, D>::fallback;
       if constexpr (!std::is_same_v<Small, Fallback>) {
         if (budget < bwd_smem_bytes<Small, kBias>()) {
-          return launch_hstu_bwd_kernel<Fallback, kBias>(p, stream);
+          return launch_hstu_bwd_kernel<Fallback, kBias, kTime>(p, stream);
         }
       }
     }
-    return launch_hstu_bwd_kernel<Small, kBias>(p, stream);
+    return launch_hstu_bwd_kernel<Small, kBias, kTime>(p, stream);
   }
 }
 
 // dQ is converted by the backward kernel itself when the caller passes dq_counter (api.cpp does
 // only with HSTU_ATTN_DQ_CONVERT=bwd: measured slower on the H100 at d64/d128), else by the
 // separate convert kernel below (both are tested).
-template <typename T, int D, bool kBias>
+template <typename T, int D, bool kBias, bool kTime = kBias>
 cudaError_t run_hstu_bwd(HstuParams& p, cudaStream_t stream) {
-  cudaError_t err = launch_hstu_bwd_config<T, D, kBias>(p, stream);
+  cudaError_t err = launch_hstu_bwd_config<T, D, kBias, kTime>(p, stream);
   if (err != cudaSuccess) return err;
   const int64_t per_head = int64_t(p.total) * D;
   // With dq_counter the backward kernel has converted dQ itself; without p.dq the caller takes
@@ -504,15 +505,24 @@ cudaError_t run_hstu_bwd(HstuParams& p, cudaStream_t stream) {
 
 // One instantiation file per (dtype, head dim, direction, bias) registers its launcher at load
 // time, so a build filtered with HSTU_KERNEL_DIMS links and reports what is missing at call time.
-#define HSTU_REGISTER_FWD(T, DT, D, BIAS)                                             \
-  namespace {                                                                         \
-  const bool hstu_registered_fwd_##D = ::hstu::register_launcher(                     \
-      ::hstu::Direction::kFwd, DT, D, BIAS, &::hstu::run_hstu_fwd<T, D, BIAS>);       \
+#define HSTU_REGISTER_FWD(T, DT, D, BIAS)                                               \
+  namespace {                                                                           \
+  const bool hstu_registered_fwd_##D = ::hstu::register_launcher(                       \
+      ::hstu::Direction::kFwd, DT, D, ::hstu::bias_kind(BIAS),                          \
+      &::hstu::run_hstu_fwd<T, D, BIAS>);                                               \
   }
-#define HSTU_REGISTER_BWD(T, DT, D, BIAS)                                             \
-  namespace {                                                                         \
-  const bool hstu_registered_bwd_##D = ::hstu::register_launcher(                     \
-      ::hstu::Direction::kBwd, DT, D, BIAS, &::hstu::run_hstu_bwd<T, D, BIAS>);       \
+#define HSTU_REGISTER_BWD(T, DT, D, BIAS)                                               \
+  namespace {                                                                           \
+  const bool hstu_registered_bwd_##D = ::hstu::register_launcher(                       \
+      ::hstu::Direction::kBwd, DT, D, ::hstu::bias_kind(BIAS),                          \
+      &::hstu::run_hstu_bwd<T, D, BIAS>);                                               \
+  }
+// The backward with the position term only (BiasKind::kPosition).
+#define HSTU_REGISTER_BWD_POSITION(T, DT, D)                                            \
+  namespace {                                                                           \
+  const bool hstu_registered_bwd_pos_##D = ::hstu::register_launcher(                   \
+      ::hstu::Direction::kBwd, DT, D, ::hstu::BiasKind::kPosition,                      \
+      &::hstu::run_hstu_bwd<T, D, true, false>);                                        \
   }
 
 }  // namespace hstu

@@ -24,19 +24,27 @@ inline int head_dim_index(int d) {
 // Defined in registry.cpp (a single table for the whole extension).
 Launcher* launcher_table();
 
-// Slot of (direction, bias, dtype, head dim index) in the table of 2 x 2 x 2 x 4 launchers.
-inline int launcher_slot(Direction dir, bool bias, DType dt, int i) {
-  return ((int(dir) * 2 + int(bias)) * 2 + int(dt)) * 4 + i;
+// Which bias a launcher serves: none, any (position and/or time), or the position term alone
+// (a backward without the time term's code: fewer registers, so fewer spills; used when the call
+// has no time weight and the build has it, else kAny serves).
+enum class BiasKind : int { kNone = 0, kAny = 1, kPosition = 2 };
+constexpr int kBiasKinds = 3;
+constexpr BiasKind bias_kind(bool bias) { return bias ? BiasKind::kAny : BiasKind::kNone; }
+
+// Slot of (direction, bias kind, dtype, head dim index) in the table of 2 x 3 x 2 x 4 launchers.
+constexpr int kLauncherSlots = 2 * kBiasKinds * 2 * 4;
+inline int launcher_slot(Direction dir, BiasKind kind, DType dt, int i) {
+  return ((int(dir) * kBiasKinds + int(kind)) * 2 + int(dt)) * 4 + i;
 }
 
-inline bool register_launcher(Direction dir, DType dt, int d, bool bias, Launcher fn) {
-  launcher_table()[launcher_slot(dir, bias, dt, head_dim_index(d))] = fn;
+inline bool register_launcher(Direction dir, DType dt, int d, BiasKind kind, Launcher fn) {
+  launcher_table()[launcher_slot(dir, kind, dt, head_dim_index(d))] = fn;
   return true;
 }
 
-inline Launcher find_launcher(Direction dir, DType dt, int d, bool bias) {
+inline Launcher find_launcher(Direction dir, DType dt, int d, BiasKind kind) {
   const int i = head_dim_index(d);
-  return i < 0 ? nullptr : launcher_table()[launcher_slot(dir, bias, dt, i)];
+  return i < 0 ? nullptr : launcher_table()[launcher_slot(dir, kind, dt, i)];
 }
 
 }  // namespace hstu

@@ -5,7 +5,7 @@
 namespace hstu {
 
 Launcher* launcher_table() {
-  static Launcher table[2 * 2 * 2 * 4] = {};
+  static Launcher table[kLauncherSlots] = {};
   return table;
 }
 

@@ -1,0 +1,11 @@
+// bwd kernel, bf16, head dim 256, with the position term of the relative attention bias alone
+// (the time term compiled out; api.cpp uses it for calls without a time weight). fp16 calls
+// take the general biased kernel. One file per (dtype, head dim, direction, bias kind) so
+// builds parallelise.
+#include "launch.h"
+
+namespace hstu {
+template cudaError_t run_hstu_bwd<cutlass::bfloat16_t, 256, true, false>(HstuParams&, cudaStream_t);
+}  // namespace hstu
+
+HSTU_REGISTER_BWD_POSITION(cutlass::bfloat16_t, ::hstu::DType::kBf16, 256)

@@ -97,7 +97,10 @@ def test_instantiation_compiles_for_sm80(name: str, tmp_path: Path, nvcc: str) -
 
 @pytest.mark.parametrize(
     "name, kernel",
-    [("fwd_fp16_hdim256.cu", b"hstu_fwd_kernel_sm90"), ("bwd_bf16_hdim256.cu", b"hstu_bwd_kernel_sm90")],
+    [
+        ("fwd_fp16_hdim256.cu", b"hstu_fwd_kernel_sm90"),
+        ("bwd_bf16_hdim256.cu", b"hstu_bwd_kernel_sm90"),
+    ],
 )
 def test_sm90a_kernels_compile(name: str, kernel: bytes, tmp_path: Path, nvcc: str) -> None:
     """The wgmma kernels (fwd_kernel_sm90.h, bwd_kernel_sm90.h) compile for sm_90a with

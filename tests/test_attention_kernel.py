@@ -277,9 +277,7 @@ def test_grid_orders_give_identical_results(d: int, monkeypatch) -> None:
         assert err <= BWD_TOL[torch.bfloat16], f"{name} rel err {err:.3e}"
 
 
-def _grads_with(
-    env: str | None, monkeypatch, lengths, heads, d, max_seqlen, seed, det=True, **kw
-):
+def _grads_with(env: str | None, monkeypatch, lengths, heads, d, max_seqlen, seed, det=True, **kw):
     if env is None:
         monkeypatch.delenv("HSTU_ATTN_COMPACT_GRID", raising=False)
     else:

@@ -594,7 +594,12 @@ def test_residual_gemm_twin_is_the_formula_cpu():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "t,n,k,x_stride,y_stride",
-    [(1, 8, 8, 8, 8), (777, 256, 264, 256, 264), (4099, 1024, 1032, 1032, 1040), (0, 64, 72, 64, 72)],
+    [
+        (1, 8, 8, 8, 8),
+        (777, 256, 264, 256, 264),
+        (4099, 1024, 1032, 1032, 1040),
+        (0, 64, 72, 64, 72),
+    ],
 )
 @pytest.mark.gpu
 @needs_kernel

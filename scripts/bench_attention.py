@@ -65,11 +65,20 @@ KERNEL_ENV = (
     "HSTU_ATTN_LAST_GROUP",
     "HSTU_ATTN_SM90",
     "HSTU_ATTN_COMPACT_GRID",
+    "HSTU_ATTN_POSITION_BWD",
 )
 
 
 def make_inputs(
-    b: int, h: int, d: int, n: int, targets: int, contexts: int, device="cuda", lognormal=False
+    b: int,
+    h: int,
+    d: int,
+    n: int,
+    targets: int,
+    contexts: int,
+    device="cuda",
+    lognormal=False,
+    dtype=torch.bfloat16,
 ):
     gen = torch.Generator().manual_seed(0)
     if lognormal:  # hstu.data.synthetic's lengths: 8 + floor(lognormal(mu, 1)), mean 1024
@@ -83,7 +92,7 @@ def make_inputs(
     total = int(offsets[-1])
     tg = torch.Generator().manual_seed(1)
     q, k, v, do = (
-        (torch.randn(total, h, d, generator=tg) * 0.5).to(device, torch.bfloat16) for _ in range(4)
+        (torch.randn(total, h, d, generator=tg) * 0.5).to(device, dtype) for _ in range(4)
     )
     kw = {}
     if targets:
@@ -177,6 +186,7 @@ def main() -> None:
         help="also time the kernel calls replayed from a CUDA graph (GPU time alone)",
     )
     ap.add_argument("--bias", choices=BIAS_KINDS, default="none")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="q, k, v and dO")
     ap.add_argument(
         "--bound-factor",
         type=float,
@@ -207,6 +217,8 @@ def main() -> None:
         rec = {"bench": "hstu_attention", "gpu": gpu, **rec}
         if args.bias != "none":
             rec["bias"] = args.bias
+        if args.dtype != "bf16":
+            rec["dtype"] = args.dtype
         if knobs:
             rec["env"] = knobs
         emit_json(rec, args.out)
@@ -219,7 +231,14 @@ def main() -> None:
             runs.append((name + "_det", SHAPES[name], {"deterministic": True}, name))
     for label, (b, h, d, n, tgt, ctx), extra, _ in runs:
         lengths, offsets, q, k, v, do, kw = make_inputs(
-            b, h, d, n, tgt, ctx, lognormal=label in LOGNORMAL_SHAPES
+            b,
+            h,
+            d,
+            n,
+            tgt,
+            ctx,
+            lognormal=label in LOGNORMAL_SHAPES,
+            dtype=torch.float16 if args.dtype == "fp16" else torch.bfloat16,
         )
         bound = int(args.bound_factor * n)
         kw.update(bias_inputs(args.bias, lengths, n))

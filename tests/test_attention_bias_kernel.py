@@ -237,19 +237,20 @@ def test_single_term(terms, d):
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "all"])
 def test_position_only_every_dim(mask, d, dtype):
-    """The position term alone: bf16 runs the backward built without the time term
-    (bwd_biaspos_*), fp16 the general biased one."""
+    """The position term alone: the backward runs the kernel built without the time term
+    (bwd_biaspos_*)."""
     kw = _mask_kwargs(MASKS[mask], LENGTHS) if mask != "none" else {}
     _check(LENGTHS, d, dtype, use_time=False, **kw)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
-def test_position_only_backward_matches_the_general_kernel(d):
+def test_position_only_backward_matches_the_general_kernel(d, dtype):
     """The position-only backward (no time weight) against the general biased backward given
     a time weight of zeros: the same scores (adding 0 is exact), so dq/dk/dv bitwise equal in
     deterministic mode; d pos_weight sums the same dS in another atomic order."""
     kw = _mask_kwargs(MASKS["all"], LENGTHS)
-    _, _, _, _, (q, k, v, do, args, extra) = _run(LENGTHS, d, torch.bfloat16, **kw)
+    _, _, _, _, (q, k, v, do, args, extra) = _run(LENGTHS, d, dtype, **kw)
     general = dict(extra, time_weight=torch.zeros_like(extra["time_weight"]))
     position = dict(extra, timestamps=None, time_weight=None, time_edges=None)
     a = torch.ops.hstu_attention.bwd(do, q, k, v, *args, True, **general)

@@ -53,8 +53,10 @@ def test_one_instantiation_per_dtype_headdim_direction_bias() -> None:
         for dtype in ("bf16", "fp16")
         for d in (32, 64, 128, 256)
     }
-    # the backward with the position term alone (the time term compiled out), bf16 only
-    expected |= {f"bwd_biaspos_bf16_hdim{d}.cu" for d in (32, 64, 128, 256)}
+    # the backward with the position term alone (the time term compiled out)
+    expected |= {
+        f"bwd_biaspos_{dtype}_hdim{d}.cu" for dtype in ("bf16", "fp16") for d in (32, 64, 128, 256)
+    }
     assert names == expected
 
 

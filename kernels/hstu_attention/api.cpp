@@ -498,7 +498,7 @@ Tensor tile_map_for(hstu::HstuParams& p, const Tensor& q) {
 void launch(hstu::Direction dir, hstu::HstuParams& p) {
   const bool bias = p.pos_w != nullptr || p.time_w != nullptr;
   hstu::Launcher fn = nullptr;
-  // The position-only backward where built (bf16); HSTU_ATTN_POSITION_BWD=0 takes the general
+  // The position-only backward where built; HSTU_ATTN_POSITION_BWD=0 takes the general
   // biased kernel instead (the two are compared in tests and benchmarks).
   const char* pos_bwd = std::getenv("HSTU_ATTN_POSITION_BWD");
   if (dir == hstu::Direction::kBwd && p.pos_w != nullptr && p.time_w == nullptr &&

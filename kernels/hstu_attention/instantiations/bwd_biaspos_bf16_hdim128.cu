@@ -1,7 +1,6 @@
 // bwd kernel, bf16, head dim 128, with the position term of the relative attention bias alone
-// (the time term compiled out; api.cpp uses it for calls without a time weight). fp16 calls
-// take the general biased kernel. One file per (dtype, head dim, direction, bias kind) so
-// builds parallelise.
+// (the time term compiled out; api.cpp uses it for calls without a time weight). One file per
+// (dtype, head dim, direction, bias kind) so builds parallelise.
 #include "launch.h"
 
 namespace hstu {

@@ -1,8 +1,8 @@
 """Benchmark the compiled HSTU attention kernel against the PyTorch reference (same run).
 
-Shapes, lengths, FLOP counting and timing follow docs/design.md "Benchmarks": bf16 (`--dtype fp16`: fp16), causal,
-alpha = 1/sqrt(d), lengths ~ randint(N // 2, N + 1) with seed 0, forward FLOPs
-sum_b H * L_b^2 * (Dqk + Dv), forward+backward = 3.5x, CUDA events, median of >= 20 runs.
+Shapes, lengths, FLOP counting and timing follow docs/design.md "Benchmarks": bf16 (fp16 with
+`--dtype fp16`), causal, alpha = 1/sqrt(d), lengths ~ randint(N // 2, N + 1) with seed 0, forward
+FLOPs sum_b H * L_b^2 * (Dqk + Dv), forward+backward = 3.5x, CUDA events, median of >= 20 runs.
 Prints one JSON object per line:
 
     python scripts/bench_attention.py [--shapes short_d64,mid_d128] [--iters 30] [--warmup 10]

@@ -46,6 +46,7 @@ from hstu.ops import reference  # noqa: E402
 SHAPES = {
     # name: (B, H, d, N, targets, contextual)
     "short_d64": (64, 4, 64, 256, 0, 0),
+    "long_d64": (16, 4, 64, 4096, 0, 0),
     "mid_d128": (32, 4, 128, 1024, 0, 0),
     "long_d128": (16, 4, 128, 4096, 0, 0),
     "long_d256": (8, 4, 256, 4096, 0, 0),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -243,20 +244,39 @@ def test_position_only_every_dim(mask, d, dtype):
     _check(LENGTHS, d, dtype, use_time=False, **kw)
 
 
+def _bwd_profiled(*args, **kw):
+    """torch.ops.hstu_attention.bwd(*args, **kw) and the tiles (`BwdTraits<...>`, from the
+    profiler's kernel names) of the backward kernels it ran."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = torch.ops.hstu_attention.bwd(*args, **kw)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "hstu_bwd_kernel" in e.name]
+    tiles = {m.group(0) for n in names for m in [re.search(r"BwdTraits<[^>]*>", n)] if m}
+    assert tiles, names
+    return out, tiles
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
 def test_position_only_backward_matches_the_general_kernel(d, dtype):
     """The position-only backward (no time weight) against the general biased backward given
-    a time weight of zeros: the same scores (adding 0 is exact), so dq/dk/dv bitwise equal in
-    deterministic mode; d pos_weight sums the same dS in another atomic order."""
+    a time weight of zeros: the same scores (adding 0 is exact), so on the same tiles dq/dk/dv
+    are bitwise equal in deterministic mode; d pos_weight sums the same dS in another atomic
+    order. Without the time term's tables the position-only kernel may fit larger tiles (d64
+    on the A100's 163 KB); then its gradients are compared within the kernel's tolerance."""
     kw = _mask_kwargs(MASKS["all"], LENGTHS)
     _, _, _, _, (q, k, v, do, args, extra) = _run(LENGTHS, d, dtype, **kw)
     general = dict(extra, time_weight=torch.zeros_like(extra["time_weight"]))
     position = dict(extra, timestamps=None, time_weight=None, time_edges=None)
-    a = torch.ops.hstu_attention.bwd(do, q, k, v, *args, True, **general)
-    b = torch.ops.hstu_attention.bwd(do, q, k, v, *args, True, **position)
+    a, tiles_a = _bwd_profiled(do, q, k, v, *args, True, **general)
+    b, tiles_b = _bwd_profiled(do, q, k, v, *args, True, **position)
     for name, x, y in zip(("dq", "dk", "dv"), a[:3], b[:3]):
-        assert torch.equal(x, y), name
+        if tiles_a == tiles_b:
+            assert torch.equal(x, y), name
+        else:
+            err = float((x.float() - y.float()).abs().max() / x.float().abs().max())
+            assert err <= BWD_TOL[dtype] / 3, f"{name}: {err:.3e} ({tiles_a} vs {tiles_b})"
     assert b[4].numel() == 0
     assert float(a[3].abs().max()) > 0
     torch.testing.assert_close(b[3], a[3], rtol=1e-4, atol=1e-5)
@@ -289,14 +309,16 @@ def test_time_buckets_by_column_segments(d, pattern, causal):
     _check(LENGTHS, d, torch.bfloat16, ts_pattern=pattern, causal=causal)
 
 
+@pytest.mark.parametrize("terms", ["position_time", "position"])
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
-def test_a100_shared_memory_budget(d, monkeypatch):
+def test_a100_shared_memory_budget(d, terms, monkeypatch):
     """HSTU_ATTN_MAX_SMEM=166912 plans the A100's tiles (163 KB per block) here, and a kernel
     whose tiles and bias tables exceed the budget is refused, not launched: d64's biased
-    backward falls back to single-buffered tiles there."""
+    backward falls back to single-buffered tiles there, its position-only backward (no time
+    tables) keeps the double-buffered ones."""
     monkeypatch.setenv("HSTU_ATTN_MAX_SMEM", "166912")
     kw = _mask_kwargs(MASKS["all"], LENGTHS)
-    _check(LENGTHS, d, torch.bfloat16, **kw)
+    _check(LENGTHS, d, torch.bfloat16, use_time=terms == "position_time", **kw)
 
 
 def test_kernel_past_the_shared_memory_cap_is_refused_with_its_reason(monkeypatch):

@@ -505,7 +505,10 @@ void launch(hstu::Direction dir, hstu::HstuParams& p) {
       !(pos_bwd != nullptr && pos_bwd[0] == '0')) {
     fn = hstu::find_launcher(dir, p.dtype, p.head_dim, hstu::BiasKind::kPosition);
   }
-  if (fn == nullptr) fn = hstu::find_launcher(dir, p.dtype, p.head_dim, hstu::bias_kind(bias));
+  if (fn == nullptr) {
+    const hstu::BiasKind kind = bias ? hstu::BiasKind::kAny : hstu::BiasKind::kNone;
+    fn = hstu::find_launcher(dir, p.dtype, p.head_dim, kind);
+  }
   const char* dt = p.dtype == hstu::DType::kBf16 ? "bf16" : "fp16";
   HSTU_CHECK(fn != nullptr, "hstu_attention: the ", dir == hstu::Direction::kFwd ? "fwd" : "bwd",
               bias ? " (relative bias)" : "", " kernel for ", dt, " head dim ", p.head_dim,

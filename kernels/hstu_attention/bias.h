@@ -35,24 +35,26 @@ constexpr float kLog2ToTimeBucket = 0.69314718055994531f / 0.301f;
 
 // Byte offsets of the bias tables in shared memory (after the kernel's own tiles). kBwd adds
 // the time gradient's histogram; the backward's key tile is fixed, so it needs one key-timestamp
-// buffer where the forward double-buffers them.
-template <int kBlockM, int kBlockN, bool kBwd>
+// buffer where the forward double-buffers them. kTime = false (the position-only backward) gives
+// every time table zero bytes: only the diagonals remain.
+template <int kBlockM, int kBlockN, bool kBwd, bool kTime = true>
 struct BiasSmem {
+  static constexpr int kT = kTime ? 1 : 0;  // multiplies the size of every time table
   static constexpr int kDiag = kBlockM + kBlockN;  // floats per diagonal buffer (one spare)
   static constexpr int kKeyBufs = kBwd ? 1 : 2;
-  static constexpr int kEdges = 0;                                   // int64 [NB + 1]
-  static constexpr int kKeyTs = kEdges + 8 * (kMaxTimeBuckets + 8);  // int64 [bufs][kBlockN]
+  static constexpr int kEdges = 0;                                        // int64 [NB + 1]
+  static constexpr int kKeyTs = kEdges + kT * 8 * (kMaxTimeBuckets + 8);  // int64 [bufs][kBlockN]
   // int64 [bufs][3]: the in-sequence keys' min, max, and (forward) 1 if they ascend
-  static constexpr int kKeyRange = kKeyTs + 8 * kKeyBufs * kBlockN;
+  static constexpr int kKeyRange = kKeyTs + kT * 8 * kKeyBufs * kBlockN;
   // The query rows' times (qt above): fixed for the forward's CTA, per tile in the backward.
   static constexpr int kQueryBufs = kBwd ? 2 : 1;
-  static constexpr int kQueryTs = kKeyRange + 8 * 3 * kKeyBufs;      // int64 [bufs][kBlockM]
-  static constexpr int kTimeW = kQueryTs + 8 * kQueryBufs * kBlockM;  // float [NB + 1]
-  static constexpr int kDiagW = kTimeW + 4 * (kMaxTimeBuckets + 4);  // float [2][kDiag]
-  // bwd: float [kHistCopies][kHistStride]: the time histogram, one copy per row slot of the
-  // gradient pass (a row's threads take copy row % kHistCopies), so that the shared-memory
-  // atomics of a warp's rows seldom meet on one word; the copies of a bucket are 4 banks apart.
-  static constexpr int kHistCopies = kBwd ? 4 : 0;
+  static constexpr int kQueryTs = kKeyRange + kT * 8 * 3 * kKeyBufs;  // int64 [bufs][kBlockM]
+  static constexpr int kTimeW = kQueryTs + kT * 8 * kQueryBufs * kBlockM;  // float [NB + 1]
+  static constexpr int kDiagW = kTimeW + kT * 4 * (kMaxTimeBuckets + 4);  // float [2][kDiag]
+  // bwd: float [kHistCopies][kHistStride]: the time histogram in 8 copies, chosen by row slot
+  // staggered by warp (accumulate_time_grad), so that the shared-memory atomics of a warp's rows,
+  // and those of the warps, seldom meet on one word; the copies of a bucket are 4 banks apart.
+  static constexpr int kHistCopies = kBwd ? 8 : 0;
   static constexpr int kHistStride = kMaxTimeBuckets + 4;
   static constexpr int kTimeHist = kDiagW + 4 * 2 * kDiag;
   // bwd: the tile's time buckets, written by the recomputed bias for the weight gradient: per
@@ -61,9 +63,9 @@ struct BiasSmem {
   // stride keeps 8-byte reads aligned and puts the 8 rows of an MMA fragment's stores in
   // different banks.
   static constexpr int kBucketStride = kBlockN + 8;
-  static constexpr int kRowBucket = kTimeHist + 4 * kHistCopies * kHistStride;
-  static constexpr int kBuckets = kRowBucket + (kBwd ? 4 * kBlockM : 0);  // uint8 [kBlockM][stride]
-  static constexpr int kEnd = kBuckets + (kBwd ? kBlockM * kBucketStride : 0);
+  static constexpr int kRowBucket = kTimeHist + kT * 4 * kHistCopies * kHistStride;
+  static constexpr int kBuckets = kRowBucket + (kBwd ? kT * 4 * kBlockM : 0);  // uint8 [M][stride]
+  static constexpr int kEnd = kBuckets + (kBwd ? kT * kBlockM * kBucketStride : 0);
   static constexpr int kBytes = (kEnd + 127) / 128 * 128;
 };
 
@@ -203,9 +205,11 @@ __device__ __forceinline__ uint32_t row_segment_code(const int64_t* edges, int n
 }
 
 // Per-CTA view of the tables; `buf` picks the diagonal / key-timestamp buffer of the tile.
-template <int kBlockM, int kBlockN, bool kBwd>
+// kTime = false: has_time is the constant false (every time table access is compiled out) and
+// the layout has no time tables.
+template <int kBlockM, int kBlockN, bool kBwd, bool kTime = true>
 struct BiasTables {
-  using Layout = BiasSmem<kBlockM, kBlockN, kBwd>;
+  using Layout = BiasSmem<kBlockM, kBlockN, kBwd, kTime>;
   static constexpr bool kIsBwd = kBwd;
   static constexpr int kKeys = kBlockN;  // keys per tile
   char* base;
@@ -241,13 +245,13 @@ struct BiasTables {
   }
 };
 
-template <int kBlockM, int kBlockN, bool kBwd>
-__device__ __forceinline__ BiasTables<kBlockM, kBlockN, kBwd> bias_tables(HstuParams const& p,
-                                                                         char* base) {
-  BiasTables<kBlockM, kBlockN, kBwd> t;
+template <int kBlockM, int kBlockN, bool kBwd, bool kTime = true>
+__device__ __forceinline__ BiasTables<kBlockM, kBlockN, kBwd, kTime> bias_tables(
+    HstuParams const& p, char* base) {
+  BiasTables<kBlockM, kBlockN, kBwd, kTime> t;
   t.base = base;
   t.has_pos = p.pos_w != nullptr;
-  t.has_time = p.time_w != nullptr;
+  t.has_time = kTime && p.time_w != nullptr;
   t.nb = p.num_buckets;
   return t;
 }
@@ -558,8 +562,12 @@ __device__ __forceinline__ void accumulate_time_grad(Tables const& t, SdS const&
   static_assert(kNThreads % kSegs == 0 && kBlockN % kSegs == 0 && kCols % 8 == 0);
   // A row's kSegs threads are adjacent lanes of one warp.
   static_assert((kSegs & (kSegs - 1)) == 0 && kSegs <= 32 && kNThreads % 32 == 0);
-  // The thread's row slot's copy of the histogram.
-  float* s_time = t.time_hist() + (tidx / kSegs) % Tables::Layout::kHistCopies *
+  // The thread's copy of the histogram: its row slot's, staggered by warp (slot + warp), so that
+  // a warp's rows take different copies and so do the warps' window sums (added by a warp's
+  // first lanes, all of one slot, when its rows share the bucket).
+  constexpr int kSlotsPerWarp = 32 / kSegs;
+  const int slot = tidx / kSegs;
+  float* s_time = t.time_hist() + (slot + slot / kSlotsPerWarp) % Tables::Layout::kHistCopies *
                                       Tables::Layout::kHistStride;
   const uint8_t* bkt = t.buckets();
   const int seg = tidx % kSegs;

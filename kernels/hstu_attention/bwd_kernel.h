@@ -399,8 +399,9 @@ __global__ void __launch_bounds__(Kt::kNWarps * 32, 1)
   // shared memory for the time gradient. Weight gradients: the position sums go to global
   // memory per tile, the time histogram sums the whole CTA and is flushed after the epilogue's
   // barrier.
-  [[maybe_unused]] auto bt = bias_tables<kBlockM, kBlockN, true>(p, smem_ + Kt::kSmemSize);
-  if constexpr (!kTime) bt.has_time = false;  // a constant for every bias function below
+  // kTime = false: has_time is a constant false for every bias function below.
+  [[maybe_unused]] const auto bt =
+      bias_tables<kBlockM, kBlockN, true, kTime>(p, smem_ + Kt::kSmemSize);
   int tile_buf = 0;
   auto bias_tile_start = [&](int next) {  // after the iteration's first barrier
     if constexpr (kBias) {

@@ -100,8 +100,9 @@ struct BwdBiasConfig {
   static constexpr bool kOverride = false;
   using fallback = typename BwdConfig<T, D>::type;
 };
-// d64: the 160 KB double-buffered tiles and the bias tables (27 KB) exceed the A100's 163 KB;
-// single-buffered (128 KB) there.
+// d64: the 160 KB double-buffered tiles and the bias tables (34 KB) exceed the A100's 163 KB;
+// single-buffered (128 KB) there. The position-only kernel's tables (2 KB, no time term) fit
+// beside the double-buffered tiles.
 template <typename T>
 struct BwdBiasConfig<T, 64> {
   static constexpr bool kOverride = false;
@@ -398,10 +399,11 @@ cudaError_t run_hstu_fwd(HstuParams& p, cudaStream_t stream) {
   return launch_hstu_fwd_kernel<One, kBias>(p, stream);
 }
 
-// Shared memory of a backward kernel: its tiles, plus the bias gradients' histograms with kBias.
-template <typename Kt, bool kBias>
+// Shared memory of a backward kernel: its tiles, plus with kBias the bias tables (with kTime the
+// time term's too: edges, weights, timestamps, the histogram and the bucket bytes).
+template <typename Kt, bool kBias, bool kTime = kBias>
 constexpr int bwd_smem_bytes() {
-  return Kt::kSmemSize + (kBias ? BiasSmem<Kt::kBlockM, Kt::kBlockN, true>::kBytes : 0);
+  return Kt::kSmemSize + (kBias ? BiasSmem<Kt::kBlockM, Kt::kBlockN, true, kTime>::kBytes : 0);
 }
 
 // Launches a backward kernel of tiles Kt (one CTA per key block) with smem bytes of shared memory.
@@ -429,8 +431,8 @@ cudaError_t launch_bwd_grid(Kernel kernel, int smem, int (&slots)[kMaxDevices], 
 template <typename Kt, bool kBias, bool kTime = kBias>
 cudaError_t launch_hstu_bwd_kernel(HstuParams& p, cudaStream_t stream) {
   static int slots[kMaxDevices] = {};
-  return launch_bwd_grid<Kt>(&hstu_bwd_kernel<Kt, kBias, kTime>, bwd_smem_bytes<Kt, kBias>(),
-                             slots, p, stream);
+  return launch_bwd_grid<Kt>(&hstu_bwd_kernel<Kt, kBias, kTime>,
+                             bwd_smem_bytes<Kt, kBias, kTime>(), slots, p, stream);
 }
 
 // The SM90 backward (bwd_kernel_sm90.h) leaves deterministic mode and the in-kernel dQ
@@ -460,20 +462,23 @@ cudaError_t launch_hstu_bwd_config(HstuParams& p, cudaStream_t stream) {
     return launch_hstu_bwd_kernel<typename BwdBiasConfig<T, D>::type, kBias, kTime>(p, stream);
   } else {
     [[maybe_unused]] const int budget = smem_budget();
-    if constexpr (!std::is_same_v<Big, Huge>) {
-      if (budget >= bwd_smem_bytes<Huge, kBias>()) {
+    // Not with the bias: d256's 224 KB tiles leave no room for the time tables, and the
+    // position-only kernel that fits them spills 708 bytes (sm_90a) and measured 34% slower than
+    // on the 208 KB tiles (H200, long_d256: 2.86 against 2.13 ms).
+    if constexpr (!kBias && !std::is_same_v<Big, Huge>) {
+      if (budget >= bwd_smem_bytes<Huge, kBias, kTime>()) {
         return launch_hstu_bwd_kernel<Huge, kBias, kTime>(p, stream);
       }
     }
     if constexpr (!std::is_same_v<Small, Big>) {
-      if (budget >= bwd_smem_bytes<Big, kBias>()) {
+      if (budget >= bwd_smem_bytes<Big, kBias, kTime>()) {
         return launch_hstu_bwd_kernel<Big, kBias, kTime>(p, stream);
       }
     }
     if constexpr (kBias) {
       using Fallback = typename BwdBiasConfig<T, D>::fallback;
       if constexpr (!std::is_same_v<Small, Fallback>) {
-        if (budget < bwd_smem_bytes<Small, kBias>()) {
+        if (budget < bwd_smem_bytes<Small, kBias, kTime>()) {
           return launch_hstu_bwd_kernel<Fallback, kBias, kTime>(p, stream);
         }
       }
@@ -503,26 +508,24 @@ cudaError_t run_hstu_bwd(HstuParams& p, cudaStream_t stream) {
   return err;
 }
 
-// One instantiation file per (dtype, head dim, direction, bias) registers its launcher at load
-// time, so a build filtered with HSTU_KERNEL_DIMS links and reports what is missing at call time.
-#define HSTU_REGISTER_FWD(T, DT, D, BIAS)                                               \
-  namespace {                                                                           \
-  const bool hstu_registered_fwd_##D = ::hstu::register_launcher(                       \
-      ::hstu::Direction::kFwd, DT, D, ::hstu::bias_kind(BIAS),                          \
-      &::hstu::run_hstu_fwd<T, D, BIAS>);                                               \
+// One instantiation file per (dtype, head dim, direction, bias kind) registers its launcher at
+// load time, so a build filtered with HSTU_KERNEL_DIMS links and reports what is missing at call
+// time. KIND is a BiasKind without its k: None, Any (position and/or time) or, for the backward
+// only, Position (the time term compiled out).
+#define HSTU_REGISTER_FWD(T, DT, D, KIND)                                                  \
+  static_assert(::hstu::BiasKind::k##KIND != ::hstu::BiasKind::kPosition,                 \
+                "the forward has no position-only kernel");                               \
+  namespace {                                                                              \
+  const bool hstu_registered_fwd_##D = ::hstu::register_launcher(                          \
+      ::hstu::Direction::kFwd, DT, D, ::hstu::BiasKind::k##KIND,                           \
+      &::hstu::run_hstu_fwd<T, D, ::hstu::bias_kind_has_bias(::hstu::BiasKind::k##KIND)>); \
   }
-#define HSTU_REGISTER_BWD(T, DT, D, BIAS)                                               \
-  namespace {                                                                           \
-  const bool hstu_registered_bwd_##D = ::hstu::register_launcher(                       \
-      ::hstu::Direction::kBwd, DT, D, ::hstu::bias_kind(BIAS),                          \
-      &::hstu::run_hstu_bwd<T, D, BIAS>);                                               \
-  }
-// The backward with the position term only (BiasKind::kPosition).
-#define HSTU_REGISTER_BWD_POSITION(T, DT, D)                                            \
-  namespace {                                                                           \
-  const bool hstu_registered_bwd_pos_##D = ::hstu::register_launcher(                   \
-      ::hstu::Direction::kBwd, DT, D, ::hstu::BiasKind::kPosition,                      \
-      &::hstu::run_hstu_bwd<T, D, true, false>);                                        \
+#define HSTU_REGISTER_BWD(T, DT, D, KIND)                                                  \
+  namespace {                                                                              \
+  const bool hstu_registered_bwd_##D = ::hstu::register_launcher(                          \
+      ::hstu::Direction::kBwd, DT, D, ::hstu::BiasKind::k##KIND,                           \
+      &::hstu::run_hstu_bwd<T, D, ::hstu::bias_kind_has_bias(::hstu::BiasKind::k##KIND),   \
+                            ::hstu::bias_kind_has_time(::hstu::BiasKind::k##KIND)>);       \
   }
 
 }  // namespace hstu

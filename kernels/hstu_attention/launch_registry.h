@@ -29,7 +29,9 @@ Launcher* launcher_table();
 // has no time weight and the build has it, else kAny serves).
 enum class BiasKind : int { kNone = 0, kAny = 1, kPosition = 2 };
 constexpr int kBiasKinds = 3;
-constexpr BiasKind bias_kind(bool bias) { return bias ? BiasKind::kAny : BiasKind::kNone; }
+// The kernel template's kBias and kTime flags of a kind.
+constexpr bool bias_kind_has_bias(BiasKind k) { return k != BiasKind::kNone; }
+constexpr bool bias_kind_has_time(BiasKind k) { return k == BiasKind::kAny; }
 
 // Slot of (direction, bias kind, dtype, head dim index) in the table of 2 x 3 x 2 x 4 launchers.
 constexpr int kLauncherSlots = 2 * kBiasKinds * 2 * 4;

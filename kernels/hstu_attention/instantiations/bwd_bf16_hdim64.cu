@@ -6,4 +6,4 @@ namespace hstu {
 template cudaError_t run_hstu_bwd<cutlass::bfloat16_t, 64, false>(HstuParams&, cudaStream_t);
 }  // namespace hstu
 
-HSTU_REGISTER_BWD(cutlass::bfloat16_t, ::hstu::DType::kBf16, 64, false)
+HSTU_REGISTER_BWD(cutlass::bfloat16_t, ::hstu::DType::kBf16, 64, None)

@@ -6,4 +6,4 @@ namespace hstu {
 template cudaError_t run_hstu_bwd<cutlass::bfloat16_t, 128, true>(HstuParams&, cudaStream_t);
 }  // namespace hstu
 
-HSTU_REGISTER_BWD(cutlass::bfloat16_t, ::hstu::DType::kBf16, 128, true)
+HSTU_REGISTER_BWD(cutlass::bfloat16_t, ::hstu::DType::kBf16, 128, Any)

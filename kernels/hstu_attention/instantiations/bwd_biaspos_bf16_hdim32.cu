@@ -7,4 +7,4 @@ namespace hstu {
 template cudaError_t run_hstu_bwd<cutlass::bfloat16_t, 32, true, false>(HstuParams&, cudaStream_t);
 }  // namespace hstu
 
-HSTU_REGISTER_BWD_POSITION(cutlass::bfloat16_t, ::hstu::DType::kBf16, 32)
+HSTU_REGISTER_BWD(cutlass::bfloat16_t, ::hstu::DType::kBf16, 32, Position)

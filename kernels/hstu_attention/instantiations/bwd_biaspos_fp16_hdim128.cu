@@ -7,4 +7,4 @@ namespace hstu {
 template cudaError_t run_hstu_bwd<cutlass::half_t, 128, true, false>(HstuParams&, cudaStream_t);
 }  // namespace hstu
 
-HSTU_REGISTER_BWD_POSITION(cutlass::half_t, ::hstu::DType::kFp16, 128)
+HSTU_REGISTER_BWD(cutlass::half_t, ::hstu::DType::kFp16, 128, Position)

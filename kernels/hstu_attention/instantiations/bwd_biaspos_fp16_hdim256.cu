@@ -7,4 +7,4 @@ namespace hstu {
 template cudaError_t run_hstu_bwd<cutlass::half_t, 256, true, false>(HstuParams&, cudaStream_t);
 }  // namespace hstu
 
-HSTU_REGISTER_BWD_POSITION(cutlass::half_t, ::hstu::DType::kFp16, 256)
+HSTU_REGISTER_BWD(cutlass::half_t, ::hstu::DType::kFp16, 256, Position)

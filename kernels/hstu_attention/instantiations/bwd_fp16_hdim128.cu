@@ -6,4 +6,4 @@ namespace hstu {
 template cudaError_t run_hstu_bwd<cutlass::half_t, 128, false>(HstuParams&, cudaStream_t);
 }  // namespace hstu
 
-HSTU_REGISTER_BWD(cutlass::half_t, ::hstu::DType::kFp16, 128, false)
+HSTU_REGISTER_BWD(cutlass::half_t, ::hstu::DType::kFp16, 128, None)

@@ -6,4 +6,4 @@ namespace hstu {
 template cudaError_t run_hstu_bwd<cutlass::half_t, 32, false>(HstuParams&, cudaStream_t);
 }  // namespace hstu
 
-HSTU_REGISTER_BWD(cutlass::half_t, ::hstu::DType::kFp16, 32, false)
+HSTU_REGISTER_BWD(cutlass::half_t, ::hstu::DType::kFp16, 32, None)

@@ -6,4 +6,4 @@ namespace hstu {
 template cudaError_t run_hstu_fwd<cutlass::bfloat16_t, 256, true>(HstuParams&, cudaStream_t);
 }  // namespace hstu
 
-HSTU_REGISTER_FWD(cutlass::bfloat16_t, ::hstu::DType::kBf16, 256, true)
+HSTU_REGISTER_FWD(cutlass::bfloat16_t, ::hstu::DType::kBf16, 256, Any)

@@ -13,7 +13,17 @@
     target case, 120M x 128 fp32 (~61 GB of rows) with an 8 GiB cache, 64K ids per step.
 
     python scripts/bench_embedding.py [--slots-log2 24] [--skip-tbe] [--skip-table] [--out f.jsonl]
+(d) ``--host-issue``: the host's time to issue one training lookup and its fused backward
+    (row-wise Adagrad) of a dynamic table into an idle GPU (synchronised before each step), and
+    the step's time with the GPU's work: ``--ids`` per step drawn Zipf(``--zipf``) over
+    ``--rows`` ids, with their CPU copy (``host_ids``) as the trainer passes it, ``--dim`` wide
+    rows, after ``--warmup`` untimed steps. The host's part is what a training step spends in the
+    lookup's small ops; e.g. the e2e benchmark model's item table:
+    ``--host-issue --rows 2000000 --dim 1024 --ids 28672``.
+
+    python scripts/bench_embedding.py [--slots-log2 24] [--skip-tbe] [--skip-table] [--out f.jsonl]
     python scripts/bench_embedding.py --hybrid [--rows 120000000] [--cache 8589934592] [--ids 65536]
+    python scripts/bench_embedding.py --host-issue [--rows 2000000] [--dim 1024] [--ids 28672]
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from hstu.config.limits import available_memory, format_bytes, table_memory  # n
 from hstu.embeddings import cuda_table  # noqa: E402
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig  # noqa: E402
 from hstu.embeddings.dynamic_table import (  # noqa: E402
+    _DTYPES,
     DynamicEmbeddingCollection,
     DynamicEmbeddingTable,
     make_dynamic_table,
@@ -361,22 +372,71 @@ def bench_hybrid(args) -> None:
         )
 
 
+def bench_host_issue(args) -> None:
+    """(d): see the module docstring."""
+    dev = torch.device("cuda")
+    cfg = DynamicEmbeddingConfig(
+        "items", args.dim, args.rows, ["f"], optimizer="rowwise_adagrad", learning_rate=0.01
+    )
+    table = DynamicEmbeddingTable(cfg, dev)
+    gen = np.random.default_rng(0)
+    steps = args.warmup + args.steps
+    host_ids = [
+        torch.from_numpy(zipf_ids(args.ids, args.rows, args.zipf, gen)) for _ in range(steps)
+    ]
+    grad = torch.randn(
+        args.ids, args.dim, device=dev, generator=torch.Generator(dev).manual_seed(0)
+    )
+    grad = grad.to(_DTYPES[cfg.output_dtype])
+    issue, total = [], []
+    for i, h in enumerate(host_ids):
+        ids = h.to(dev)
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        out = table(ids, host_ids=h)
+        out.backward(grad)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize(dev)
+        t2 = time.perf_counter()
+        if i >= args.warmup:
+            issue.append(1e3 * (t1 - t0))
+            total.append(1e3 * (t2 - t0))
+    stats = table.stats()
+    emit(
+        args.out,
+        bench="dynamic_table_host_issue",
+        rows=args.rows,
+        dim=args.dim,
+        ids_per_step=args.ids,
+        zipf=args.zipf,
+        steps=args.steps,
+        host_issue_ms=statistics.median(issue),
+        host_issue_range_ms=[min(issue), max(issue)],
+        step_ms=statistics.median(total),
+        hit_rate=stats["hit_rate"],
+        occupancy=stats["occupancy"],
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = base_parser(__doc__, out="", device="auto", steps=50, warmup=20)
     p.add_argument("--slots-log2", type=int, default=24)
     p.add_argument("--skip-tbe", action="store_true")
     p.add_argument("--skip-table", action="store_true")
     p.add_argument("--hybrid", action="store_true", help="(c): hybrid table vs all-HBM table")
-    p.add_argument("--rows", type=int, default=120_000_000, help="(c) table rows (capacity)")
-    p.add_argument("--dim", type=int, default=128, help="(c) embedding width")
-    p.add_argument("--ids", type=int, default=65536, help="(c) ids per step")
+    p.add_argument(
+        "--host-issue", action="store_true", help="(d): host time of a training lookup + backward"
+    )
+    p.add_argument("--rows", type=int, default=120_000_000, help="(c, d) table rows (capacity)")
+    p.add_argument("--dim", type=int, default=128, help="(c, d) embedding width")
+    p.add_argument("--ids", type=int, default=65536, help="(c, d) ids per step")
     p.add_argument(
         "--cache",
         type=float,
         default=8 * 2**30,
         help="(c) HBM cache: bytes (> 1) or a fraction of the rows (<= 1)",
     )
-    p.add_argument("--zipf", type=float, default=1.05, help="(c) Zipf exponent of the ids")
+    p.add_argument("--zipf", type=float, default=1.05, help="(c, d) Zipf exponent of the ids")
     p.add_argument(
         "--prefill", type=float, default=1.0, help="(c) fraction of the rows inserted first"
     )
@@ -387,6 +447,9 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_embedding.py needs a CUDA GPU (except --hybrid)")
     cuda_table.require_kernels()
+    if args.host_issue:
+        bench_host_issue(args)
+        return
     if not args.skip_table:
         bench_table(args.slots_log2, args.out)
         torch.cuda.empty_cache()

@@ -13,6 +13,7 @@ from hstu.embeddings.dynamic_table import (
     DynamicEmbeddingCollection,
     DynamicEmbeddingTable,
     UniqueIds,
+    padded_segments,
 )
 
 
@@ -32,6 +33,31 @@ def test_unique_ids_with_host_count_equal(n, hi):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and torch.equal(x, y), name
     assert torch.equal(b.uniq[b.inverse], ids)
+
+
+def _segments_by_loop(sorted_bucket: list[int], n_new: int) -> tuple[list[int], list[int]]:
+    """padded_segments written as a loop: the runs of equal buckets among the first n_new
+    positions, then empty segments at offset n_new with bucket 0."""
+    n = len(sorted_bucket)
+    runs = [p for p in range(n_new) if p == 0 or sorted_bucket[p] != sorted_bucket[p - 1]]
+    offsets = runs + [n_new] * (n + 1 - len(runs))
+    buckets = [sorted_bucket[p] for p in runs] + [0] * (n - len(runs))
+    return offsets, buckets
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_padded_segments_against_a_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(50):
+        n = int(torch.randint(0, 40, (1,), generator=g))
+        nb = int(torch.randint(1, 9, (1,), generator=g))
+        n_new = int(torch.randint(0, n + 1, (1,), generator=g))
+        absent = sorted(torch.randint(0, nb, (n_new,), generator=g).tolist())
+        sorted_bucket = absent + [nb] * (n - n_new)
+        ids = torch.tensor(sorted_bucket, dtype=torch.int64)
+        offsets, buckets = padded_segments(ids, nb, torch.tensor(n_new))
+        assert (offsets.tolist(), buckets.tolist()) == _segments_by_loop(sorted_bucket, n_new)
+        assert offsets.dtype == buckets.dtype == torch.int64
 
 
 def _old_insert_order(uniq, slots, num_buckets):

@@ -70,20 +70,19 @@ class UniqueIds:
             self.uniq, self.counts = torch.unique_consecutive(sorted_ids, return_counts=True)
             u = self.uniq.numel()
             seg = torch.repeat_interleave(torch.arange(u, device=dev), self.counts, output_size=n)
+            self.offsets = torch.zeros(u + 1, dtype=torch.int64, device=dev)
+            torch.cumsum(self.counts, 0, out=self.offsets[1:])
         else:
             u = int(num_unique)
             # segment id of each sorted position: +1 wherever the id changes
-            starts = torch.ones(n, dtype=torch.int64, device=dev)
+            seg = torch.zeros(n, dtype=torch.int64, device=dev)
             if n > 1:
-                starts[1:] = (sorted_ids[1:] != sorted_ids[:-1]).long()
-            seg = torch.cumsum(starts, 0) - 1
-            # every position of a segment writes the same id, so the scatter is deterministic
-            self.uniq = sorted_ids.new_empty(u).scatter_(0, seg, sorted_ids)
-            self.counts = torch.zeros(u, dtype=torch.int64, device=dev).scatter_add_(
-                0, seg, torch.ones_like(seg)
-            )
-        self.offsets = torch.zeros(u + 1, dtype=torch.int64, device=dev)
-        torch.cumsum(self.counts, 0, out=self.offsets[1:])
+                torch.cumsum(sorted_ids[1:] != sorted_ids[:-1], 0, out=seg[1:])
+            # segment k starts at the first position of id k (n past the last): few small ops,
+            # each costing the host more than the GPU
+            self.offsets = torch.searchsorted(seg, torch.arange(u + 1, device=dev))
+            self.uniq = sorted_ids[self.offsets[:-1]]
+            self.counts = self.offsets.diff()
         self.inverse = torch.empty(n, dtype=torch.int64, device=dev)
         self.inverse[self.perm] = seg
 
@@ -101,6 +100,28 @@ def _host_unique_count(host_ids: torch.Tensor) -> tuple[int, bool]:
         return 0, False
     s = np.sort(host_ids.numpy())
     return 1 + int(np.count_nonzero(s[1:] != s[:-1])), bool(s[0] == EMPTY_KEY)
+
+
+def padded_segments(
+    sorted_bucket: torch.Tensor, nb: int, n_new: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The insert op's bucket groups, padded so that nothing is read back: ``sorted_bucket``
+    [n] holds the n_new absent ids' buckets (< nb) in ascending order, then nb for each present
+    id; ``n_new`` is a 0-d tensor. Returns (seg_offsets [n + 1], seg_buckets [n]): the first
+    n_seg segments are the runs of equal buckets among the first n_new positions, the others are
+    empty at offset n_new with bucket 0 (the op skips them)."""
+    n = sorted_bucket.numel()
+    first = sorted_bucket < nb  # the first position of each bucket group of absent ids
+    if n > 1:
+        first[1:] &= sorted_bucket[1:] != sorted_bucket[:-1]
+    starts = torch.cumsum(first, 0)  # group starts up to each position; n_seg at the end
+    pos = torch.arange(n + 1, device=sorted_bucket.device)
+    # segment k begins where the (k + 1)-th group start is; past the last one, n_new
+    seg_offsets = torch.minimum(torch.searchsorted(starts, pos, right=True), n_new)
+    if n == 0:
+        return seg_offsets, sorted_bucket.new_zeros(0)
+    head = sorted_bucket[seg_offsets[:n].clamp(max=n - 1)]
+    return seg_offsets, torch.where(pos[:n] < starts[-1], head, 0)
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -223,17 +244,13 @@ class DynamicEmbeddingTable(nn.Module):
         dtype = _DTYPES[self.config.output_dtype]
         if not self.training:
             slots = self.ops.find(self.state, u.uniq)
-            hits = (slots >= 0).sum()
-            self._counters[0] += n_unique
-            self._counters[1] += hits
+            self._count_eval(n_unique, (slots >= 0).sum())
             out = self.ops.gather(self.state, self.dim, slots, u.inverse)
             return out.to(dtype)
         self.step += 1
         score_vals, accumulate = self._score_values(u, scores)
         slots = self.ops.find(self.state, u.uniq, True, self.step, score_vals, accumulate)
-        n_new = self._insert_missing(u, slots, score_vals)
-        self._counters[0] += n_unique
-        self._counters[1] += n_unique - n_new
+        self._count(n_unique, *self._insert_missing(u, slots, score_vals))
         if torch.is_grad_enabled():
             dummy = torch.empty(0, device=self.device, requires_grad=True)
             out = _FusedLookup.apply(dummy, self, u, slots)
@@ -291,10 +308,10 @@ class DynamicEmbeddingTable(nn.Module):
 
     def _insert_missing(
         self, u: UniqueIds, slots: torch.Tensor, score_vals: torch.Tensor | None
-    ) -> int | torch.Tensor:
+    ) -> tuple[int | torch.Tensor, int | torch.Tensor, int | torch.Tensor]:
         """Inserts the unique ids that `find` did not locate (``slots < 0``) and writes their new
-        slots into ``slots``; returns how many there were (a 0-d device tensor on the padded
-        path).
+        slots into ``slots``; returns (how many there were, how many got a row, how many rows
+        were evicted for them): 0-d device tensors on the padded path, for `_count`.
 
         The missing ids go to the insert op grouped by bucket, ties in id order, exactly as
         `_insert_grouped` orders them. How many there are is known only on the device. The
@@ -307,16 +324,12 @@ class DynamicEmbeddingTable(nn.Module):
         idx = torch.nonzero(miss).flatten()  # exact sizes (the CPU reference: reading is free)
         n_new = idx.numel()
         if n_new == 0:
-            return 0
+            return 0, 0, 0
         keys = u.uniq[idx]
         new_scores = torch.full_like(keys, self.step) if score_vals is None else score_vals[idx]
         new_slots, n_evicted = self._insert_grouped(keys, new_scores, self.step)
         slots[idx] = new_slots
-        inserted = (new_slots >= 0).sum()
-        self._counters[2] += inserted
-        self._counters[3] += n_evicted
-        self._counters[4] += n_new - inserted
-        return n_new
+        return n_new, (new_slots >= 0).sum(), n_evicted
 
     def _insert_padded(
         self,
@@ -332,36 +345,18 @@ class DynamicEmbeddingTable(nn.Module):
         output is ignored."""
         n = slots.numel()
         if n == 0:
-            return 0
-        dev = slots.device
+            return 0, 0, 0
         nb = self.state.num_buckets
         bucket = torch.where(miss, self.ops.bucket_of(u.uniq, nb), nb)  # present ids sort last
         order = torch.argsort(bucket, stable=True)
-        sorted_bucket = bucket[order]
-        first = sorted_bucket < nb  # the first position of each missing bucket group
-        if n > 1:
-            first[1:] &= sorted_bucket[1:] != sorted_bucket[:-1]
         n_new = miss.sum()
-        valid = torch.arange(n, device=dev) < n_new
-        # segment of each position; present ids go to a dummy segment n (dropped)
-        seg = torch.where(valid, torch.cumsum(first.long(), 0) - 1, n)
-        seg_counts = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-        seg_counts.scatter_add_(0, seg, torch.ones_like(seg))
-        seg_offsets = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-        torch.cumsum(seg_counts[:n], 0, out=seg_offsets[1:])
-        # every position of a real segment writes the same bucket; empty segments keep bucket 0
-        seg_buckets = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-        seg_buckets.scatter_(0, seg, torch.where(valid, sorted_bucket, 0))
+        seg_offsets, seg_buckets = padded_segments(bucket[order], nb, n_new)
         keys = u.uniq[order]
         new_scores = torch.full_like(keys, self.step) if score_vals is None else score_vals[order]
-        raw, n_evicted = self._insert_op(keys, seg_offsets, seg_buckets[:n], new_scores)
-        taken = valid & (raw >= 0)
+        raw, n_evicted = self._insert_op(keys, seg_offsets, seg_buckets, new_scores)
+        valid = torch.arange(n, device=slots.device) < n_new  # the op's slots for the absent ids
         slots[order] = torch.where(valid, raw, slots[order])
-        inserted = taken.sum()
-        self._counters[2] += inserted
-        self._counters[3] += n_evicted
-        self._counters[4] += n_new - inserted
-        return n_new
+        return n_new, (valid & (raw >= 0)).sum(), n_evicted
 
     def _insert_op(
         self,
@@ -381,6 +376,25 @@ class DynamicEmbeddingTable(nn.Module):
             self.config.seed,
             self.config.init_args(),
         )
+
+    def _count(self, n_unique: int, n_new, inserted, n_evicted) -> None:
+        """Counts one training lookup for `stats` (lookups, hits, inserts, evictions,
+        overflows): n_unique distinct ids, n_new of them absent, `inserted` of those given a row
+        (the rest overflowed), n_evicted rows evicted for them. The insert's device counts go
+        in with one op, not one per counter."""
+        c = self._counters
+        c.select(0, 0).add_(n_unique)
+        rest = (n_unique - n_new, inserted, n_evicted, n_new - inserted)
+        if all(isinstance(v, torch.Tensor) for v in rest):
+            c[1:].add_(torch.stack(rest))
+        else:
+            for i, v in enumerate(rest, 1):
+                c.select(0, i).add_(v)
+
+    def _count_eval(self, n_unique: int, hits: torch.Tensor) -> None:
+        """Counts one eval lookup (no inserts) for `stats`."""
+        self._counters.select(0, 0).add_(n_unique)
+        self._counters.select(0, 1).add_(hits)
 
     def _raise_reserved(self) -> None:
         raise ValueError(

@@ -319,17 +319,14 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         dtype = _DTYPES[self.config.output_dtype]
         if not self.training:
             slots = self.ops.find(self.state, u.uniq)
-            self._counters[0] += n_unique
-            self._counters[1] += (slots >= 0).sum()
+            self._count_eval(n_unique, (slots >= 0).sum())
             return self._eval_rows(u, slots).to(dtype)
         self.step += 1
         self._reserve(n_unique)
         score_vals, accumulate = self._score_values(u, scores)
         slots = self.ops.find(self.state, u.uniq, True, self.step, score_vals, accumulate)
         miss = slots < 0  # (before the insert fills in the new keys' slots)
-        n_new = self._insert_missing(u, slots, score_vals)
-        self._counters[0] += n_unique
-        self._counters[1] += n_unique - n_new
+        self._count(n_unique, *self._insert_missing(u, slots, score_vals))
         rows = self._place(u, slots, miss)
         self._after_lookup(n_unique)
         if torch.is_grad_enabled():

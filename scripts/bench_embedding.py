@@ -11,8 +11,6 @@
     ``--rows`` ids, the table filled first (``--prefill``). Reports the step time of both, their
     ratio, whether the losses were identical, and the cache's hit rate and traffic. Default: the
     target case, 120M x 128 fp32 (~61 GB of rows) with an 8 GiB cache, 64K ids per step.
-
-    python scripts/bench_embedding.py [--slots-log2 24] [--skip-tbe] [--skip-table] [--out f.jsonl]
 (d) ``--host-issue``: the host's time to issue one training lookup and its fused backward
     (row-wise Adagrad) of a dynamic table into an idle GPU (synchronised before each step), and
     the step's time with the GPU's work: ``--ids`` per step drawn Zipf(``--zipf``) over
@@ -46,7 +44,6 @@ from hstu.config.limits import available_memory, format_bytes, table_memory  # n
 from hstu.embeddings import cuda_table  # noqa: E402
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig  # noqa: E402
 from hstu.embeddings.dynamic_table import (  # noqa: E402
-    _DTYPES,
     DynamicEmbeddingCollection,
     DynamicEmbeddingTable,
     make_dynamic_table,
@@ -387,7 +384,7 @@ def bench_host_issue(args) -> None:
     grad = torch.randn(
         args.ids, args.dim, device=dev, generator=torch.Generator(dev).manual_seed(0)
     )
-    grad = grad.to(_DTYPES[cfg.output_dtype])
+    grad = grad.to(getattr(torch, cfg.output_dtype))  # the lookup's output dtype
     issue, total = [], []
     for i, h in enumerate(host_ids):
         ids = h.to(dev)

@@ -13,9 +13,12 @@
     target case, 120M x 128 fp32 (~61 GB of rows) with an 8 GiB cache, 64K ids per step.
 (d) ``--host-issue``: the host's time to issue one training lookup and its fused backward
     (row-wise Adagrad) of a dynamic table into an idle GPU (synchronised before each step), and
-    the step's time with the GPU's work: ``--ids`` per step drawn Zipf(``--zipf``) over
-    ``--rows`` ids, with their CPU copy (``host_ids``) as the trainer passes it, ``--dim`` wide
-    rows, after ``--warmup`` untimed steps. The host's part is what a training step spends in the
+    the step's time with the GPU's work, for two tables on the same ids in turn: one issuing the
+    lookup's ops one by one (``eager``), one replaying them from CUDA graphs (``graphs``,
+    `hstu.embeddings.lookup_graphs`; it reports its captures and whether both tables ended
+    identical). ``--ids`` (+-10%) per step drawn Zipf(``--zipf``) over ``--rows`` ids, with their
+    CPU copy (``host_ids``) as the trainer passes it, ``--dim`` wide rows, after ``--warmup``
+    untimed steps (the captures happen there). The host's part is what a training step spends in the
     lookup's small ops; e.g. the e2e benchmark model's item table:
     ``--host-issue --rows 2000000 --dim 1024 --ids 28672``.
 
@@ -372,33 +375,48 @@ def bench_hybrid(args) -> None:
 def bench_host_issue(args) -> None:
     """(d): see the module docstring."""
     dev = torch.device("cuda")
-    cfg = DynamicEmbeddingConfig(
-        "items", args.dim, args.rows, ["f"], optimizer="rowwise_adagrad", learning_rate=0.01
-    )
-    table = DynamicEmbeddingTable(cfg, dev)
+    tables = {}
+    for graphs in (False, True):
+        cfg = DynamicEmbeddingConfig(
+            "items",
+            args.dim,
+            args.rows,
+            ["f"],
+            optimizer="rowwise_adagrad",
+            learning_rate=0.01,
+            lookup_graphs=graphs,
+        )
+        tables["graphs" if graphs else "eager"] = DynamicEmbeddingTable(cfg, dev)
     gen = np.random.default_rng(0)
     steps = args.warmup + args.steps
-    host_ids = [
-        torch.from_numpy(zipf_ids(args.ids, args.rows, args.zipf, gen)) for _ in range(steps)
-    ]
+    # the id count varies like a batch's item count (+-10%): a few padded counts for the graphs
+    counts = gen.integers(int(args.ids * 0.9), int(args.ids * 1.1) + 1, steps)
+    host_ids = [torch.from_numpy(zipf_ids(int(c), args.rows, args.zipf, gen)) for c in counts]
     grad = torch.randn(
-        args.ids, args.dim, device=dev, generator=torch.Generator(dev).manual_seed(0)
+        int(counts.max()), args.dim, device=dev, generator=torch.Generator(dev).manual_seed(0)
     )
     grad = grad.to(getattr(torch, cfg.output_dtype))  # the lookup's output dtype
-    issue, total = [], []
+    issue = {k: [] for k in tables}
+    total = {k: [] for k in tables}
     for i, h in enumerate(host_ids):
         ids = h.to(dev)
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        out = table(ids, host_ids=h)
-        out.backward(grad)
-        t1 = time.perf_counter()
-        torch.cuda.synchronize(dev)
-        t2 = time.perf_counter()
-        if i >= args.warmup:
-            issue.append(1e3 * (t1 - t0))
-            total.append(1e3 * (t2 - t0))
-    stats = table.stats()
+        for name, table in tables.items():  # alternating, on the same ids
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            out = table(ids, host_ids=h)
+            out.backward(grad[: ids.numel()])
+            t1 = time.perf_counter()
+            torch.cuda.synchronize(dev)
+            t2 = time.perf_counter()
+            if i >= args.warmup:
+                issue[name].append(1e3 * (t1 - t0))
+                total[name].append(1e3 * (t2 - t0))
+    graphs = tables["graphs"]._graphs
+    same = all(
+        torch.equal(getattr(tables["eager"].state, k), getattr(tables["graphs"].state, k))
+        for k in ("keys", "scores", "touched", "values")
+    )
+    stats = tables["graphs"].stats()
     emit(
         args.out,
         bench="dynamic_table_host_issue",
@@ -407,9 +425,13 @@ def bench_host_issue(args) -> None:
         ids_per_step=args.ids,
         zipf=args.zipf,
         steps=args.steps,
-        host_issue_ms=statistics.median(issue),
-        host_issue_range_ms=[min(issue), max(issue)],
-        step_ms=statistics.median(total),
+        **{f"host_issue_ms_{k}": statistics.median(v) for k, v in issue.items()},
+        **{f"host_issue_range_ms_{k}": [min(v), max(v)] for k, v in issue.items()},
+        **{f"step_ms_{k}": statistics.median(v) for k, v in total.items()},
+        graph_captures=graphs.captures,
+        graph_capture_s=graphs.capture_seconds,
+        graph_replays=graphs.replays,
+        same_tables=same,
         hit_rate=stats["hit_rate"],
         occupancy=stats["occupancy"],
     )

@@ -59,14 +59,17 @@ def find(
     step: int = 0,
     score_vals: torch.Tensor | None = None,
     accumulate: bool = False,
+    step_tensor: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """``step_tensor`` (int64 [1] on the table's device, optional): the step the kernel reads
+    instead of ``step``, so that a CUDA graph replays the step of the moment."""
     query = query.contiguous()
     if not touch:
         return _ops().find(state.keys, query)
     if score_vals is not None:
         score_vals = score_vals.to(torch.int64).contiguous()
     return _ops().find_touch(
-        state.keys, state.scores, state.touched, query, score_vals, step, accumulate
+        state.keys, state.scores, state.touched, query, score_vals, step, accumulate, step_tensor
     )
 
 
@@ -80,7 +83,9 @@ def insert(
     dim: int,
     seed: int,
     init: tuple[int, float, float, float, float],
+    step_tensor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``step_tensor``: as in `find`."""
     kind, p0, p1, p2, p3 = init
     return _ops().insert(
         state.keys,
@@ -99,6 +104,7 @@ def insert(
         p1,
         p2,
         p3,
+        step_tensor,
     )
 
 

@@ -49,6 +49,10 @@ class DynamicEmbeddingConfig:
     storage: "hbm" keeps every row on the table's device; "hybrid" keeps the rows in host
     memory and the hot ones in a device cache of ``hbm_cache`` (a fraction of the rows in
     (0, 1], or bytes per device), with the same results (`hstu.embeddings.hybrid_table`).
+
+    lookup_graphs: a training lookup on the GPU (storage "hbm", the compiled kernels) replays
+    its ops from CUDA graphs, one per padded id count (`hstu.embeddings.lookup_graphs`); False
+    issues them one by one. The results are the same.
     """
 
     name: str
@@ -68,6 +72,7 @@ class DynamicEmbeddingConfig:
     output_dtype: str = "float32"
     storage: str = "hbm"
     hbm_cache: float | int = 0.1
+    lookup_graphs: bool = True
 
     def __post_init__(self) -> None:
         where = f"DynamicEmbeddingConfig(name={self.name!r})"

@@ -21,6 +21,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from hstu.config.limits import check_table_allocation
 from hstu.embeddings import reference_table
 from hstu.embeddings.dynamic_config import BUCKET_SIZE, DynamicEmbeddingConfig
+from hstu.embeddings.lookup_graphs import LookupGraphs
 from hstu.embeddings.reference_table import EMPTY_KEY, OPT_CODES, TableState
 
 __all__ = [
@@ -60,10 +61,17 @@ class UniqueIds:
 
     ``num_unique`` (the number of distinct ids, known on the host, e.g. from the batch's CPU ids)
     lets the device build every tensor without reading a size back (`unique_consecutive` must
-    sync to size its output); the results are identical either way."""
+    sync to size its output); the results are identical either way.
+
+    `UniqueIds.padded` builds them at sizes fixed by the input's length instead (a CUDA graph
+    captures it); its ``num_unique`` is then a device tensor and ``valid`` marks the real entries
+    of ``uniq`` (None otherwise: every entry is real)."""
+
+    valid: torch.Tensor | None = None
 
     def __init__(self, ids: torch.Tensor, num_unique: int | None = None) -> None:
-        sorted_ids, self.perm = torch.sort(ids)
+        # stable: a duplicate's gradient rows are summed in id order, as `padded` sums them
+        sorted_ids, self.perm = torch.sort(ids, stable=True)
         n = ids.numel()
         dev = ids.device
         if num_unique is None:
@@ -83,8 +91,51 @@ class UniqueIds:
             self.offsets = torch.searchsorted(seg, torch.arange(u + 1, device=dev))
             self.uniq = sorted_ids[self.offsets[:-1]]
             self.counts = self.offsets.diff()
+        self.num_unique: int | torch.Tensor = u
         self.inverse = torch.empty(n, dtype=torch.int64, device=dev)
         self.inverse[self.perm] = seg
+
+    @classmethod
+    def padded(cls, ids: torch.Tensor, n: torch.Tensor) -> UniqueIds:
+        """The unique ids of ``ids[:n]`` (``n`` a 0-d int64 tensor on the ids' device; the rest of
+        ``ids`` is padding of any value) with every size fixed by ``len(ids)`` = N, so that nothing
+        is read back and a CUDA graph can capture it: uniq, counts, inverse, perm [N], offsets
+        [N + 1]. Entries k < U (``num_unique``, a 0-d tensor) are those of the real ids; past U,
+        uniq holds EMPTY_KEY (which no table finds), counts 0 and offsets n. inverse and perm are
+        exact on the first n positions (perm[:n] is an argsort of ids[:n]); a padding position's
+        inverse is U."""
+        self = cls.__new__(cls)
+        big = ids.numel()
+        dev = ids.device
+        pos = torch.arange(big + 1, device=dev)
+        real = pos[:big] < n
+        # padding sorts last: the largest value, and the stable sort keeps a real id of that
+        # value before it, so the first n sorted positions are exactly the real ids
+        key = torch.where(real, ids, torch.iinfo(torch.int64).max)
+        sorted_ids, self.perm = torch.sort(key, stable=True)
+        seg = torch.zeros(big, dtype=torch.int64, device=dev)
+        if big > 1:
+            change = (sorted_ids[1:] != sorted_ids[:-1]) | (pos[1:big] == n)
+            torch.cumsum(change, 0, out=seg[1:])
+        # U = the last real position's segment + 1 (0 without ids)
+        last = (n - 1).clamp(min=0)
+        self.num_unique = torch.where(n > 0, seg[last] + 1, 0)
+        self.offsets = torch.minimum(torch.searchsorted(seg, pos), n)
+        self.valid = pos[:big] < self.num_unique
+        first = self.offsets[:-1].clamp(max=big - 1)
+        self.uniq = torch.where(self.valid, sorted_ids[first], EMPTY_KEY)
+        self.counts = self.offsets.diff()
+        self.inverse = torch.empty(big, dtype=torch.int64, device=dev)
+        self.inverse[self.perm] = seg
+        return self
+
+    def first(self, n: int) -> UniqueIds:
+        """The same unique ids for the first ``n`` positions of the ids (a padded lookup's real
+        ids): inverse and perm cut to n (perm[:n] holds exactly those positions)."""
+        out = UniqueIds.__new__(UniqueIds)
+        out.__dict__.update(self.__dict__)
+        out.inverse, out.perm = self.inverse[:n], self.perm[:n]
+        return out
 
 
 def unique_ids(ids: torch.Tensor, num_unique: int | None = None) -> UniqueIds:
@@ -130,8 +181,11 @@ class _FusedLookup(torch.autograd.Function):
     backward although the table holds no Parameter."""
 
     @staticmethod
-    def forward(ctx, dummy, table, u, slots):  # type: ignore[override]
-        ctx.table, ctx.u, ctx.slots, ctx.step = table, u, slots, table.step
+    def forward(ctx, dummy, table, u, slots, entry=None):  # type: ignore[override]
+        """``entry``: the lookup graph whose outputs ``u`` and ``slots`` are, released after the
+        update (`LookupGraphs`)."""
+        ctx.table, ctx.u, ctx.slots, ctx.step, ctx.entry = table, u, slots, table.step, entry
+        LookupGraphs.hold(entry, ctx)
         return table.ops.gather(table.row_state(), table.dim, slots, u.inverse)
 
     @staticmethod
@@ -149,12 +203,16 @@ class _FusedLookup(torch.autograd.Function):
             t.optimizer_args(),
         )
         t._backward_done(ctx.step)
-        return None, None, None, None
+        LookupGraphs.release(ctx.entry)
+        return None, None, None, None, None
 
 
 class DynamicEmbeddingTable(nn.Module):
     """One dynamic table (or one rank's shard of it: `world_size`/`rank` keep only the ids whose
     `owner_of(id, world_size) == rank` on load, and split the capacity)."""
+
+    # whether the training lookup may replay from CUDA graphs (`LookupGraphs`)
+    lookup_graphs_supported = True
 
     def __init__(
         self,
@@ -197,6 +255,9 @@ class DynamicEmbeddingTable(nn.Module):
         # the compiled insert skips empty trailing segments, so training lookups can hand it the
         # missing ids padded to a size known on the host (no device read); the reference cannot
         self._padded_insert = self.ops is not reference_table
+        self._graphs: LookupGraphs | None = None
+        if config.lookup_graphs and self.lookup_graphs_supported and self._padded_insert:
+            self._graphs = LookupGraphs(self.device, config.name)
 
     def _memory_need(self, num_slots: int) -> tuple[int, int]:
         """(bytes on the table's device, bytes of host memory) that `_allocate` takes."""
@@ -239,9 +300,13 @@ class DynamicEmbeddingTable(nn.Module):
         ``host_ids``: the same ids on the CPU (e.g. from the batch's CPU twin). With them the
         distinct-id count and the reserved-id check run on the host, and a training lookup reads
         the GPU once (how many ids are new, to size the insert); without them three more reads."""
+        dtype = _DTYPES[self.config.output_dtype]
+        if self.training and self._graphs is not None and ids.numel() and scores is None:
+            out = self._graphed_lookup(ids, host_ids)
+            if out is not None:
+                return out.to(dtype)
         u = self._unique(ids, host_ids)
         n_unique = u.uniq.numel()
-        dtype = _DTYPES[self.config.output_dtype]
         if not self.training:
             slots = self.ops.find(self.state, u.uniq)
             self._count_eval(n_unique, (slots >= 0).sum())
@@ -257,6 +322,43 @@ class DynamicEmbeddingTable(nn.Module):
         else:
             out = self.ops.gather(self.state, self.dim, slots, u.inverse)
         return out.to(dtype)
+
+    def _graphed_lookup(
+        self, ids: torch.Tensor, host_ids: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """A training lookup through `LookupGraphs` (rows [len(ids), dim] float32), or None
+        where it runs eagerly. The ids are checked first: on the host where ``host_ids`` are
+        given, else with one read of the device."""
+        self._check_ids(ids, host_ids)
+        ids = ids.to(device=self.device, dtype=torch.int64)
+        if host_ids is not None:
+            if bool((host_ids == EMPTY_KEY).any()):
+                self._raise_reserved()
+        elif bool((ids == EMPTY_KEY).any()):
+            self._raise_reserved()
+        found = self._graphs.run(self._padded_lookup, ids, self.step + 1)
+        if found is None:
+            return None
+        self.step += 1
+        padded, slots, entry = found
+        u = padded.first(ids.numel())
+        if torch.is_grad_enabled():
+            dummy = torch.empty(0, device=self.device, requires_grad=True)
+            return _FusedLookup.apply(dummy, self, u, slots, entry)
+        return self.ops.gather(self.state, self.dim, slots, u.inverse)
+
+    def _padded_lookup(
+        self, ids: torch.Tensor, n: torch.Tensor, step: torch.Tensor
+    ) -> tuple[UniqueIds, torch.Tensor]:
+        """The training lookup's ops on padded ids (`LookupGraphs`): the first ``n`` of ``ids``
+        found (touched at ``step``, int64 [1] on the device) or inserted, and counted. Returns
+        the padded unique ids and their slots (-1 past the real ones)."""
+        u = UniqueIds.padded(ids, n)
+        score_vals, accumulate = self._score_values(u, None)
+        slots = self.ops.find(self.state, u.uniq, True, 0, score_vals, accumulate, step_tensor=step)
+        miss = (slots < 0) & u.valid  # the padding (EMPTY_KEY) is never found
+        self._count(u.num_unique, *self._insert_padded(u, slots, score_vals, miss, step))
+        return u, slots
 
     # whether `serving_rows` may run (the hybrid table's rows may live on the host)
     serves_without_sync = True
@@ -286,17 +388,9 @@ class DynamicEmbeddingTable(nn.Module):
     def _unique(self, ids: torch.Tensor, host_ids: torch.Tensor | None) -> UniqueIds:
         """The checked, deduplicated ids of a lookup, on the table's device (the distinct-id
         count and the reserved-id check from ``host_ids`` when given)."""
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"table {self.config.name!r}: ids must be int32/int64, got {ids.dtype}")
-        if ids.dim() != 1:
-            raise ValueError(f"table {self.config.name!r}: ids must be 1-D, got {tuple(ids.shape)}")
+        self._check_ids(ids, host_ids)
         num_unique = None
         if host_ids is not None:
-            if host_ids.device.type != "cpu" or host_ids.shape != ids.shape:
-                raise ValueError(
-                    f"table {self.config.name!r}: host_ids must be the ids on the CPU; got shape "
-                    f"{tuple(host_ids.shape)} on {host_ids.device} for ids {tuple(ids.shape)}"
-                )
             num_unique, reserved = _host_unique_count(host_ids.to(torch.int64))
             if reserved:
                 self._raise_reserved()
@@ -305,6 +399,17 @@ class DynamicEmbeddingTable(nn.Module):
         if num_unique is None:
             self._check_reserved(u)
         return u
+
+    def _check_ids(self, ids: torch.Tensor, host_ids: torch.Tensor | None) -> None:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"table {self.config.name!r}: ids must be int32/int64, got {ids.dtype}")
+        if ids.dim() != 1:
+            raise ValueError(f"table {self.config.name!r}: ids must be 1-D, got {tuple(ids.shape)}")
+        if host_ids is not None and (host_ids.device.type != "cpu" or host_ids.shape != ids.shape):
+            raise ValueError(
+                f"table {self.config.name!r}: host_ids must be the ids on the CPU; got shape "
+                f"{tuple(host_ids.shape)} on {host_ids.device} for ids {tuple(ids.shape)}"
+            )
 
     def _insert_missing(
         self, u: UniqueIds, slots: torch.Tensor, score_vals: torch.Tensor | None
@@ -337,12 +442,14 @@ class DynamicEmbeddingTable(nn.Module):
         slots: torch.Tensor,
         score_vals: torch.Tensor | None,
         miss: torch.Tensor,
+        step: torch.Tensor | None = None,
     ) -> int | torch.Tensor:
         """`_insert_missing` without a device read: all U unique ids go to the op in `order`
         (the missing ones first, grouped by bucket as `_insert_grouped` groups them), with U
         segments of which the first n_seg are the real bucket groups and the rest empty (offset
         n_new, bucket 0). The op writes slots only for the first n_new ids; the rest of its
-        output is ignored."""
+        output is ignored. ``step``: the step as a device tensor (a graphed lookup), else
+        ``self.step``."""
         n = slots.numel()
         if n == 0:
             return 0, 0, 0
@@ -352,8 +459,13 @@ class DynamicEmbeddingTable(nn.Module):
         n_new = miss.sum()
         seg_offsets, seg_buckets = padded_segments(bucket[order], nb, n_new)
         keys = u.uniq[order]
-        new_scores = torch.full_like(keys, self.step) if score_vals is None else score_vals[order]
-        raw, n_evicted = self._insert_op(keys, seg_offsets, seg_buckets, new_scores)
+        if score_vals is not None:
+            new_scores = score_vals[order]
+        elif step is None:
+            new_scores = torch.full_like(keys, self.step)
+        else:
+            new_scores = step.expand(n).contiguous()
+        raw, n_evicted = self._insert_op(keys, seg_offsets, seg_buckets, new_scores, step)
         valid = torch.arange(n, device=slots.device) < n_new  # the op's slots for the absent ids
         slots[order] = torch.where(valid, raw, slots[order])
         return n_new, (valid & (raw >= 0)).sum(), n_evicted
@@ -364,7 +476,9 @@ class DynamicEmbeddingTable(nn.Module):
         seg_offsets: torch.Tensor,
         seg_buckets: torch.Tensor,
         scores: torch.Tensor,
+        step: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        kwargs = {} if step is None else {"step_tensor": step}
         return self.ops.insert(
             self.state,
             keys,
@@ -375,6 +489,7 @@ class DynamicEmbeddingTable(nn.Module):
             self.dim,
             self.config.seed,
             self.config.init_args(),
+            **kwargs,
         )
 
     def _count(self, n_unique: int, n_new, inserted, n_evicted) -> None:
@@ -589,6 +704,8 @@ class DynamicEmbeddingTable(nn.Module):
                 "continues (apply_increment) and load the result"
             )
         self.state = self._allocate(self.state.keys.numel())
+        if self._graphs is not None:  # they hold the old tensors' addresses
+            self._graphs.clear()
         self._marks, self._rescored = {}, []  # earlier dumps no longer describe this table
         self.step = int(dump["step"])
         # Priority inside a bucket: higher score first, then smaller key.

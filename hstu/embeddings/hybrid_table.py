@@ -213,6 +213,9 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
     in host memory (see the module docstring). Lookups, updates, stats, dumps and loads give
     exactly what the all-HBM table gives."""
 
+    # its lookup brings rows in from the host tier, polls free rows from the host: eager
+    lookup_graphs_supported = False
+
     def __init__(
         self,
         config: DynamicEmbeddingConfig,

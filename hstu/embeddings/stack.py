@@ -238,6 +238,7 @@ class EmbeddingStack(nn.Module):
                     seed=seed,
                     storage=args.storage,
                     hbm_cache=args.hbm_cache,
+                    lookup_graphs=args.dynamic_lookup_graphs,
                 )
             )
             self.dynamic_features += list(spec.feature_names)

@@ -50,6 +50,18 @@ void check_values(const Tensor& values, const Tensor& keys, int64_t dim,
 
 cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
 
+// The training step as a one-element int64 tensor on the table's device, read by the kernel
+// instead of `step` (a CUDA graph then replays the step of the moment), or null.
+const int64_t* step_pointer(const std::optional<Tensor>& step_tensor, const Tensor& keys) {
+  if (!step_tensor) return nullptr;
+  const Tensor& t = *step_tensor;
+  DYNEMB_CHECK(t.is_cuda() && t.device() == keys.device(), "step_tensor must be on ",
+              keys.device(), ", got ", t.device());
+  DYNEMB_CHECK(t.scalar_type() == at::kLong && t.numel() == 1,
+              "step_tensor must hold one int64, got ", t.numel(), " of ", t.scalar_type());
+  return t.data_ptr<int64_t>();
+}
+
 Tensor find(const Tensor& keys, const Tensor& query) {
   check_table(keys);
   check_i64(query, "query");
@@ -57,12 +69,13 @@ Tensor find(const Tensor& keys, const Tensor& query) {
   auto slots = at::empty_like(query);
   dynemb::launch_find(keys.data_ptr<int64_t>(), keys.numel() / dynemb::kBucket,
                       query.data_ptr<int64_t>(), query.numel(), slots.data_ptr<int64_t>(),
-                      nullptr, nullptr, nullptr, 0, 0, stream());
+                      nullptr, nullptr, nullptr, 0, nullptr, 0, stream());
   return slots;
 }
 
 Tensor find_touch(const Tensor& keys, const Tensor& scores, const Tensor& touched, const Tensor& query,
-                  const std::optional<Tensor>& score_vals, int64_t step, bool accumulate) {
+                  const std::optional<Tensor>& score_vals, int64_t step, bool accumulate,
+                  const std::optional<Tensor>& step_tensor) {
   check_table(keys);
   check_i64(scores, "scores");
   check_i64(touched, "touched");
@@ -79,7 +92,7 @@ Tensor find_touch(const Tensor& keys, const Tensor& scores, const Tensor& touche
                       query.data_ptr<int64_t>(), query.numel(), slots.data_ptr<int64_t>(),
                       scores.data_ptr<int64_t>(), touched.data_ptr<int64_t>(),
                       score_vals ? score_vals->data_ptr<int64_t>() : nullptr, step,
-                      accumulate ? 2 : 1, stream());
+                      step_pointer(step_tensor, keys), accumulate ? 2 : 1, stream());
   return slots;
 }
 
@@ -102,7 +115,8 @@ std::tuple<Tensor, Tensor> insert(const Tensor& keys, const Tensor& scores, cons
                                   const Tensor& new_keys, const Tensor& seg_offsets,
                                   const Tensor& seg_buckets, const Tensor& score_vals,
                                   int64_t step, int64_t dim, int64_t seed, int64_t init_kind,
-                                  double p0, double p1, double p2, double p3) {
+                                  double p0, double p1, double p2, double p3,
+                                  const std::optional<Tensor>& step_tensor) {
   check_table(keys);
   check_i64(scores, "scores");
   check_i64(touched, "touched");
@@ -123,7 +137,8 @@ std::tuple<Tensor, Tensor> insert(const Tensor& keys, const Tensor& scores, cons
                         values.size(0) ? values.data_ptr<float>() : nullptr, values.size(1),
                         static_cast<int>(dim), new_keys.data_ptr<int64_t>(),
                         seg_offsets.data_ptr<int64_t>(), seg_buckets.data_ptr<int64_t>(),
-                        seg_buckets.numel(), score_vals.data_ptr<int64_t>(), step, init,
+                        seg_buckets.numel(), score_vals.data_ptr<int64_t>(), step,
+                        step_pointer(step_tensor, keys), init,
                         out_slots.data_ptr<int64_t>(), n_evicted.data_ptr<int64_t>(), stream());
   return {out_slots, n_evicted};
 }
@@ -290,12 +305,12 @@ TORCH_LIBRARY(hstu_dynemb, m) {
   m.def("find(Tensor keys, Tensor query) -> Tensor");
   m.def(
       "find_touch(Tensor keys, Tensor(a!) scores, Tensor(b!) touched, Tensor query, "
-      "Tensor? score_vals, int step, bool accumulate) -> Tensor");
+      "Tensor? score_vals, int step, bool accumulate, Tensor? step_tensor=None) -> Tensor");
   m.def(
       "insert(Tensor(a!) keys, Tensor(b!) scores, Tensor(c!) touched, Tensor(d!) values, "
       "Tensor new_keys, Tensor seg_offsets, Tensor seg_buckets, Tensor score_vals, int step, "
-      "int dim, int seed, int init_kind, float p0, float p1, float p2, float p3) -> "
-      "(Tensor, Tensor)");
+      "int dim, int seed, int init_kind, float p0, float p1, float p2, float p3, "
+      "Tensor? step_tensor=None) -> (Tensor, Tensor)");
   m.def("gather(Tensor values, int dim, Tensor slots, Tensor inverse) -> Tensor");
   m.def(
       "update(Tensor(a!) values, int dim, Tensor keys, Tensor uniq, Tensor slots, Tensor perm, "

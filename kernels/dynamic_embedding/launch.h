@@ -15,20 +15,23 @@ namespace dynemb {
 
 // slots[i] = slot of q[i] or -1. mode 0: read only; 1: found slots get touched = step and
 // score = score_vals ? score_vals[i] : step; 2: like 1 but score += value. Modes 1/2 need unique q.
+// step_ptr (device memory, may be null) overrides step: a CUDA graph replays it with the value
+// of the moment.
 void launch_find(const int64_t* keys, int64_t num_buckets, const int64_t* q, int64_t n,
                  int64_t* slots, int64_t* scores, int64_t* touched, const int64_t* score_vals,
-                 int64_t step, int mode, cudaStream_t stream);
+                 int64_t step, const int64_t* step_ptr, int mode, cudaStream_t stream);
 
 // Inserts absent unique keys grouped by bucket: segment g = new_keys[seg_offsets[g] :
 // seg_offsets[g + 1]], all of bucket seg_buckets[g], in priority order. One warp per segment:
 // candidates are ordered (empty, by lane) < (occupied and not touched at `step`, by score, key);
 // the r-th key takes the r-th candidate; keys beyond the candidates get slot -1. The taken rows
 // get the initial embedding; values == nullptr (a table without rows) places keys only.
+// Segments with no keys are skipped. step_ptr as in launch_find.
 void launch_insert(int64_t* keys, int64_t* scores, int64_t* touched, float* values, int64_t width,
                    int dim, const int64_t* new_keys, const int64_t* seg_offsets,
                    const int64_t* seg_buckets, int64_t num_segments, const int64_t* score_vals,
-                   int64_t step, const InitParams& init, int64_t* out_slots, int64_t* n_evicted,
-                   cudaStream_t stream);
+                   int64_t step, const int64_t* step_ptr, const InitParams& init,
+                   int64_t* out_slots, int64_t* n_evicted, cudaStream_t stream);
 
 // out[i, :dim] = values[slots[inverse[i]], :dim], zeros where that slot is -1.
 void launch_gather(const float* values, int64_t width, int dim, const int64_t* slots,

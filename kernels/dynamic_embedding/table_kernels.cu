@@ -24,8 +24,9 @@ inline int grid_for(int64_t work_items, int per_block, int max_blocks = 65535 * 
 __global__ void __launch_bounds__(kThreads) find_kernel(
     const int64_t* __restrict__ keys, int64_t num_buckets, const int64_t* __restrict__ q,
     int64_t n, int64_t* __restrict__ slots, int64_t* __restrict__ scores,
-    int64_t* __restrict__ touched, const int64_t* __restrict__ score_vals, int64_t step,
-    int mode) {
+    int64_t* __restrict__ touched, const int64_t* __restrict__ score_vals, int64_t step_arg,
+    const int64_t* __restrict__ step_ptr, int mode) {
+  const int64_t step = step_ptr ? *step_ptr : step_arg;
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
@@ -60,8 +61,10 @@ __global__ void __launch_bounds__(kThreads) insert_kernel(
     int64_t* __restrict__ keys, int64_t* __restrict__ scores, int64_t* __restrict__ touched,
     float* __restrict__ values, int64_t width, int dim, const int64_t* __restrict__ new_keys,
     const int64_t* __restrict__ seg_offsets, const int64_t* __restrict__ seg_buckets,
-    int64_t num_segments, const int64_t* __restrict__ score_vals, int64_t step, InitParams init,
-    int64_t* __restrict__ out_slots, unsigned long long* __restrict__ n_evicted) {
+    int64_t num_segments, const int64_t* __restrict__ score_vals, int64_t step_arg,
+    const int64_t* __restrict__ step_ptr, InitParams init, int64_t* __restrict__ out_slots,
+    unsigned long long* __restrict__ n_evicted) {
+  const int64_t step = step_ptr ? *step_ptr : step_arg;
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t num_warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
@@ -280,23 +283,23 @@ void launch_copy_rows(float* dst, int64_t dst_rows, const float* src, int64_t sr
 
 void launch_find(const int64_t* keys, int64_t num_buckets, const int64_t* q, int64_t n,
                  int64_t* slots, int64_t* scores, int64_t* touched, const int64_t* score_vals,
-                 int64_t step, int mode, cudaStream_t stream) {
+                 int64_t step, const int64_t* step_ptr, int mode, cudaStream_t stream) {
   if (n == 0) return;
   // 8 warps per block, 32 queries per warp.
-  find_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(keys, num_buckets, q, n, slots,
-                                                              scores, touched, score_vals, step,
-                                                              mode);
+  find_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+      keys, num_buckets, q, n, slots, scores, touched, score_vals, step, step_ptr, mode);
 }
 
 void launch_insert(int64_t* keys, int64_t* scores, int64_t* touched, float* values, int64_t width,
                    int dim, const int64_t* new_keys, const int64_t* seg_offsets,
                    const int64_t* seg_buckets, int64_t num_segments, const int64_t* score_vals,
-                   int64_t step, const InitParams& init, int64_t* out_slots, int64_t* n_evicted,
-                   cudaStream_t stream) {
+                   int64_t step, const int64_t* step_ptr, const InitParams& init,
+                   int64_t* out_slots, int64_t* n_evicted, cudaStream_t stream) {
   if (num_segments == 0) return;
   insert_kernel<<<grid_for(num_segments, kThreads / 32), kThreads, 0, stream>>>(
       keys, scores, touched, values, width, dim, new_keys, seg_offsets, seg_buckets, num_segments,
-      score_vals, step, init, out_slots, reinterpret_cast<unsigned long long*>(n_evicted));
+      score_vals, step, step_ptr, init, out_slots,
+      reinterpret_cast<unsigned long long*>(n_evicted));
 }
 
 void launch_erase(int64_t* keys, int64_t* scores, int64_t* touched, int64_t num_buckets,

@@ -117,9 +117,10 @@ class UniqueIds:
         if big > 1:
             change = (sorted_ids[1:] != sorted_ids[:-1]) | (pos[1:big] == n)
             torch.cumsum(change, 0, out=seg[1:])
-        # U = the last real position's segment + 1 (0 without ids)
-        last = (n - 1).clamp(min=0)
-        self.num_unique = torch.where(n > 0, seg[last] + 1, 0)
+        # U = the last real position's segment + 1 (0 without ids); index_select, as indexing
+        # by a 0-d tensor would read it back
+        last = seg.index_select(0, (n - 1).clamp(min=0).reshape(1)).squeeze(0)
+        self.num_unique = torch.where(n > 0, last + 1, 0)
         self.offsets = torch.minimum(torch.searchsorted(seg, pos), n)
         self.valid = pos[:big] < self.num_unique
         first = self.offsets[:-1].clamp(max=big - 1)

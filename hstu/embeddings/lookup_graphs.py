@@ -146,12 +146,17 @@ class LookupGraphs:
                     outputs = body(entry.ids, entry.n, self.step)
                 finally:
                     graph.capture_end()
-        except RuntimeError as e:  # nothing ran: the table is as it was
-            self.disabled = f"capture failed: {e}"
+        except Exception as e:  # noqa: BLE001 - any failure: eager from now on, say why
+            # nothing ran: the table is as it was; the random generator loses its capture mark
+            from hstu.modules.graphed_encoder import release_generator
+
+            torch.cuda.synchronize(self.device)
+            release_generator(self.device)
+            self.disabled = f"capture failed: {type(e).__name__}: {e}"
             logger.warning(
                 "dynamic table %r: CUDA graphs of the lookup off (%s); eager lookups from now",
                 self.name,
-                e,
+                self.disabled,
             )
             self._entries.clear()
             return False

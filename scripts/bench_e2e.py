@@ -1018,6 +1018,7 @@ def _time_trainer(trainer, args: argparse.Namespace, path: str = "compiled") -> 
             warmup += REPEAT_WARMUP
         _sync(trainer)
         g0 = dataclasses.replace(graphs) if graphs is not None else None
+        lookups0 = trainer.embeddings.lookup_graph_stats()
         warm_peak = (0.0, 0.0)
         if trainer.device.type == "cuda":
             # the warm-up's peaks (captures included) count in the whole run's
@@ -1041,6 +1042,7 @@ def _time_trainer(trainer, args: argparse.Namespace, path: str = "compiled") -> 
         _sync(trainer)
         elapsed = time.perf_counter() - start
         g1 = dataclasses.replace(graphs) if graphs is not None else None
+        lookups1 = trainer.embeddings.lookup_graph_stats()
         alone = _issue_alone(trainer, args.issue_probes, graphs)
         if args.host_profile:
             alone["host_profile"] = _host_profile(trainer, args, path, args.host_profile)
@@ -1069,6 +1071,13 @@ def _time_trainer(trainer, args: argparse.Namespace, path: str = "compiled") -> 
         }
     elif graphs is not None and graphs.disabled:
         graph_row = {"graphs_off": graphs.disabled}
+    if lookups0:  # the dynamic tables' lookup graphs (hstu.embeddings.lookup_graphs)
+        graph_row.update(
+            lookup_graph_captures_warmup=lookups0["captures"],
+            lookup_graph_capture_s_warmup=round(lookups0["capture_seconds"], 3),
+            lookup_graph_captures_timed=lookups1["captures"] - lookups0["captures"],
+            lookup_graph_replays_timed=lookups1["replays"] - lookups0["replays"],
+        )
     row = {
         "config": args.config,
         "world_size": world,

@@ -345,6 +345,19 @@ class EmbeddingStack(nn.Module):
             return coll.global_stats()
         return coll.stats()
 
+    def lookup_graph_stats(self) -> dict[str, float]:
+        """The dynamic tables' lookup graphs (`hstu.embeddings.lookup_graphs`), this rank's
+        tables summed: captures, the seconds they took, replays; empty without such tables."""
+        tables = getattr(self.dynamic_collection, "tables", None) or {}
+        graphs = [t._graphs for t in tables.values() if t._graphs is not None]
+        if not graphs:
+            return {}
+        return {
+            "captures": sum(g.captures for g in graphs),
+            "capture_seconds": sum(g.capture_seconds for g in graphs),
+            "replays": sum(g.replays for g in graphs),
+        }
+
     def memory_plan(
         self, world_size: int, device_type: str, dense_states: int = 2
     ) -> list[dict[str, object]]:

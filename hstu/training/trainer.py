@@ -737,6 +737,15 @@ class Trainer:
         return None if graphs is None else graphs.stats
 
     def _log_graph_stats(self) -> None:
+        lookups = self.embeddings.lookup_graph_stats()
+        if lookups and self.info.is_main:
+            logger.info(
+                "CUDA graphs of the dynamic tables' lookups: %d captures took %.2f s in all "
+                "(one-time, inside the first steps of each id count); %d lookups replayed",
+                lookups["captures"],
+                lookups["capture_seconds"],
+                lookups["replays"],
+            )
         stats = self.graph_stats()
         if stats is None or self.device.type != "cuda" or not self.info.is_main:
             return

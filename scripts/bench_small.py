@@ -167,11 +167,14 @@ def _profile(trainer, args: argparse.Namespace) -> dict:
 
 def _graph_fields(trainer) -> dict:
     stats = trainer.graph_stats()
+    # the dynamic tables' lookup graphs (hstu.embeddings.lookup_graphs), where there are any
+    lookups = {f"lookup_graph_{k}": v for k, v in trainer.embeddings.lookup_graph_stats().items()}
     if stats is None or trainer.device.type != "cuda":
-        return {}
+        return lookups
     if stats.disabled:
-        return {"graphs_off": stats.disabled}
+        return {"graphs_off": stats.disabled, **lookups}
     return {
+        **lookups,
         # what one graph replays: the whole training step or the encoder's forward + backward
         "graph_scope": "step" if getattr(trainer, "step_graphs", None) is not None else "encoder",
         "graph_captures": stats.captures,

@@ -46,8 +46,13 @@ def test_graph_fields_name_what_a_graph_replays(load_script):
     bench = load_script("bench_small")
     stats = GraphStats(captures=3, capture_seconds=0.1234, replays=90, eager=4)
     cuda = SimpleNamespace(type="cuda")
-    step = SimpleNamespace(graph_stats=lambda: stats, device=cuda, step_graphs=object())
-    enc = SimpleNamespace(graph_stats=lambda: stats, device=cuda, step_graphs=None)
+    plain = SimpleNamespace(lookup_graph_stats=dict)  # no dynamic tables
+    step = SimpleNamespace(
+        graph_stats=lambda: stats, device=cuda, step_graphs=object(), embeddings=plain
+    )
+    enc = SimpleNamespace(
+        graph_stats=lambda: stats, device=cuda, step_graphs=None, embeddings=plain
+    )
     assert bench._graph_fields(step) == {
         "graph_scope": "step",
         "graph_captures": 3,
@@ -59,4 +64,11 @@ def test_graph_fields_name_what_a_graph_replays(load_script):
     off = GraphStats(disabled="capturing failed (why)")
     step.graph_stats = lambda: off
     assert bench._graph_fields(step) == {"graphs_off": "capturing failed (why)"}
-    assert bench._graph_fields(SimpleNamespace(graph_stats=lambda: None, device=cuda)) == {}
+    none = SimpleNamespace(graph_stats=lambda: None, device=cuda, embeddings=plain)
+    assert bench._graph_fields(none) == {}
+    # dynamic tables' lookup graphs are reported beside the encoder's
+    dyn = {"captures": 2, "capture_seconds": 0.01, "replays": 7}
+    enc.embeddings = SimpleNamespace(lookup_graph_stats=lambda: dict(dyn))
+    fields = bench._graph_fields(enc)
+    assert fields["lookup_graph_captures"] == 2 and fields["lookup_graph_replays"] == 7
+    assert fields["graph_scope"] == "encoder"

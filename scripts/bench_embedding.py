@@ -231,18 +231,16 @@ def zipf_ids(n: int, rows: int, s: float, gen: np.random.Generator) -> np.ndarra
     return np.minimum(x.astype(np.int64) - 1, rows - 1).clip(min=0)
 
 
+def _table_config(args, name: str, **kw) -> DynamicEmbeddingConfig:
+    """A table of ``--rows`` x ``--dim`` trained by row-wise Adagrad (modes c and d)."""
+    return DynamicEmbeddingConfig(
+        name, args.dim, args.rows, ["f"], optimizer="rowwise_adagrad", learning_rate=0.01, **kw
+    )
+
+
 def _hybrid_config(args, storage: str) -> DynamicEmbeddingConfig:
     cache = float(args.cache) if float(args.cache) <= 1.0 else int(float(args.cache))
-    return DynamicEmbeddingConfig(
-        "bench",
-        args.dim,
-        args.rows,
-        ["f"],
-        optimizer="rowwise_adagrad",
-        learning_rate=0.01,
-        storage=storage,
-        hbm_cache=cache,
-    )
+    return _table_config(args, "bench", storage=storage, hbm_cache=cache)
 
 
 def _run_table(args, storage: str, batches: list[torch.Tensor], dev: torch.device) -> dict:
@@ -377,15 +375,7 @@ def bench_host_issue(args) -> None:
     dev = torch.device("cuda")
     tables = {}
     for graphs in (False, True):
-        cfg = DynamicEmbeddingConfig(
-            "items",
-            args.dim,
-            args.rows,
-            ["f"],
-            optimizer="rowwise_adagrad",
-            learning_rate=0.01,
-            lookup_graphs=graphs,
-        )
+        cfg = _table_config(args, "items", lookup_graphs=graphs)
         tables["graphs" if graphs else "eager"] = DynamicEmbeddingTable(cfg, dev)
     gen = np.random.default_rng(0)
     steps = args.warmup + args.steps

@@ -302,7 +302,9 @@ class DynamicEmbeddingTable(nn.Module):
         distinct-id count and the reserved-id check run on the host, and a training lookup reads
         the GPU once (how many ids are new, to size the insert); without them three more reads."""
         dtype = _DTYPES[self.config.output_dtype]
-        if self.training and self._graphs is not None and ids.numel() and scores is None:
+        # (inside a caller's CUDA graph capture the ops are captured as they are issued)
+        graphs = self._graphs is not None and not torch.cuda.is_current_stream_capturing()
+        if self.training and graphs and ids.numel() and scores is None:
             out = self._graphed_lookup(ids, host_ids)
             if out is not None:
                 return out.to(dtype)

@@ -98,9 +98,9 @@ class UniqueIds:
     @classmethod
     def padded(cls, ids: torch.Tensor, n: torch.Tensor) -> UniqueIds:
         """The unique ids of ``ids[:n]`` (``n`` a 0-d int64 tensor on the ids' device; the rest of
-        ``ids`` is padding of any value) with every size fixed by ``len(ids)`` = N, so that nothing
-        is read back and a CUDA graph can capture it: uniq, counts, inverse, perm [N], offsets
-        [N + 1]. Entries k < U (``num_unique``, a 0-d tensor) are those of the real ids; past U,
+        ``ids`` is padding of any value) with every size fixed by ``len(ids)`` = N >= 1, so that
+        nothing is read back and a CUDA graph can capture it: uniq, counts, inverse, perm [N],
+        offsets [N + 1]. Entries k < U (``num_unique``, a 0-d tensor) are those of the real ids; past U,
         uniq holds EMPTY_KEY (which no table finds), counts 0 and offsets n. inverse and perm are
         exact on the first n positions (perm[:n] is an argsort of ids[:n]); a padding position's
         inverse is U."""
@@ -299,8 +299,10 @@ class DynamicEmbeddingTable(nn.Module):
         length as ids) sets the eviction score of each id under the 'custom' policy.
 
         ``host_ids``: the same ids on the CPU (e.g. from the batch's CPU twin). With them the
-        distinct-id count and the reserved-id check run on the host, and a training lookup reads
-        the GPU once (how many ids are new, to size the insert); without them three more reads."""
+        reserved-id check (and, for an eager lookup, the distinct-id count) runs on the host and a
+        training lookup reads nothing back; without them it reads the device once (graphed) or
+        twice (eager). A training lookup on the GPU replays its ops from CUDA graphs
+        (`config.lookup_graphs`, `hstu.embeddings.lookup_graphs`) unless it has custom scores."""
         dtype = _DTYPES[self.config.output_dtype]
         # (inside a caller's CUDA graph capture the ops are captured as they are issued)
         graphs = self._graphs is not None and not torch.cuda.is_current_stream_capturing()

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hstu.graph_capture import release_generator
+
 __all__ = ["LookupGraphs", "MAX_GRAPHS", "MIN_IDS", "padded_id_count"]
 
 logger = logging.getLogger(__name__)
@@ -148,8 +150,6 @@ class LookupGraphs:
                     graph.capture_end()
         except Exception as e:  # noqa: BLE001 - any failure: eager from now on, say why
             # nothing ran: the table is as it was; the random generator loses its capture mark
-            from hstu.modules.graphed_encoder import release_generator
-
             torch.cuda.synchronize(self.device)
             release_generator(self.device)
             self.disabled = f"capture failed: {type(e).__name__}: {e}"

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from hstu.graph_capture import release_generator
 from hstu.modules import fused_hstu_layer
 from hstu.modules.attention_inputs import AttentionInputs
 
@@ -76,7 +77,6 @@ __all__ = [
     "fresh_parameter_leaves",
     "GraphKey",
     "GraphStats",
-    "release_generator",
     "SEQ_GRAIN",
     "seqlen_bound",
 ]
@@ -225,17 +225,6 @@ def fresh_parameter_leaves(module: nn.Module, params: list[torch.Tensor]):
     finally:
         for mod, name, p in reversed(swapped):
             mod._parameters[name] = p
-
-
-def release_generator(device: torch.device) -> None:
-    """After a failed capture: the device's default CUDA generator gets a fresh copy of its
-    state. A capture that ends in an error leaves the state marked as capturing, and every
-    later random op (dropout, negatives) of the eager steps would then raise ("Offset increment
-    outside graph capture"); the copy keeps the seed and offset without that mark. Used by the
-    encoder's graphs and the whole-step graphs (`hstu.training.step_graphs`)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    gen = torch.cuda.default_generators[index]
-    gen.graphsafe_set_state(gen.clone_state())
 
 
 class _IntoBuffer(torch.autograd.Function):

@@ -61,7 +61,8 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
-from hstu.modules.graphed_encoder import SEQ_GRAIN, GraphStats, release_generator, seqlen_bound
+from hstu.graph_capture import release_generator
+from hstu.modules.graphed_encoder import SEQ_GRAIN, GraphStats, seqlen_bound
 from hstu.modules.preprocessor import StaticLayout, host_lengths, padded_token_count
 
 __all__ = [

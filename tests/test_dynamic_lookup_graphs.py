@@ -9,7 +9,7 @@ import torch
 
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
 from hstu.embeddings.dynamic_table import DynamicEmbeddingTable, UniqueIds
-from hstu.embeddings.lookup_graphs import MIN_IDS, padded_id_count
+from hstu.embeddings.lookup_graphs import BYTES_PER_ID, MIN_IDS, LookupGraphs, padded_id_count
 from hstu.embeddings.reference_table import EMPTY_KEY
 
 I64 = torch.iinfo(torch.int64)
@@ -64,6 +64,26 @@ def test_padded_id_counts():
     assert len(sizes) == 16  # 8 per power of two
     for n in (257, 1000, 4097, 123_457):
         assert n <= padded_id_count(n) <= n * 9 // 8 + 1
+
+
+def test_new_counts_past_the_limits_run_eagerly():
+    seen = []
+
+    def body(ids, n, step):  # the first lookup of a count runs eagerly on the entry's buffers
+        seen.append((ids.numel(), int(n), int(step[0])))
+        return ids.clone(), ids.clone()
+
+    held = MIN_IDS + padded_id_count(MIN_IDS + 1)
+    g = LookupGraphs(torch.device("cpu"), "t", max_graphs=3, max_bytes=held * BYTES_PER_ID)
+    first = g.run(body, torch.arange(10), 7)
+    assert first is not None and first[2] is None and torch.equal(first[0][:10], torch.arange(10))
+    assert g.run(body, torch.arange(MIN_IDS + 1), 8) is not None
+    assert seen == [(MIN_IDS, 10, 7), (padded_id_count(MIN_IDS + 1), MIN_IDS + 1, 8)]
+    assert g.run(body, torch.arange(1000), 9) is None  # its buffers would pass max_bytes
+    g.max_bytes *= 10
+    g.max_graphs = 2
+    assert g.run(body, torch.arange(1000), 9) is None  # a third count
+    assert len(seen) == 2
 
 
 DEV = torch.device("cuda")

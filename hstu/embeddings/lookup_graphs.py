@@ -24,8 +24,8 @@ another graph left: while any entry is pending, lookups (the same table twice in
 eagerly.
 
 When. The first lookup of a count runs the padded ops eagerly (also setting up their kernels),
-the second captures and replays; later ones replay. Up to `MAX_GRAPHS` counts per table, the
-others run eagerly. A capture that fails turns the table's graphs off (eager from then on; the
+the second captures and replays; later ones replay. Up to `MAX_GRAPHS` counts per table, and no
+more than `MAX_GRAPH_BYTES` of their buffers (~64 bytes per padded id), the others run eagerly. A capture that fails turns the table's graphs off (eager from then on; the
 table's state is untouched: a capture runs nothing). Results are those of the eager lookup:
 the same rows, slots, evictions, counters and updates (GPU test
 `tests/test_dynamic_lookup_graphs.py`).
@@ -50,6 +50,11 @@ logger = logging.getLogger(__name__)
 MIN_IDS = 256  # the smallest padded id count
 PAD_SIZES_PER_OCTAVE = 8
 MAX_GRAPHS = 32  # counts captured per table; the others run eagerly
+# What a graph keeps per padded id: its buffers and outputs (ids, sort, unique ids, counts,
+# offsets, inverse, slots: ~7 int64 and a mask), rounded up. The counts held per table stop
+# where they would keep more than MAX_GRAPH_BYTES (32 counts of 250k ids; huge lookups fewer).
+BYTES_PER_ID = 64
+MAX_GRAPH_BYTES = 512 << 20
 
 
 def padded_id_count(n: int) -> int:
@@ -80,10 +85,17 @@ class LookupGraphs:
     """One table's lookup graphs, keyed by padded id count. ``body(ids, n, step)`` runs the
     lookup's ops on the padded ids and returns (UniqueIds, slots), both of the padded size."""
 
-    def __init__(self, device: torch.device, name: str, max_graphs: int = MAX_GRAPHS) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        name: str,
+        max_graphs: int = MAX_GRAPHS,
+        max_bytes: int = MAX_GRAPH_BYTES,
+    ) -> None:
         self.device = device
         self.name = name
         self.max_graphs = max_graphs
+        self.max_bytes = max_bytes
         self.step = torch.zeros(1, dtype=torch.int64, device=device)
         self._entries: dict[int, _Entry] = {}
         self._pool = None
@@ -100,8 +112,8 @@ class LookupGraphs:
 
     def run(self, body: Callable, ids: torch.Tensor, step: int):
         """(UniqueIds of the padded size, slots, the entry) for ``ids`` at table step ``step``,
-        or None where this lookup runs eagerly (graphs off, the count over the limit, or an entry
-        pending). The caller marks the entry pending while a backward is due (`hold`; the
+        or None where this lookup runs eagerly (graphs off, a new count over the limits
+        `max_graphs` / `max_bytes`, or an entry pending). The caller marks the entry pending while a backward is due (`hold`; the
         backward calls `release`)."""
         if self.disabled or any(e.is_pending() for e in self._entries.values()):
             return None
@@ -109,7 +121,11 @@ class LookupGraphs:
         size = padded_id_count(n)
         entry = self._entries.get(size)
         if entry is None:
-            if len(self._entries) >= self.max_graphs:
+            held = sum(e.ids.numel() for e in self._entries.values())
+            if (
+                len(self._entries) >= self.max_graphs
+                or (held + size) * BYTES_PER_ID > self.max_bytes
+            ):
                 return None
             entry = _Entry(
                 ids=torch.empty(size, dtype=torch.int64, device=self.device),

@@ -9,8 +9,9 @@ import torch
 
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
 from hstu.embeddings.dynamic_table import DynamicEmbeddingTable, UniqueIds
-from hstu.embeddings.lookup_graphs import BYTES_PER_ID, MIN_IDS, LookupGraphs, padded_id_count
+from hstu.embeddings.lookup_graphs import BYTES_PER_ID, ID_SIZES_PER_OCTAVE, LookupGraphs
 from hstu.embeddings.reference_table import EMPTY_KEY
+from hstu.graph_capture import padded_token_count
 
 I64 = torch.iinfo(torch.int64)
 
@@ -58,14 +59,6 @@ def test_padded_unique_ids_match_the_exact_ones(seed):
             assert bool((ids[seg] == p.uniq[k]).all())
 
 
-def test_padded_id_counts():
-    assert padded_id_count(1) == MIN_IDS and padded_id_count(MIN_IDS) == MIN_IDS
-    sizes = {padded_id_count(n) for n in range(MIN_IDS + 1, 4 * MIN_IDS + 1)}
-    assert len(sizes) == 16  # 8 per power of two
-    for n in (257, 1000, 4097, 123_457):
-        assert n <= padded_id_count(n) <= n * 9 // 8 + 1
-
-
 def test_new_counts_past_the_limits_run_eagerly():
     seen = []
 
@@ -73,16 +66,20 @@ def test_new_counts_past_the_limits_run_eagerly():
         seen.append((ids.numel(), int(n), int(step[0])))
         return ids.clone(), ids.clone()
 
-    held = MIN_IDS + padded_id_count(MIN_IDS + 1)
+    def count(n):
+        return padded_token_count(n, ID_SIZES_PER_OCTAVE)
+
+    held = count(10) + count(1500)
     g = LookupGraphs(torch.device("cpu"), "t", max_graphs=3, max_bytes=held * BYTES_PER_ID)
     first = g.run(body, torch.arange(10), 7)
     assert first is not None and first[2] is None and torch.equal(first[0][:10], torch.arange(10))
-    assert g.run(body, torch.arange(MIN_IDS + 1), 8) is not None
-    assert seen == [(MIN_IDS, 10, 7), (padded_id_count(MIN_IDS + 1), MIN_IDS + 1, 8)]
+    assert g.run(body, torch.arange(1500), 8) is not None
+    assert seen == [(count(10), 10, 7), (count(1500), 1500, 8)]
     assert g.run(body, torch.arange(1000), 9) is None  # its buffers would pass max_bytes
     g.max_bytes *= 10
     g.max_graphs = 2
     assert g.run(body, torch.arange(1000), 9) is None  # a third count
+    assert g.stats.eager == 4  # two first lookups, two refused
     assert len(seen) == 2
 
 
@@ -139,8 +136,8 @@ def test_graphed_lookups_match_eager_ones(policy, optimizer):
     sizes = [300, 300, 300, 1000, 300, 1000, 1000, 5, 300, 5, 5, 2000, 2000, 2000]
     _train([eager, graphed], sizes, 6000, no_grad_at=(9,))
     _same(eager, graphed)
-    gs = graphed._graphs
-    # counts 320, 1024, 256, 2048: each eager once, then captured and replayed
+    gs = graphed._graphs.stats
+    # counts 384, 1024, 128, 2048: each eager once, then captured and replayed
     assert gs.captures == 4 and gs.replays == 10 and not gs.disabled
     assert graphed.stats()["evictions"] > 0
     assert eager._graphs is None
@@ -153,20 +150,20 @@ def test_pending_graphs_and_load():
     _train([eager, graphed], [700] * 4, 3000, seed=1, two_lookups=True)
     _same(eager, graphed)
     # step 0: the first lookup eager, the second captured; later the second ran eagerly
-    assert graphed._graphs.replays == 4
+    assert graphed._graphs.stats.replays == 4
     dump = eager.dump()
     for t in (eager, graphed):
         t.load(dump)
-    assert graphed._graphs.captures == 1 and not graphed._graphs._entries
+    assert graphed._graphs.stats.captures == 1 and not graphed._graphs._entries
     _train([eager, graphed], [700] * 4, 3000, seed=2)
     _same(eager, graphed)
     # a lookup whose output is dropped without a backward leaves no entry pending
     ids = torch.arange(700, device=DEV)
     for t in (eager, graphed):
         t(ids, host_ids=ids.cpu())
-    replays = graphed._graphs.replays
+    replays = graphed._graphs.stats.replays
     _train([eager, graphed], [700], 3000, seed=3)
-    assert graphed._graphs.replays == replays + 1
+    assert graphed._graphs.stats.replays == replays + 1
     _same(eager, graphed)
 
 

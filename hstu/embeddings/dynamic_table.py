@@ -100,10 +100,10 @@ class UniqueIds:
         """The unique ids of ``ids[:n]`` (``n`` a 0-d int64 tensor on the ids' device; the rest of
         ``ids`` is padding of any value) with every size fixed by ``len(ids)`` = N >= 1, so that
         nothing is read back and a CUDA graph can capture it: uniq, counts, inverse, perm [N],
-        offsets [N + 1]. Entries k < U (``num_unique``, a 0-d tensor) are those of the real ids; past U,
-        uniq holds EMPTY_KEY (which no table finds), counts 0 and offsets n. inverse and perm are
-        exact on the first n positions (perm[:n] is an argsort of ids[:n]); a padding position's
-        inverse is U."""
+        offsets [N + 1]. Entries k < U (``num_unique``, a 0-d tensor) are those of the real ids;
+        past U, uniq holds EMPTY_KEY (which no table finds), counts 0 and offsets n. inverse and
+        perm are exact on the first n positions (perm[:n] is an argsort of ids[:n]); a padding
+        position's inverse is U."""
         self = cls.__new__(cls)
         big = ids.numel()
         dev = ids.device

@@ -6,9 +6,10 @@ bucket, the counters. Their GPU work is small; issuing them is not (docs/benchma
 dynamic tables were the largest part of the graphed ranking step's host time). `LookupGraphs`
 captures them once per padded id count and replays them with one launch.
 
-Shapes. The ids are copied into a buffer of `padded_id_count(n)` entries (8 sizes per power of
-two, at least `MIN_IDS`); `UniqueIds.padded` deduplicates the first n at sizes fixed by the
-buffer, so the capture needs no count from the device. The padding entries of the unique ids
+Shapes. The ids are copied into a buffer of `padded_token_count(n, ID_SIZES_PER_OCTAVE)`
+entries (8 sizes per power of two, multiples of 128 below 1024); `UniqueIds.padded`
+deduplicates the first n at sizes fixed by the buffer, so the capture needs no count from the
+device. The padding entries of the unique ids
 are EMPTY_KEY (never found, never inserted), so they touch, insert and train nothing.
 
 What a replay reads. The ids and their count from the entry's buffers, the table's step from
@@ -24,11 +25,12 @@ another graph left: while any entry is pending, lookups (the same table twice in
 eagerly.
 
 When. The first lookup of a count runs the padded ops eagerly (also setting up their kernels),
-the second captures and replays; later ones replay. Up to `MAX_GRAPHS` counts per table, and no
-more than `MAX_GRAPH_BYTES` of their buffers (~64 bytes per padded id), the others run eagerly. A capture that fails turns the table's graphs off (eager from then on; the
-table's state is untouched: a capture runs nothing). Results are those of the eager lookup:
-the same rows, slots, evictions, counters and updates (GPU test
-`tests/test_dynamic_lookup_graphs.py`).
+the second captures and replays; later ones replay. Up to `MAX_GRAPHS` counts per table and
+`MAX_GRAPH_BYTES` of their buffers (~64 bytes per padded id); new counts past either run
+eagerly. A capture that fails turns the table's graphs off (eager from then on; the table's
+state is untouched: a capture runs nothing). `LookupGraphs.stats` counts it all (`GraphStats`).
+Results are those of the eager lookup: the same rows, slots, evictions, counters and updates
+(GPU test `tests/test_dynamic_lookup_graphs.py`).
 """
 
 from __future__ import annotations
@@ -41,29 +43,19 @@ from dataclasses import dataclass
 
 import torch
 
-from hstu.graph_capture import release_generator
+from hstu.graph_capture import GraphStats, padded_token_count, release_generator
 
-__all__ = ["LookupGraphs", "MAX_GRAPHS", "MIN_IDS", "padded_id_count"]
+__all__ = ["LookupGraphs", "MAX_GRAPHS", "MAX_GRAPH_BYTES", "ID_SIZES_PER_OCTAVE"]
 
 logger = logging.getLogger(__name__)
 
-MIN_IDS = 256  # the smallest padded id count
-PAD_SIZES_PER_OCTAVE = 8
+ID_SIZES_PER_OCTAVE = 8  # padded id counts per power of two
 MAX_GRAPHS = 32  # counts captured per table; the others run eagerly
 # What a graph keeps per padded id: its buffers and outputs (ids, sort, unique ids, counts,
 # offsets, inverse, slots: ~7 int64 and a mask), rounded up. The counts held per table stop
 # where they would keep more than MAX_GRAPH_BYTES (32 counts of 250k ids; huge lookups fewer).
 BYTES_PER_ID = 64
 MAX_GRAPH_BYTES = 512 << 20
-
-
-def padded_id_count(n: int) -> int:
-    """``n`` rounded up to one of `PAD_SIZES_PER_OCTAVE` sizes per power of two (at least
-    `MIN_IDS`): at most 1/8 more ids than the lookup has."""
-    if n <= MIN_IDS:
-        return MIN_IDS
-    step = max(1, (1 << (n.bit_length() - 1)) // PAD_SIZES_PER_OCTAVE)
-    return -(-n // step) * step
 
 
 @dataclass
@@ -100,10 +92,7 @@ class LookupGraphs:
         self._entries: dict[int, _Entry] = {}
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
-        self.disabled = ""
-        self.captures = 0
-        self.capture_seconds = 0.0
-        self.replays = 0
+        self.stats = GraphStats()
 
     def clear(self) -> None:
         """Drops every graph (the table's tensors were replaced)."""
@@ -112,13 +101,14 @@ class LookupGraphs:
 
     def run(self, body: Callable, ids: torch.Tensor, step: int):
         """(UniqueIds of the padded size, slots, the entry) for ``ids`` at table step ``step``,
-        or None where this lookup runs eagerly (graphs off, a new count over the limits
-        `max_graphs` / `max_bytes`, or an entry pending). The caller marks the entry pending while a backward is due (`hold`; the
-        backward calls `release`)."""
-        if self.disabled or any(e.is_pending() for e in self._entries.values()):
+        or None where this lookup runs eagerly (graphs off, a new count past `max_graphs` or
+        `max_bytes`, or an entry pending). The caller marks the entry pending while a backward
+        is due (`hold`; the backward calls `release`)."""
+        if self.stats.disabled or any(e.is_pending() for e in self._entries.values()):
+            self.stats.eager += 1
             return None
         n = ids.numel()
-        size = padded_id_count(n)
+        size = padded_token_count(n, ID_SIZES_PER_OCTAVE)
         entry = self._entries.get(size)
         if entry is None:
             held = sum(e.ids.numel() for e in self._entries.values())
@@ -126,6 +116,7 @@ class LookupGraphs:
                 len(self._entries) >= self.max_graphs
                 or (held + size) * BYTES_PER_ID > self.max_bytes
             ):
+                self.stats.eager += 1
                 return None
             entry = _Entry(
                 ids=torch.empty(size, dtype=torch.int64, device=self.device),
@@ -136,16 +127,13 @@ class LookupGraphs:
         entry.n.fill_(n)
         self.step.fill_(step)
         entry.uses += 1
-        if entry.graph is not None:
-            entry.graph.replay()
-            self.replays += 1
-            return (*entry.outputs, entry)
-        if entry.uses == 1:  # eagerly on the buffers: the same ops, their kernels set up
-            return (*body(entry.ids, entry.n, self.step), None)
-        if not self._capture(body, entry, size):
+        # the first lookup of a count runs its ops on the buffers (setting their kernels up),
+        # the second captures them; a failed capture runs them too
+        if entry.graph is None and (entry.uses == 1 or not self._capture(body, entry, size)):
+            self.stats.eager += 1
             return (*body(entry.ids, entry.n, self.step), None)
         entry.graph.replay()
-        self.replays += 1
+        self.stats.replays += 1
         return (*entry.outputs, entry)
 
     def _capture(self, body: Callable, entry: _Entry, size: int) -> bool:
@@ -168,11 +156,11 @@ class LookupGraphs:
             # nothing ran: the table is as it was; the random generator loses its capture mark
             torch.cuda.synchronize(self.device)
             release_generator(self.device)
-            self.disabled = f"capture failed: {type(e).__name__}: {e}"
+            self.stats.disabled = f"capture failed: {type(e).__name__}: {e}"
             logger.warning(
                 "dynamic table %r: CUDA graphs of the lookup off (%s); eager lookups from now",
                 self.name,
-                self.disabled,
+                self.stats.disabled,
             )
             self._entries.clear()
             return False
@@ -180,8 +168,7 @@ class LookupGraphs:
             current.wait_stream(self._stream)
         entry.graph, entry.outputs = graph, outputs
         took = time.perf_counter() - start
-        self.captures += 1
-        self.capture_seconds += took
+        self.stats.record_capture(f"ids={size}", took, len(self._entries))
         logger.info(
             "dynamic table %r: captured the lookup of %d ids in %.3f s (%d counts held)",
             self.name,

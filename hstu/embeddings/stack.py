@@ -349,13 +349,13 @@ class EmbeddingStack(nn.Module):
         """The dynamic tables' lookup graphs (`hstu.embeddings.lookup_graphs`), this rank's
         tables summed: captures, the seconds they took, replays; empty without such tables."""
         tables = getattr(self.dynamic_collection, "tables", None) or {}
-        graphs = [t._graphs for t in tables.values() if t._graphs is not None]
-        if not graphs:
+        stats = [t._graphs.stats for t in tables.values() if t._graphs is not None]
+        if not stats:
             return {}
         return {
-            "captures": sum(g.captures for g in graphs),
-            "capture_seconds": sum(g.capture_seconds for g in graphs),
-            "replays": sum(g.replays for g in graphs),
+            "captures": sum(g.captures for g in stats),
+            "capture_seconds": sum(g.capture_seconds for g in stats),
+            "replays": sum(g.replays for g in stats),
         }
 
     def memory_plan(

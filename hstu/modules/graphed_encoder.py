@@ -67,7 +67,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from hstu.graph_capture import release_generator
+from hstu.graph_capture import GraphStats, release_generator
 from hstu.modules import fused_hstu_layer
 from hstu.modules.attention_inputs import AttentionInputs
 
@@ -94,7 +94,6 @@ MIN_SEQLEN_BOUND = 64  # the attention kernels' smallest query tile
 # model's batches spanned 18k-45k rows in one run, mean ~29k; on its timed batches 1.25 held
 # 26.85 GB of device memory at the peak against 29.97 GB with 1.5 (docs/benchmarks.md)
 BUFFER_HEADROOM = 1.25
-RECENT_CAPTURES = 16  # captures GraphStats.recent_captures keeps
 # the allocator's calls that route a thread's allocations to a graphs' pool (`_warmup_allocations`)
 _POOL_ROUTING = (
     "_cuda_beginAllocateCurrentThreadToPool",
@@ -122,33 +121,6 @@ class GraphKey:
     last_query_time: bool
     input_grad: bool
     autocast: tuple[bool, torch.dtype]
-
-
-@dataclass
-class GraphStats:
-    """Counts since the encoder was built: ``captures`` (graph pairs captured, recaptures after
-    a buffer growth included) and the seconds they took, ``replays`` (steps run from a graph),
-    ``eager`` (training steps run eagerly: first sight of a shape, metadata that does not fit,
-    the graph limit), ``graphs`` (pairs held now)."""
-
-    captures: int = 0
-    capture_seconds: float = 0.0
-    replays: int = 0
-    eager: int = 0
-    graphs: int = 0
-    disabled: str = ""  # why graphs are off for this encoder ("" = on)
-    # times every graph was dropped (buffers outgrown, parameters moved, `reset`)
-    resets: int = 0
-    # the last `RECENT_CAPTURES` captures, oldest first: "rows=.. seqs=.. seqlen<=.. inputs=..
-    # (C contexts, T targets, S timestamps, L last query times, I input gradient) (why; held)"
-    recent_captures: list[str] = field(default_factory=list)
-
-    def record_capture(self, note: str, seconds: float, held: int) -> None:
-        """Counts one capture of ``seconds`` (``note`` describes it) with ``held`` graphs now."""
-        self.captures += 1
-        self.graphs = held
-        self.capture_seconds += seconds
-        self.recent_captures = (self.recent_captures + [note])[-RECENT_CAPTURES:]
 
 
 @dataclass

@@ -22,6 +22,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from hstu.config.args import PAD_TOKENS
 from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
+from hstu.graph_capture import PAD_SIZES_PER_OCTAVE, padded_token_count
 from hstu.modules import token_assembly
 from hstu.modules.attention_inputs import AttentionInputs
 
@@ -96,30 +97,6 @@ def segment_ranges(starts: torch.Tensor, counts: torch.Tensor, total: int) -> to
     )
     first = torch.cumsum(counts, 0) - counts
     return starts[seg] + (torch.arange(total, device=dev) - first[seg])
-
-
-# Token counts per power of two that `padded_token_count` rounds to by default.
-PAD_SIZES_PER_OCTAVE = 32
-
-
-def padded_token_count(t: int, sizes_per_octave: int = PAD_SIZES_PER_OCTAVE) -> int:
-    """``t`` rounded up to a multiple of 2**(bit_length(t) - 1) / ``sizes_per_octave``, at least
-    128: with the default 32, at most ~1/32 more rows (1024 extra at most for 32k-64k tokens) and
-    at most 32 sizes per power of two.
-
-    Why: each batch has a different number of jagged tokens T, and cuBLAS picks its kernel for
-    every new [T, K] x [K, N] shape on the host (measured on the H100: ~150-230 us per matmul for
-    a new T, ~25 us for a repeated one; ~50 matmuls per step). Rounding T makes the shapes repeat.
-    CUDA graphs of the encoder (one pair per size) use 8 sizes per power of two (at most 1/8 more
-    rows): a large batch's token count spreads over dozens of the finer sizes.
-    """
-    if sizes_per_octave < 1 or sizes_per_octave & (sizes_per_octave - 1):
-        raise ValueError(f"sizes_per_octave must be a power of two; got {sizes_per_octave}")
-    if t <= 0:
-        return t
-    shift = t.bit_length() - 1 - (sizes_per_octave.bit_length() - 1)
-    grain = max(128, 1 << max(0, shift))
-    return -(-t // grain) * grain
 
 
 # Padding rows go into sequences of at most this many tokens (`_attention_inputs`).

@@ -205,8 +205,15 @@ def test_bad_input_to_the_raw_ops_raises_instead_of_crashing():
     code = (
         "import torch, hstu._dynamic_embedding_C\n"
         "k = torch.zeros(33, dtype=torch.int64, device='cuda')\n"
+        "t = k[:32].clone()\n"
+        "def touch(step):\n"
+        "    return torch.ops.hstu_dynemb.find_touch(k[:32], t, t.clone(), k[:1], None, 0, False,"
+        " step)\n"
         "for call in (lambda: torch.ops.hstu_dynemb.find(k, k),\n"
-        "             lambda: torch.ops.hstu_dynemb.find(k[:32], k.int())):\n"
+        "             lambda: torch.ops.hstu_dynemb.find(k[:32], k.int()),\n"
+        "             lambda: touch(k[:2]),\n"
+        "             lambda: touch(k[:1].int()),\n"
+        "             lambda: touch(k[:1].cpu())):\n"
         "    try:\n"
         "        call()\n"
         "    except RuntimeError as e:\n"
@@ -217,3 +224,7 @@ def test_bad_input_to_the_raw_ops_raises_instead_of_crashing():
     lines = res.stdout.splitlines()
     assert lines[0] == "raised: keys: the slot count must be a positive multiple of 32, got 33"
     assert lines[1] == "raised: query must be int64, got Int"
+    # the step a CUDA graph replays (hstu.embeddings.lookup_graphs): one int64 on the table's GPU
+    assert lines[2] == "raised: step_tensor must hold one int64, got 2 of Long"
+    assert lines[3] == "raised: step_tensor must hold one int64, got 1 of Int"
+    assert lines[4].startswith("raised: step_tensor must be on cuda") and lines[4].endswith("cpu")

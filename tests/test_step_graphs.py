@@ -242,7 +242,7 @@ def test_what_the_step_graphs_refuse(monkeypatch):
     assert step_graphs_unsupported(ranker, "adam", "ranking", 1) == ""
     _, _, _, ranker = small_model("ranking")
     ranker.encoder.graphs = object()
-    assert "plain tables" in step_graphs_unsupported(ranker, "adam", "ranking", 1)
+    assert "torchrec" in step_graphs_unsupported(ranker, "adam", "ranking", 1)
     model.encoder.graphs = object()  # as on a GPU with the compiled attention
     assert step_graphs_unsupported(model, "adam", "retrieval", 1) == ""
     assert "sgd" in step_graphs_unsupported(model, "sgd", "retrieval", 1)

@@ -259,6 +259,8 @@ class DynamicEmbeddingTable(nn.Module):
         self._graphs: LookupGraphs | None = None
         if config.lookup_graphs and self.lookup_graphs_supported and self._padded_insert:
             self._graphs = LookupGraphs(self.device, config.name)
+        # rows that training lookups return instead of looking up (`stage`)
+        self._staged: torch.Tensor | None = None
 
     def _memory_need(self, num_slots: int) -> tuple[int, int]:
         """(bytes on the table's device, bytes of host memory) that `_allocate` takes."""
@@ -304,6 +306,8 @@ class DynamicEmbeddingTable(nn.Module):
         twice (eager). A training lookup on the GPU replays its ops from CUDA graphs
         (`config.lookup_graphs`, `hstu.embeddings.lookup_graphs`) unless it has custom scores."""
         dtype = _DTYPES[self.config.output_dtype]
+        if self._staged is not None and self.training:
+            return self._staged_rows(ids)
         # (inside a caller's CUDA graph capture the ops are captured as they are issued)
         graphs = self._graphs is not None and not torch.cuda.is_current_stream_capturing()
         if self.training and graphs and ids.numel() and scores is None:
@@ -327,6 +331,30 @@ class DynamicEmbeddingTable(nn.Module):
         else:
             out = self.ops.gather(self.state, self.dim, slots, u.inverse)
         return out.to(dtype)
+
+    def stage(self, rows: torch.Tensor | None) -> None:
+        """Makes training lookups return ``rows`` ([n, dim] of `output_dtype`, usually a leaf
+        that requires grad) instead of looking up, until ``stage(None)``: the table is neither
+        read nor changed and its update does not run. The whole training step's CUDA graphs
+        replay the dense part of a step this way on rows the table looked up before
+        (`hstu.training.step_graphs`, "Dynamic tables")."""
+        if rows is not None:
+            want = _DTYPES[self.config.output_dtype]
+            if rows.dim() != 2 or rows.shape[1] != self.dim or rows.dtype != want:
+                raise ValueError(
+                    f"dynamic table {self.config.name!r}: staged rows must be [n, {self.dim}] of "
+                    f"{want}, got {tuple(rows.shape)} of {rows.dtype}"
+                )
+        self._staged = rows
+
+    def _staged_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self._staged
+        if ids.numel() != rows.shape[0]:
+            raise RuntimeError(
+                f"dynamic table {self.config.name!r}: a lookup of {ids.numel()} ids met "
+                f"{rows.shape[0]} staged rows (they were staged for another batch)"
+            )
+        return rows
 
     def _graphed_lookup(
         self, ids: torch.Tensor, host_ids: torch.Tensor | None
@@ -896,12 +924,22 @@ class DynamicEmbeddingCollection(nn.Module):
         """``host_ids``: feature -> the same ids on the CPU, where known (see
         `DynamicEmbeddingTable.forward`); a table uses them when all its features have them."""
         jts = features.to_dict()
+        out: dict[str, JaggedTensor] = {}
+        for table, feats, ids, scores, host in self._table_inputs(jts, host_ids):
+            emb = table(ids, scores, host_ids=host)
+            sizes = [jts[f].values().numel() for f in feats]
+            for f, e in zip(feats, torch.split(emb, sizes)):
+                out[f] = JaggedTensor(values=e, lengths=jts[f].lengths(), offsets=jts[f].offsets())
+        return out
+
+    def _table_inputs(self, jts: dict[str, JaggedTensor], host_ids):
+        """(table, its features in ``jts``, their ids concatenated, scores or None, CPU ids or
+        None) for each table that ``jts`` (feature -> JaggedTensor) looks up."""
         unknown = [f for f in jts if f not in self._feature_to_table]
         if unknown:
             raise ValueError(
                 f"features {unknown} have no dynamic table; configured: {self.feature_names()}"
             )
-        out: dict[str, JaggedTensor] = {}
         for table in self.tables.values():
             feats = [f for f in table.config.feature_names if f in jts]
             if not feats:
@@ -917,11 +955,29 @@ class DynamicEmbeddingCollection(nn.Module):
                 ws = [jts[f].weights_or_none() for f in feats]
                 if all(w is not None for w in ws):
                     scores = torch.cat(ws)
-            emb = table(ids, scores, host_ids=table_host_ids(host_ids, feats))
-            sizes = [jts[f].values().numel() for f in feats]
-            for f, e in zip(feats, torch.split(emb, sizes)):
-                out[f] = JaggedTensor(values=e, lengths=jts[f].lengths(), offsets=jts[f].offsets())
+            yield table, feats, ids, scores, table_host_ids(host_ids, feats)
+
+    def lookup_tables(
+        self, features: KeyedJaggedTensor, host_ids: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Table name -> the rows that `forward` would look up for ``features`` (the ids of
+        the table's features concatenated in its feature order), each a table's plain lookup
+        (training: inserted, touched, trained by the backward of these rows)."""
+        out = {}
+        for table, _, ids, scores, host in self._table_inputs(features.to_dict(), host_ids):
+            out[table.config.name] = table(ids, scores, host_ids=host)
         return out
+
+    def stage(self, rows: dict[str, torch.Tensor] | None) -> None:
+        """`DynamicEmbeddingTable.stage` for each table: ``rows`` maps table names to the rows
+        their training lookups return (tables not named are staged with nothing); None ends
+        the staging of every table."""
+        rows = rows or {}
+        unknown = [n for n in rows if n not in self.tables]
+        if unknown:
+            raise KeyError(f"stage: no dynamic tables {unknown}; tables: {list(self.tables)}")
+        for name, table in self.tables.items():
+            table.stage(rows.get(name))
 
     # -- fused optimizer, stats, checkpoint ----------------------------------------------------------
     @property

@@ -372,6 +372,22 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         routes = dist_input.wait().wait()
         return self.compute_and_output_dist(ctx, routes).wait()
 
+    def lookup_tables(
+        self, features: KeyedJaggedTensor, host_ids: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """`DynamicEmbeddingCollection.lookup_tables` of one rank that owns every id: the
+        lookups `compute` makes, every table's (an absent feature's table looks up no ids)."""
+        if self.world_size > 1:
+            raise RuntimeError(
+                "lookup_tables: the tables are sharded over several ranks (their rows come "
+                "through the input and output dists of forward)"
+            )
+        ctx = self.plan(self.create_context(), features, host_ids)
+        return {
+            p.table.config.name: p.table(p.ids.to(self.device), p.scores, host_ids=p.host_ids)
+            for p in ctx.plans
+        }
+
     # ---- routing -------------------------------------------------------------------------
     def _route_on_device(self, p: _TablePlan) -> _TableRoute:
         """One table's ids to their owners over the device group (counts read back)."""

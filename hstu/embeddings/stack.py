@@ -533,6 +533,29 @@ class EmbeddingStack(nn.Module):
         b, parts = self._feature_ids(batch, extra_ids, device)
         return _make_kjt(self.features, parts, b)
 
+    def lookup_dynamic(
+        self,
+        batch: Batch,
+        extra_ids: torch.Tensor | None = None,
+        extra_host_ids: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Dynamic table name -> the rows its training lookup gives for ``batch`` (+ extra ids),
+        exactly the ids `forward` would look it up with; their backward runs the tables'
+        fused update. With `stage_dynamic` of these rows' values, `forward` then reads the
+        tables no more (the whole training step's CUDA graphs: `hstu.training.step_graphs`)."""
+        if self.dynamic_collection is None:
+            return {}
+        b, parts = self._feature_ids(batch, extra_ids, batch.user_ids.device, extra_host_ids)
+        dyn = [k for k in self.features if k in self.dynamic_features]
+        host = {k: parts[k].host_values for k in dyn if parts[k].host_values is not None}
+        return self.dynamic_collection.lookup_tables(_make_kjt(dyn, parts, b), host_ids=host)
+
+    def stage_dynamic(self, rows: dict[str, torch.Tensor] | None) -> None:
+        """Training lookups of the dynamic tables return ``rows`` (table name -> [n, dim]) until
+        ``stage_dynamic(None)`` (`DynamicEmbeddingTable.stage`)."""
+        if self.dynamic_collection is not None:
+            self.dynamic_collection.stage(rows)
+
     def check_host_ids(self, batch: Batch) -> None:
         """The id range checks that `forward` makes for the plain tables, on a CPU ``batch``
         alone (a CUDA graph replaying the lookup runs none of its Python)."""

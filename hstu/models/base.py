@@ -85,6 +85,11 @@ class GenerativeRecommender(nn.Module):
         """feature -> JaggedTensor of [n, hidden_size] rows (`EmbeddingStack.forward`)."""
         return self.embeddings(batch, extra_ids)
 
+    def fixed_extra_ids(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The extra item ids (device, CPU) that every training forward passes to the lookup,
+        known before it runs (none here; retrieval: its negatives' corpus)."""
+        return None, None
+
     # ---- encoder -----------------------------------------------------------------------------
     def prepare_host(self, batch: Batch, device: torch.device | str) -> None:
         """The host work of a training forward of CPU ``batch`` on ``device`` that needs only

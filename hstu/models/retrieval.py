@@ -95,6 +95,20 @@ class RetrievalGR(GenerativeRecommender):
         uniq, inverse = torch.unique(offsets, return_inverse=True)
         return NegativeSample(corpus[uniq], corpus[offsets], inverse, whole_corpus=False)
 
+    def fixed_extra_ids(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The extra item ids (device, CPU) that every training forward looks up, known before
+        it runs: the whole corpus with random negatives from a corpus of at most
+        ``whole_corpus_rows`` items, none with in-batch negatives. Raises where they depend on
+        the draw (the distinct sampled ids of a larger corpus)."""
+        if self.negative_sampling == "in_batch" or self.num_negatives <= 0:
+            return None, None
+        if self.item_corpus.numel() > self.whole_corpus_rows:
+            raise RuntimeError(
+                f"the negatives' ids of a corpus of {self.item_corpus.numel():,} items (more "
+                f"than whole_corpus_rows={self.whole_corpus_rows:,}) are drawn in the forward"
+            )
+        return self.item_corpus, self._host_corpus
+
     def _negative_logits(
         self, q: torch.Tensor, neg_emb: torch.Tensor, sample: NegativeSample
     ) -> torch.Tensor:

@@ -35,10 +35,28 @@ it also creates the optimizer state); the second is captured (after one forward 
 the capture stream, whose gradients are zeroed again) and replayed; later ones replay. Captures
 are counted and timed (`GraphStats`). A capture that fails turns the mode off for the run
 (eager padded steps from then on). Applies to retrieval and ranking training with plain
-embedding tables (trained by the dense optimizer or by `PlainTableOptimizer`), Adam/AdamW, one
-CUDA process, and for retrieval in-batch negatives or random ones from a corpus of at most
-`WHOLE_CORPUS_ROWS` items (looked up whole: `RetrievalGR.whole_corpus_rows`)
+embedding tables (trained by the dense optimizer or by `PlainTableOptimizer`) and dynamic ones,
+Adam/AdamW, one CUDA process, and for retrieval in-batch negatives or random ones from a corpus
+of at most `WHOLE_CORPUS_ROWS` items (looked up whole: `RetrievalGR.whole_corpus_rows`)
 (`step_graphs_unsupported` names what is missing); elsewhere the encoder's graphs run.
+
+Dynamic tables. A graph cannot replay a dynamic table's lookup with the step: the lookup inserts
+and touches ids, and the capture's warm-up forward would do it a second time. So the step is
+split at the looked-up rows: before the replay the tables look the batch up as an eager step
+would (`EmbeddingStack.lookup_dynamic`: the same ids, the whole corpus for random negatives
+(`fixed_extra_ids`), their own lookup graphs), and the rows are copied into fixed leaf tensors
+of the key (`_Entry.staged`); the graph's forward reads those (`EmbeddingStack.stage_dynamic`
+while capturing) and its backward leaves their gradients in fixed tensors; after the replay the
+looked-up rows' backward runs the tables' fused updates with those gradients, which are zeroed
+for the next replay. The dense optimizer steps inside the graph and the table updates after it:
+they touch different tensors, so the step computes what the eager one does (a CPU test checks
+a step split this way bit for bit). A capture that fails after the lookup finishes its step
+eagerly from the looked-up rows. Not taken: the 'custom' eviction policy (its scores come with
+the ids), and Adam-trained item tables with random negatives from a corpus larger than the
+model's own ``whole_corpus_rows`` (looking the whole corpus up, Adam would move rows that got
+no gradient). For a large model the host is hidden anyway and each key's activations stay in
+the graphs' pool: the benchmark ranking model keeps the encoder's graphs
+(docs/benchmarks.md).
 
 Ranking. A ranking batch's candidates are padded too: the padding samples carry candidates
 (at least one each, no more than the batch's largest count) so that the candidate count is a
@@ -293,18 +311,32 @@ def step_graphs_unsupported(model, optimizer_str: str, task: str, world_size: in
     if world_size > 1:
         return "several processes (DDP)"
     emb = model.embeddings
-    if emb.dynamic_features or emb.dense_tables is None:
-        return "dynamic or torchrec embedding tables (step graphs: plain tables)"
+    if emb.embedding_collection is not None:
+        return "torchrec embedding tables (step graphs: plain and dynamic tables)"
+    tables = getattr(emb.dynamic_collection, "tables", None) or {}
+    for table in tables.values():
+        if table.config.eviction_policy == "custom":
+            return (
+                f"dynamic table {table.config.name!r} with eviction_policy='custom' (step "
+                "graphs: its scores are not padded)"
+            )
     if getattr(model.encoder, "graphs", None) is None:
         return "layers without the compiled attention"
     if str(optimizer_str).lower() not in ("adam", "adamw"):
         return f"OptimizerArgs.optimizer_str={optimizer_str!r} (step graphs: adam, adamw)"
     sampling = getattr(model, "negative_sampling", "in_batch")  # ranking: no negatives
     if sampling != "in_batch" and model.num_negatives > 0:
-        if model.item_corpus.numel() > max(model.whole_corpus_rows, WHOLE_CORPUS_ROWS):
+        corpus = model.item_corpus.numel()
+        if corpus > max(model.whole_corpus_rows, WHOLE_CORPUS_ROWS):
             return (
                 f"random negatives from a corpus of more than {WHOLE_CORPUS_ROWS:,} items (their "
                 "distinct ids are counted on the GPU)"
+            )
+        item = [t for t in tables.values() if ITEM_FEATURE in t.config.feature_names]
+        if corpus > model.whole_corpus_rows and item and item[0].config.optimizer == "adam":
+            return (
+                "random negatives with a dynamic item table trained by Adam (a graphed step looks "
+                "the whole corpus up, and Adam would move the rows that got no gradient)"
             )
     return ""
 
@@ -345,6 +377,10 @@ class _Entry:
     buffer: torch.Tensor  # int64, every input of the step (module docstring, "Inputs")
     graph: torch.cuda.CUDAGraph | None = None
     outputs: StepOutputs | None = None
+    sizes: list[int] = dataclasses.field(default_factory=list)  # the buffer's parts
+    # dynamic table name -> the rows the graph reads (a leaf with its gradient; module
+    # docstring, "Dynamic tables")
+    staged: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def _float_bits(values: list[float]) -> np.ndarray:
@@ -383,6 +419,8 @@ class StepGraphs:
         self.pad_sizes_per_octave = int(pad_sizes_per_octave)
         self.max_graphs = int(max_graphs)
         self.stats = GraphStats()
+        # dynamic tables: looked up before each replay, updated after it ("Dynamic tables")
+        self._dynamic = bool(model.embeddings.dynamic_features)
         self._seen: dict[StepKey, int] = {}
         self._entries: dict[StepKey, _Entry] = {}
         self._pool = None
@@ -464,40 +502,90 @@ class StepGraphs:
         if entry is not None and self._grad_ptrs != self._grad_addresses():
             self.reset()  # gradients were replaced: the graphs would write stale addresses
             entry = None
+        rows: dict[str, torch.Tensor] = {}
         if entry is None:
             seen = self._seen.get(key, 0) + 1
             self._seen[key] = seen
             if seen < 2 or len(self._entries) >= self.max_graphs:
                 return self._eager(padded, normalizer)
-            entry = self._capture(padded, normalizer)
+            entry, rows = self._capture(padded, normalizer)
             if entry is None:
-                return self._eager(padded, normalizer)
+                # the dynamic tables already looked this batch up: the step goes on from
+                # those rows (a second lookup would count and touch its ids twice)
+                return self._eager(padded, normalizer, rows)
         else:
             # a replay runs none of the lookup's Python: its id checks here, on the host
             self.model.embeddings.check_host_ids(padded.batch)
             self._load(entry, self._host_inputs(padded, normalizer))
+            rows = self._lookup_dynamic(entry, padded)
         entry.graph.replay()
         self.stats.replays += 1
+        self._update_dynamic(entry, rows)
         # outputs live in the graphs' pool, which the next replay reuses: copy them out now
         outputs = entry.outputs.clone()
         return outputs, padded.real_lengths, padded.real_tokens
 
-    def _eager(self, padded: PaddedBatch, normalizer: float):
+    def _eager(
+        self,
+        padded: PaddedBatch,
+        normalizer: float,
+        rows: dict[str, torch.Tensor] | None = None,
+    ):
         """The step of ``padded`` op by op, on the stream the captures use: autograd then
-        creates the parameters' gradient accumulators on that stream, as the captures need."""
+        creates the parameters' gradient accumulators on that stream, as the captures need.
+        ``rows``: the dynamic tables' rows of this batch, looked up already (the model reads
+        copies of them, whose gradients then update the tables)."""
         self.stats.eager += 1
         pinned = padded.batch.pin_memory()
         current = torch.cuda.current_stream(self.device)
         side = self._side_stream()
         side.wait_stream(current)
+        leaves = {
+            n: r.detach().clone().requires_grad_(r.requires_grad) for n, r in (rows or {}).items()
+        }
         with torch.cuda.stream(side):
             batch = pinned.to(self.device, non_blocking=True)
-            outputs = self.step_fn(batch, normalizer)
+            self.model.embeddings.stage_dynamic(leaves or None)
+            try:
+                outputs = self.step_fn(batch, normalizer)
+            finally:
+                self.model.embeddings.stage_dynamic(None)
         current.wait_stream(side)
+        pairs = [(rows[n], leaf.grad) for n, leaf in leaves.items() if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
         for t in dataclasses.astuple(outputs):
             if t is not None:
                 t.record_stream(current)
         return outputs, padded.real_lengths, padded.real_tokens
+
+    # ---- dynamic tables ------------------------------------------------------------------------
+    def _lookup_dynamic(self, entry: _Entry, padded: PaddedBatch) -> dict[str, torch.Tensor]:
+        """The dynamic tables' training lookups of the batch in ``entry``'s buffer (loaded), their
+        rows copied into the rows the graph reads; returns the looked-up rows (their backward
+        updates the tables: `_update_dynamic`)."""
+        if not self._dynamic:
+            return {}
+        batch, _, _ = self._views(entry, padded, entry.sizes)
+        extra, extra_host = self.model.fixed_extra_ids()
+        with torch.enable_grad():
+            rows = self.model.embeddings.lookup_dynamic(batch, extra, extra_host)
+        if entry.staged:
+            with torch.no_grad():
+                for name, r in rows.items():
+                    entry.staged[name].copy_(r)
+        return rows
+
+    @staticmethod
+    def _update_dynamic(entry: _Entry, rows: dict[str, torch.Tensor]) -> None:
+        """The fused updates of the looked-up ``rows`` with the gradients the replay left in the
+        staged rows, which are zeroed for the next replay."""
+        pairs = [(r, entry.staged[n].grad) for n, r in rows.items() if r.requires_grad]
+        if pairs:
+            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        for leaf in entry.staged.values():
+            if leaf.grad is not None:
+                leaf.grad.zero_()
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -536,17 +624,24 @@ class StepGraphs:
         self.reset()
 
     # ---- capture -------------------------------------------------------------------------------
-    def _capture(self, padded: PaddedBatch, normalizer: float) -> _Entry | None:
+    def _capture(
+        self, padded: PaddedBatch, normalizer: float
+    ) -> tuple[_Entry | None, dict[str, torch.Tensor]]:
+        """(the captured entry, with its buffer loaded; the dynamic tables' rows looked up for
+        this batch), or (None, rows looked up before the failure) with the mode off."""
+        rows: dict[str, torch.Tensor] = {}
         try:
-            return self._capture_once(padded, normalizer)
+            return self._capture_once(padded, normalizer, rows), rows
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager from now on, say why
             logger.warning("CUDA graphs of the step: the capture failed", exc_info=True)
             torch.cuda.synchronize(self.device)
             release_generator(self.device)
             self.disable(f"capturing failed ({type(exc).__name__}: {exc})")
-            return None
+            return None, rows
 
-    def _capture_once(self, padded: PaddedBatch, normalizer: float) -> _Entry:
+    def _capture_once(
+        self, padded: PaddedBatch, normalizer: float, rows: dict[str, torch.Tensor]
+    ) -> _Entry:
         torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         key = padded.key
@@ -557,15 +652,26 @@ class StepGraphs:
                     p.grad = torch.zeros_like(p)
         parts = self._host_inputs(padded, normalizer)
         sizes = [p.shape[0] for p in parts]
-        entry = _Entry(key, torch.empty(sum(sizes), dtype=torch.int64, device=self.device))
+        entry = _Entry(
+            key, torch.empty(sum(sizes), dtype=torch.int64, device=self.device), sizes=sizes
+        )
         self._load(entry, parts)
+        # this step's dynamic lookups, before the capture (which reads their rows, staged)
+        rows.update(self._lookup_dynamic(entry, padded))
+        for name, r in rows.items():
+            leaf = r.detach().clone().requires_grad_(r.requires_grad)
+            if r.requires_grad:
+                leaf.grad = torch.zeros_like(leaf)
+            entry.staged[name] = leaf
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         pre = self.model.preprocessor
+        embeddings = self.model.embeddings
         current = torch.cuda.current_stream(self.device)
         side = self._side_stream()
         side.wait_stream(current)
         try:
+            embeddings.stage_dynamic(entry.staged if self._dynamic else None)
             with torch.cuda.stream(side):
                 # kernel setup and cuBLAS workspaces on this stream, outside the capture: one
                 # forward + backward whose gradients are zeroed again (no optimizer step)
@@ -577,6 +683,9 @@ class StepGraphs:
                 del out
                 for p in self.params:
                     p.grad.zero_()
+                for leaf in entry.staged.values():
+                    if leaf.grad is not None:
+                        leaf.grad.zero_()
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
@@ -588,6 +697,7 @@ class StepGraphs:
                     graph.capture_end()
         finally:
             pre.static = None
+            embeddings.stage_dynamic(None)
             current.wait_stream(side)
         entry.graph, entry.outputs = graph, outputs
         torch.cuda.synchronize(self.device)

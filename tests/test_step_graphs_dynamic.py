@@ -1,0 +1,294 @@
+"""Dynamic tables in the CUDA graphs of the whole training step (hstu.training.step_graphs,
+"Dynamic tables"): the tables are looked up before the replay and updated after it; the graph
+reads the looked-up rows from fixed tensors (`EmbeddingStack.stage_dynamic`).
+
+CPU: a step split that way (lookup, the model on staged copies of the rows, the tables' update
+from the copies' gradients) gives exactly the losses, dense parameters and table contents of
+the ordinary step, for retrieval (random and in-batch negatives) and ranking; staged rows of
+the wrong shape or count are refused; what the step graphs refuse of dynamic tables. GPU (-m
+gpu): graphed runs with dynamic tables follow the encoder-graphed runs' losses and replay most
+steps; a failed capture after the lookup finishes its step from the looked-up rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from model_helpers import needs_compiled_kernels, small_model
+
+from hstu.config.gin_utils import load_config
+from hstu.training.step_graphs import pad_batch, step_graphs_unsupported
+
+DYNAMIC = (
+    "EmbeddingArgs.embedding_backend='dynamic'",
+    "EmbeddingArgs.contextual_tables='dense'",
+    "EmbeddingArgs.sparse_optimizer_str='rowwise_adagrad'",
+    "EmbeddingArgs.sparse_learning_rate=0.1",
+)
+
+
+def _plain_step(model, opt, batch, seed):
+    torch.manual_seed(seed)
+    out = model(batch, loss_normalizer=7.0)
+    out["loss"].backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return out["loss"].detach()
+
+
+def _split_step(model, opt, batch, seed):
+    """The step as the step graphs run it: lookup, the model on staged leaves, the update."""
+    emb = model.embeddings
+    rows = emb.lookup_dynamic(batch, *model.fixed_extra_ids())
+    leaves = {n: r.detach().clone().requires_grad_(True) for n, r in rows.items()}
+    emb.stage_dynamic(leaves)
+    try:
+        torch.manual_seed(seed)
+        out = model(batch, loss_normalizer=7.0)
+        out["loss"].backward()
+    finally:
+        emb.stage_dynamic(None)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    used = [n for n, leaf in leaves.items() if leaf.grad is not None]
+    torch.autograd.backward([rows[n] for n in used], [leaves[n].grad for n in used])
+    return out["loss"].detach()
+
+
+def _dump(model):
+    dump = model.embeddings.dynamic_collection.dump()
+    return {k: v.clone() for k, v in dump.items()}
+
+
+@pytest.mark.parametrize(
+    "task,bindings",
+    [
+        (
+            "retrieval",
+            ("RetrievalArgs.negative_sampling='random'", "RetrievalArgs.num_negatives=8"),
+        ),
+        ("retrieval", ("RetrievalArgs.negative_sampling='in_batch'",)),
+        (
+            "ranking",
+            ("DatasetArgs.max_num_candidates=4", "NetworkArgs.use_contextual_features=True"),
+        ),
+    ],
+)
+def test_a_split_step_equals_the_plain_step(task, bindings):
+    models = [small_model(task, *DYNAMIC, *bindings) for _ in range(2)]
+    splits = models[0][2]
+    plain, split = models[0][3], models[1][3]
+    for m in (plain, split):
+        m.train()
+        if hasattr(m, "whole_corpus_rows"):
+            m.whole_corpus_rows = 10**6  # the whole corpus, as a graphed step looks it up
+    assert sorted(split.embeddings.dynamic_features)
+    opts = [
+        torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        for m in (plain, split)
+    ]
+    for step in range(3):
+        batch = splits.train.collate(list(range(8 * step, 8 * step + 8)))
+        padded = pad_batch(
+            batch, num_contextual=plain.preprocessor.num_contextual, pad_sizes_per_octave=8
+        ).batch
+        a = _plain_step(plain, opts[0], padded, seed=step)
+        b = _split_step(split, opts[1], padded, seed=step)
+        assert torch.equal(a, b), (step, a, b)
+    for (n, p), (_, q) in zip(plain.named_parameters(), split.named_parameters()):
+        assert torch.equal(p, q), n
+    da, db = _dump(plain), _dump(split)
+    assert da.keys() == db.keys()
+    for k in da:
+        assert torch.equal(da[k], db[k]), k
+    # the tables were trained: rows exist and moved from their initial values
+    assert any(k.endswith("/keys") and v.numel() > 0 for k, v in da.items())
+
+
+def test_staged_rows_of_another_shape_or_count_are_refused():
+    _, _, splits, model = small_model("retrieval", *DYNAMIC)
+    model.train()
+    table = model.embeddings.dynamic_collection.tables["item_table"]
+    with pytest.raises(ValueError, match=r"staged rows must be \[n, \d+\] of torch.float32"):
+        table.stage(torch.zeros(3, table.dim + 1))
+    with pytest.raises(KeyError, match="no dynamic tables"):
+        model.embeddings.stage_dynamic({"nope": torch.zeros(1, table.dim)})
+    model.embeddings.stage_dynamic({"item_table": torch.zeros(3, table.dim)})
+    try:
+        with pytest.raises(RuntimeError, match="a lookup of .* ids met 3 staged rows"):
+            model(splits.train.collate([0, 1, 2]), loss_normalizer=1.0)
+    finally:
+        model.embeddings.stage_dynamic(None)
+    model(splits.train.collate([0, 1, 2]), loss_normalizer=1.0)  # unstaged: looks up again
+
+
+def test_what_the_step_graphs_refuse_of_dynamic_tables():
+    _, _, _, model = small_model("retrieval", *DYNAMIC)
+    model.encoder.graphs = object()  # as on a GPU with the compiled attention
+    assert step_graphs_unsupported(model, "adam", "retrieval", 1) == ""
+    _, _, _, ranker = small_model("ranking", "EmbeddingArgs.embedding_backend='dynamic'")
+    ranker.encoder.graphs = object()
+    assert "torchrec" in step_graphs_unsupported(ranker, "adam", "ranking", 1)
+    _, _, _, ranker = small_model("ranking", *DYNAMIC)
+    ranker.encoder.graphs = object()
+    assert step_graphs_unsupported(ranker, "adam", "ranking", 1) == ""
+    # (the configs offer lru and lfu; a table built by hand may take its scores with the ids)
+    table = ranker.embeddings.dynamic_collection.tables["item_table"]
+    table.config = dataclasses.replace(table.config, eviction_policy="custom")
+    assert "eviction_policy='custom'" in step_graphs_unsupported(ranker, "adam", "ranking", 1)
+    # random negatives from a corpus looked up whole: Adam would move rows without gradient
+    _, _, _, adam = small_model("retrieval", *DYNAMIC, "EmbeddingArgs.sparse_optimizer_str='adam'")
+    adam.encoder.graphs = object()
+    adam.whole_corpus_rows = 10
+    assert "trained by Adam" in step_graphs_unsupported(adam, "adam", "retrieval", 1)
+    adam.negative_sampling = "in_batch"
+    assert step_graphs_unsupported(adam, "adam", "retrieval", 1) == ""
+
+
+def test_the_fixed_extra_ids_are_those_the_forward_looks_up():
+    _, _, _, model = small_model("retrieval", *DYNAMIC, "RetrievalArgs.negative_sampling='random'")
+    model.whole_corpus_rows = 10**6
+    ids, host = model.fixed_extra_ids()
+    assert torch.equal(ids, model.item_corpus) and torch.equal(host, model.item_corpus.cpu())
+    assert torch.equal(model._sample_negatives(3).lookup_ids, ids)
+    model.whole_corpus_rows = 1
+    with pytest.raises(RuntimeError, match="drawn in the forward"):
+        model.fixed_extra_ids()
+    model.negative_sampling = "in_batch"
+    assert model.fixed_extra_ids() == (None, None)
+    _, _, _, ranker = small_model("ranking", *DYNAMIC)
+    assert ranker.fixed_extra_ids() == (None, None)
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+
+
+def _run(tmp_path, run_dir_bindings, name, scope, *extra, task="retrieval"):
+    """A small synthetic run on the GPU with dynamic tables and CUDA graphs of ``scope``."""
+    from hstu.training.trainer import Trainer
+
+    cfg = load_config(
+        task,
+        [],
+        run_dir_bindings(tmp_path, name)
+        + [
+            "DatasetArgs.synthetic_num_users=400",
+            "DatasetArgs.synthetic_num_items=150",
+            "DatasetArgs.max_history_seqlen=60",
+            "NetworkArgs.num_layers=2",
+            "NetworkArgs.hidden_size=64",
+            "NetworkArgs.num_attention_heads=1",
+            "NetworkArgs.kv_channels=64",
+            "NetworkArgs.fused_layer=True",
+            "NetworkArgs.cuda_graphs=True",
+            f"NetworkArgs.cuda_graph_scope='{scope}'",
+            "NetworkArgs.relative_attention_bias='position'",
+            "NetworkArgs.hidden_dropout=0.0",
+            "TrainerArgs.train_batch_size=32",
+            "TrainerArgs.max_train_iters=80",
+            "TrainerArgs.eval_interval=0",
+            "TrainerArgs.max_eval_iters=2",
+            "TrainerArgs.log_interval=10",
+            "TrainerArgs.ckpt_save_interval=-1",
+            "TrainerArgs.progress_bar=False",
+            "OptimizerArgs.warmup_iters=10",
+            *DYNAMIC,
+            *extra,
+        ],
+    )
+    trainer = Trainer(cfg, device_type="cuda")
+    try:
+        result = trainer.fit()
+        # the tables' sizes, read before the process group closes (a collective when sharded)
+        result.table_rows = {
+            k: v for k, v in trainer.embeddings.stats().items() if k.endswith("/rows")
+        }
+        return trainer, result
+    finally:
+        trainer.close()
+
+
+def _losses(result):
+    return torch.tensor([loss for _, loss in result.losses])
+
+
+@gpu
+@pytest.mark.parametrize(
+    "task,extra",
+    [
+        ("retrieval", ("RetrievalArgs.negative_sampling='in_batch'",)),
+        (
+            "ranking",
+            (
+                "DatasetArgs.max_num_candidates=6",
+                "NetworkArgs.use_contextual_features=True",
+                "NetworkArgs.target_group_size=2",
+            ),
+        ),
+    ],
+)
+def test_step_graphs_with_dynamic_tables_follow_the_eager_losses(
+    tmp_path, run_dir_bindings, task, extra
+):
+    """No random draws: the graphed step (dynamic tables looked up before each replay, updated
+    after it) follows the encoder-graphed step's losses within bf16 noise, replays most steps,
+    and leaves tables of the same size that serve the same evaluation."""
+    needs_compiled_kernels()
+    step, res_step = _run(tmp_path, run_dir_bindings, "step", "step", *extra, task=task)
+    enc, res_enc = _run(tmp_path, run_dir_bindings, "enc", "encoder", *extra, task=task)
+    assert step.step_graphs is not None and enc.step_graphs is None
+    stats = step.graph_stats()
+    assert stats.disabled == "" and stats.replays >= 40, stats
+    a, b = _losses(res_step), _losses(res_enc)
+    assert len(a) == len(b) == 80
+    torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+    assert a[-10:].mean() < a[:10].mean()
+    assert res_step.table_rows and res_step.table_rows == res_enc.table_rows
+    for k, v in res_enc.final_metrics.items():
+        assert abs(res_step.final_metrics[k] - v) < 0.05, k
+
+
+@gpu
+def test_step_graphs_with_dynamic_tables_and_random_negatives_learn(tmp_path, run_dir_bindings):
+    needs_compiled_kernels()
+    rand = ("RetrievalArgs.negative_sampling='random'", "RetrievalArgs.num_negatives=16")
+    step, res_step = _run(tmp_path, run_dir_bindings, "step", "step", *rand)
+    enc, res_enc = _run(tmp_path, run_dir_bindings, "enc", "encoder", *rand)
+    assert step.graph_stats().replays >= 40
+    a, b = _losses(res_step).numpy(), _losses(res_enc).numpy()
+    assert np.isfinite(a).all() and a[-20:].mean() < a[:10].mean()
+    assert abs(a[-20:].mean() - b[-20:].mean()) < 0.1 * b[-20:].mean()
+
+
+@gpu
+def test_a_failed_capture_after_the_lookup_finishes_its_step(
+    tmp_path, run_dir_bindings, monkeypatch
+):
+    """The capture fails after the dynamic tables looked the batch up: that step runs from the
+    looked-up rows (no second lookup), the mode turns off and the run trains on eagerly."""
+    from hstu.models.retrieval import RetrievalGR
+
+    needs_compiled_kernels()
+    forward = RetrievalGR.forward
+
+    def reads_back(self, batch, *args, **kwargs):
+        out = forward(self, batch, *args, **kwargs)
+        if torch.cuda.is_current_stream_capturing():
+            out["loss"].item()  # not allowed while capturing: the capture fails
+        return out
+
+    monkeypatch.setattr(RetrievalGR, "forward", reads_back)
+    det = ("RetrievalArgs.negative_sampling='in_batch'",)
+    step, res = _run(tmp_path, run_dir_bindings, "fails", "step", *det)
+    stats = step.graph_stats()
+    assert "capturing failed" in stats.disabled and stats.replays == 0, stats
+    losses = _losses(res).numpy()
+    assert len(losses) == 80 and np.isfinite(losses).all()
+    assert losses[-5:].mean() < losses[:5].mean()
+    tables = step.embeddings.dynamic_collection.tables.values()
+    assert all(t._staged is None for t in tables)

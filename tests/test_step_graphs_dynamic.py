@@ -163,6 +163,70 @@ def test_the_fixed_extra_ids_are_those_the_forward_looks_up():
     assert ranker.fixed_extra_ids() == (None, None)
 
 
+def test_a_one_rank_sharded_collection_looks_up_what_its_forward_does(tmp_path):
+    """`ShardedDynamicEmbeddingCollection.lookup_tables` on one rank: the rows of forward, and
+    the same tables after the same gradients (a table without a feature here looks up nothing,
+    as forward's plan does)."""
+    import torch.distributed as dist
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
+    from hstu.embeddings.sharding import ShardedDynamicEmbeddingCollection
+
+    def configs():
+        return [
+            DynamicEmbeddingConfig("items", 8, 256, ["item", "cand"], learning_rate=0.1, seed=1),
+            DynamicEmbeddingConfig("users", 4, 64, ["user"], optimizer="rowwise_adagrad"),
+        ]
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        a, b = (ShardedDynamicEmbeddingCollection(configs(), "cpu") for _ in range(2))
+        for m in (a, b):
+            m.train()
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            item, cand = (
+                torch.randint(0, 50, (12,), generator=g),
+                torch.randint(0, 50, (5,), generator=g),
+            )
+            kjt = KeyedJaggedTensor(
+                keys=["item", "cand"], values=torch.cat([item, cand]), lengths=torch.tensor([12, 5])
+            )
+            out = a(kjt, host_ids={"item": item, "cand": cand})
+            rows = b.lookup_tables({"item": item, "cand": cand}, {"item": item, "cand": cand})
+            assert sorted(rows) == ["items", "users"] and rows["users"].shape == (0, 4)
+            ref = torch.cat([out["item"].values(), out["cand"].values()])
+            assert torch.equal(rows["items"], ref)
+            grad = torch.randn(ref.shape, generator=g)
+            ref.backward(grad)
+            rows["items"].backward(grad)
+        da, db = a.dump(), b.dump()
+        for k in da:
+            assert torch.equal(da[k], db[k]), k
+        assert a.tables["users"].step == b.tables["users"].step == 3
+    finally:
+        dist.destroy_process_group()
+
+
+def test_step_outputs_clone_every_field():
+    from hstu.training.step_graphs import StepOutputs
+
+    out = StepOutputs(torch.ones(1), torch.full((1,), 2.0), torch.arange(3.0))
+    assert [f.name for f in dataclasses.fields(StepOutputs)] == [
+        "loss_sum",
+        "grad_norm",
+        "task_losses",
+    ]
+    assert [t.data_ptr() for t in out.tensors()] == [
+        getattr(out, f.name).data_ptr() for f in dataclasses.fields(StepOutputs)
+    ]
+    copy = out.clone()
+    for a, b in zip(out.tensors(), copy.tensors()):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+    assert StepOutputs(torch.ones(1)).clone().grad_norm is None
+
+
 # ---- GPU -----------------------------------------------------------------------------------------
 
 gpu = pytest.mark.gpu

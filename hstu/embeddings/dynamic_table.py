@@ -924,48 +924,67 @@ class DynamicEmbeddingCollection(nn.Module):
         """``host_ids``: feature -> the same ids on the CPU, where known (see
         `DynamicEmbeddingTable.forward`); a table uses them when all its features have them."""
         jts = features.to_dict()
+        values = {f: jt.values() for f, jt in jts.items()}
+        weights = {f: jt.weights_or_none() for f, jt in jts.items()}
         out: dict[str, JaggedTensor] = {}
-        for table, feats, ids, scores, host in self._table_inputs(jts, host_ids):
+        for table, feats, ids, scores, host in self._table_inputs(values, host_ids, weights):
             emb = table(ids, scores, host_ids=host)
             sizes = [jts[f].values().numel() for f in feats]
             for f, e in zip(feats, torch.split(emb, sizes)):
                 out[f] = JaggedTensor(values=e, lengths=jts[f].lengths(), offsets=jts[f].offsets())
         return out
 
-    def _table_inputs(self, jts: dict[str, JaggedTensor], host_ids):
-        """(table, its features in ``jts``, their ids concatenated, scores or None, CPU ids or
-        None) for each table that ``jts`` (feature -> JaggedTensor) looks up."""
-        unknown = [f for f in jts if f not in self._feature_to_table]
+    def _table_inputs(self, values: dict[str, torch.Tensor], host_ids, weights=None, every=False):
+        """(table, its features in ``values``, their ids concatenated, scores or None, CPU ids or
+        None) for each table that ``values`` (feature -> ids) looks up (``every``: each table,
+        the ones without a feature here with no ids). ``weights``: feature -> the ids' weights
+        or None (the 'custom' policy's scores)."""
+        unknown = [f for f in values if f not in self._feature_to_table]
         if unknown:
             raise ValueError(
                 f"features {unknown} have no dynamic table; configured: {self.feature_names()}"
             )
         for table in self.tables.values():
-            feats = [f for f in table.config.feature_names if f in jts]
+            feats = [f for f in table.config.feature_names if f in values]
             if not feats:
+                if every:
+                    empty = torch.empty(0, dtype=torch.int64, device=self.device)
+                    yield table, feats, empty, None, torch.empty(0, dtype=torch.int64)
                 continue
             for f in feats:
-                if jts[f].values().dtype not in (torch.int32, torch.int64):
+                if values[f].dtype not in (torch.int32, torch.int64):
                     raise TypeError(
-                        f"feature {f!r}: ids must be int32/int64, got {jts[f].values().dtype}"
+                        f"feature {f!r}: ids must be int32/int64, got {values[f].dtype}"
                     )
-            ids = torch.cat([jts[f].values().to(torch.int64) for f in feats])
+            ids = torch.cat([values[f].to(torch.int64) for f in feats])
             scores = None
-            if table.config.eviction_policy == "custom":
-                ws = [jts[f].weights_or_none() for f in feats]
+            if table.config.eviction_policy == "custom" and weights is not None:
+                ws = [weights.get(f) for f in feats]
                 if all(w is not None for w in ws):
                     scores = torch.cat(ws)
             yield table, feats, ids, scores, table_host_ids(host_ids, feats)
 
     def lookup_tables(
-        self, features: KeyedJaggedTensor, host_ids: dict[str, torch.Tensor] | None = None
+        self,
+        values: dict[str, torch.Tensor],
+        host_ids: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Table name -> the rows that `forward` would look up for ``features`` (the ids of
-        the table's features concatenated in its feature order), each a table's plain lookup
-        (training: inserted, touched, trained by the backward of these rows)."""
+        """Table name -> the rows that `forward` would look up for the features' ids ``values``
+        (feature -> ids; a table's features concatenated in its feature order), each a table's
+        plain lookup (training: inserted, touched, trained by the backward of these rows).
+        ``host_ids``: the same ids on the CPU, where known. Not for the 'custom' policy (its
+        scores come with the ids of a KeyedJaggedTensor)."""
+        return self._lookup_tables(values, host_ids, every=False)
+
+    def _lookup_tables(self, values, host_ids, every: bool) -> dict[str, torch.Tensor]:
         out = {}
-        for table, _, ids, scores, host in self._table_inputs(features.to_dict(), host_ids):
-            out[table.config.name] = table(ids, scores, host_ids=host)
+        for table, _, ids, _, host in self._table_inputs(values, host_ids, every=every):
+            if table.config.eviction_policy == "custom":
+                raise ValueError(
+                    f"lookup_tables: table {table.config.name!r} has eviction_policy='custom', "
+                    "whose scores come with the ids (look it up through forward)"
+                )
+            out[table.config.name] = table(ids, host_ids=host)
         return out
 
     def stage(self, rows: dict[str, torch.Tensor] | None) -> None:

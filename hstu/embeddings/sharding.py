@@ -373,7 +373,7 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         return self.compute_and_output_dist(ctx, routes).wait()
 
     def lookup_tables(
-        self, features: KeyedJaggedTensor, host_ids: dict[str, torch.Tensor] | None = None
+        self, values: dict[str, torch.Tensor], host_ids: dict[str, torch.Tensor] | None = None
     ) -> dict[str, torch.Tensor]:
         """`DynamicEmbeddingCollection.lookup_tables` of one rank that owns every id: the
         lookups `compute` makes, every table's (an absent feature's table looks up no ids)."""
@@ -382,11 +382,7 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
                 "lookup_tables: the tables are sharded over several ranks (their rows come "
                 "through the input and output dists of forward)"
             )
-        ctx = self.plan(self.create_context(), features, host_ids)
-        return {
-            p.table.config.name: p.table(p.ids.to(self.device), p.scores, host_ids=p.host_ids)
-            for p in ctx.plans
-        }
+        return self._lookup_tables(values, host_ids, every=True)
 
     # ---- routing -------------------------------------------------------------------------
     def _route_on_device(self, p: _TablePlan) -> _TableRoute:

@@ -545,10 +545,11 @@ class EmbeddingStack(nn.Module):
         tables no more (the whole training step's CUDA graphs: `hstu.training.step_graphs`)."""
         if self.dynamic_collection is None:
             return {}
-        b, parts = self._feature_ids(batch, extra_ids, batch.user_ids.device, extra_host_ids)
+        _, parts = self._feature_ids(batch, extra_ids, batch.user_ids.device, extra_host_ids)
         dyn = [k for k in self.features if k in self.dynamic_features]
         host = {k: parts[k].host_values for k in dyn if parts[k].host_values is not None}
-        return self.dynamic_collection.lookup_tables(_make_kjt(dyn, parts, b), host_ids=host)
+        values = {k: parts[k].values for k in dyn}
+        return self.dynamic_collection.lookup_tables(values, host_ids=host)
 
     def stage_dynamic(self, rows: dict[str, torch.Tensor] | None) -> None:
         """Training lookups of the dynamic tables return ``rows`` (table name -> [n, dim]) until

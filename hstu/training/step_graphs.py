@@ -111,8 +111,13 @@ class StepOutputs:
     grad_norm: torch.Tensor | None = None
     task_losses: torch.Tensor | None = None
 
+    def tensors(self) -> list[torch.Tensor | None]:
+        """The fields in order (not `dataclasses.astuple`: that deep-copies each tensor, one
+        more device copy apiece)."""
+        return [self.loss_sum, self.grad_norm, self.task_losses]
+
     def clone(self) -> StepOutputs:
-        return StepOutputs(*(None if t is None else t.clone() for t in dataclasses.astuple(self)))
+        return StepOutputs(*(None if t is None else t.clone() for t in self.tensors()))
 
 
 @dataclass(frozen=True)
@@ -455,8 +460,10 @@ class StepGraphs:
         ]
         return [p.astype(np.int64, copy=False) for p in parts]
 
-    def _views(self, entry: _Entry, padded: PaddedBatch, sizes: list[int]):
-        """The device batch (views of the entry's buffer), normalizer and `StaticLayout`."""
+    def _views(self, entry: _Entry, padded: PaddedBatch, sizes: list[int], ids_only=False):
+        """The device batch (views of the entry's buffer), normalizer and `StaticLayout`;
+        ``ids_only``: the batch alone, without its sample weights (for a lookup: no device
+        work)."""
         values, lengths, cands, users, ts, weights, labels, index, scalars = torch.split(
             entry.buffer, sizes
         )
@@ -477,9 +484,11 @@ class StepGraphs:
             user_ids=users,
             labels=labels if host.labels is not None else None,
             timestamps=ts if host.timestamps is not None else None,
-            sample_weights=weights.to(torch.float32),
+            sample_weights=None if ids_only else weights.to(torch.float32),
             host=host,
         )
+        if ids_only:
+            return batch, None, None
         floats = scalars.view(torch.float64).to(torch.float32)
         static = StaticLayout(
             index=index, seqlen_bound=entry.key.seqlen_bound, inv_max_seqlen=floats[1:2]
@@ -554,7 +563,7 @@ class StepGraphs:
         pairs = [(rows[n], leaf.grad) for n, leaf in leaves.items() if leaf.grad is not None]
         if pairs:
             torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
-        for t in dataclasses.astuple(outputs):
+        for t in outputs.tensors():
             if t is not None:
                 t.record_stream(current)
         return outputs, padded.real_lengths, padded.real_tokens
@@ -566,7 +575,7 @@ class StepGraphs:
         updates the tables: `_update_dynamic`)."""
         if not self._dynamic:
             return {}
-        batch, _, _ = self._views(entry, padded, entry.sizes)
+        batch, _, _ = self._views(entry, padded, entry.sizes, ids_only=True)
         extra, extra_host = self.model.fixed_extra_ids()
         with torch.enable_grad():
             rows = self.model.embeddings.lookup_dynamic(batch, extra, extra_host)

@@ -1,4 +1,5 @@
-"""Shared setup of the small CPU models the model tests build (not a test module)."""
+"""Shared setup of the small models the model tests build and of small GPU training runs (not a
+test module)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,64 @@ def needs_compiled_kernels():
 
     if not compiled_attention_available() or not lnmd.load_extension():
         pytest.skip("needs the compiled attention and hstu_lnmd kernels")
+
+
+def graphed_run(tmp_path, run_dir_bindings, name, scope, *extra, task="retrieval"):
+    """A small synthetic training run on the GPU with CUDA graphs of ``scope`` and plain tables;
+    ``extra`` bindings override the defaults here. Returns (trainer, result); the result also
+    carries ``table_rows``: the dynamic tables' row counts, read before the run closes."""
+    from hstu.training.trainer import Trainer
+
+    cfg = load_config(
+        task,
+        [],
+        run_dir_bindings(tmp_path, name)
+        + [
+            "DatasetArgs.synthetic_num_users=400",
+            "DatasetArgs.synthetic_num_items=150",
+            "DatasetArgs.max_history_seqlen=60",
+            "NetworkArgs.num_layers=2",
+            "NetworkArgs.hidden_size=64",
+            "NetworkArgs.num_attention_heads=1",
+            "NetworkArgs.kv_channels=64",
+            "NetworkArgs.fused_layer=True",
+            "NetworkArgs.cuda_graphs=True",
+            f"NetworkArgs.cuda_graph_scope='{scope}'",
+            "NetworkArgs.relative_attention_bias='position'",
+            "TrainerArgs.train_batch_size=32",
+            "TrainerArgs.max_train_iters=80",
+            "TrainerArgs.eval_interval=0",
+            "TrainerArgs.max_eval_iters=2",
+            "TrainerArgs.log_interval=10",
+            "TrainerArgs.ckpt_save_interval=-1",
+            "TrainerArgs.progress_bar=False",
+            "OptimizerArgs.warmup_iters=10",
+            "EmbeddingArgs.embedding_backend='dense'",
+            *extra,
+        ],
+    )
+    trainer = Trainer(cfg, device_type="cuda")
+    try:
+        result = trainer.fit()
+        # (a collective when the tables are sharded: before the process group closes)
+        stats = trainer.embeddings.stats()
+        result.table_rows = {k: v for k, v in stats.items() if k.endswith("/rows")}
+        return trainer, result
+    finally:
+        trainer.close()
+
+
+def fail_retrieval_captures(monkeypatch) -> None:
+    """Makes every CUDA graph capture of the retrieval model's forward fail: a host read of the
+    loss while capturing (not allowed there)."""
+    from hstu.models.retrieval import RetrievalGR
+
+    forward = RetrievalGR.forward
+
+    def reads_back(self, batch, *args, **kwargs):
+        out = forward(self, batch, *args, **kwargs)
+        if torch.cuda.is_current_stream_capturing():
+            out["loss"].item()
+        return out
+
+    monkeypatch.setattr(RetrievalGR, "forward", reads_back)

@@ -15,7 +15,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from model_helpers import needs_compiled_kernels, small_model
+from model_helpers import (
+    fail_retrieval_captures,
+    graphed_run,
+    needs_compiled_kernels,
+    small_model,
+)
 
 from hstu.config.gin_utils import load_config
 from hstu.modules.graphed_encoder import SEQ_GRAIN
@@ -326,47 +331,6 @@ gpu = pytest.mark.gpu
 _needs_kernels = needs_compiled_kernels
 
 
-def _graphed_run(tmp_path, run_dir_bindings, name, scope, *extra, task="retrieval"):
-    """A small synthetic training run on the GPU with CUDA graphs of ``scope``; ``extra``
-    bindings override the defaults here."""
-    from hstu.training.trainer import Trainer
-
-    cfg = load_config(
-        task,
-        [],
-        run_dir_bindings(tmp_path, name)
-        + [
-            "DatasetArgs.synthetic_num_users=400",
-            "DatasetArgs.synthetic_num_items=150",
-            "DatasetArgs.max_history_seqlen=60",
-            "NetworkArgs.num_layers=2",
-            "NetworkArgs.hidden_size=64",
-            "NetworkArgs.num_attention_heads=1",
-            "NetworkArgs.kv_channels=64",
-            "NetworkArgs.fused_layer=True",
-            "NetworkArgs.cuda_graphs=True",
-            f"NetworkArgs.cuda_graph_scope='{scope}'",
-            "NetworkArgs.relative_attention_bias='position'",
-            "TrainerArgs.train_batch_size=32",
-            "TrainerArgs.max_train_iters=80",
-            "TrainerArgs.eval_interval=0",
-            "TrainerArgs.max_eval_iters=2",
-            "TrainerArgs.log_interval=10",
-            "TrainerArgs.ckpt_save_interval=-1",
-            "TrainerArgs.progress_bar=False",
-            "OptimizerArgs.warmup_iters=10",
-            "EmbeddingArgs.embedding_backend='dense'",
-            *extra,
-        ],
-    )
-    trainer = Trainer(cfg, device_type="cuda")
-    try:
-        result = trainer.fit()
-        return trainer, result
-    finally:
-        trainer.close()
-
-
 @gpu
 def test_step_graphs_follow_the_eager_losses(tmp_path, run_dir_bindings):
     """No random draws (in-batch negatives, no dropout): the graphed step and the encoder-graphed
@@ -374,8 +338,8 @@ def test_step_graphs_follow_the_eager_losses(tmp_path, run_dir_bindings):
     most steps, with a warmup schedule (the learning rate read from device memory)."""
     _needs_kernels()
     det = ("RetrievalArgs.negative_sampling='in_batch'", "NetworkArgs.hidden_dropout=0.0")
-    step, res_step = _graphed_run(tmp_path, run_dir_bindings, "step", "step", *det)
-    enc, res_enc = _graphed_run(tmp_path, run_dir_bindings, "enc", "encoder", *det)
+    step, res_step = graphed_run(tmp_path, run_dir_bindings, "step", "step", *det)
+    enc, res_enc = graphed_run(tmp_path, run_dir_bindings, "enc", "encoder", *det)
     assert step.step_graphs is not None and enc.step_graphs is None
     stats = step.graph_stats()
     assert stats.disabled == "" and stats.captures >= 1, stats
@@ -393,8 +357,8 @@ def test_step_graphs_draw_fresh_negatives_and_dropout_per_replay(tmp_path, run_d
     step to step as eager ones do and the run learns as the eager run does."""
     _needs_kernels()
     rand = ("RetrievalArgs.negative_sampling='random'", "NetworkArgs.hidden_dropout=0.2")
-    step, res_step = _graphed_run(tmp_path, run_dir_bindings, "step", "step", *rand)
-    enc, res_enc = _graphed_run(tmp_path, run_dir_bindings, "enc", "encoder", *rand)
+    step, res_step = graphed_run(tmp_path, run_dir_bindings, "step", "step", *rand)
+    enc, res_enc = graphed_run(tmp_path, run_dir_bindings, "enc", "encoder", *rand)
     assert step.graph_stats().replays >= 40
     a = np.array([loss for _, loss in res_step.losses])
     b = np.array([loss for _, loss in res_enc.losses])
@@ -409,20 +373,10 @@ def test_a_failed_capture_leaves_a_run_that_trains_eagerly(tmp_path, run_dir_bin
     """A capture that fails (here: a host read inside the captured step) turns the step graphs
     off and the run goes on eagerly, random negatives and dropout included (the generator is
     not left marked as capturing)."""
-    from hstu.models.retrieval import RetrievalGR
-
     _needs_kernels()
-    forward = RetrievalGR.forward
-
-    def reads_back(self, batch, *args, **kwargs):
-        out = forward(self, batch, *args, **kwargs)
-        if torch.cuda.is_current_stream_capturing():
-            out["loss"].item()  # not allowed while capturing: the capture fails
-        return out
-
-    monkeypatch.setattr(RetrievalGR, "forward", reads_back)
+    fail_retrieval_captures(monkeypatch)
     rand = ("RetrievalArgs.negative_sampling='random'", "NetworkArgs.hidden_dropout=0.2")
-    step, res = _graphed_run(tmp_path, run_dir_bindings, "fails", "step", *rand)
+    step, res = graphed_run(tmp_path, run_dir_bindings, "fails", "step", *rand)
     stats = step.graph_stats()
     assert "capturing failed" in stats.disabled and stats.replays == 0, stats
     losses = np.array([loss for _, loss in res.losses])
@@ -449,7 +403,7 @@ def test_ranking_step_graphs_follow_the_eager_losses(tmp_path, run_dir_bindings)
         "EmbeddingArgs.sparse_learning_rate=0.05",
     )
     runs = {
-        scope: _graphed_run(tmp_path, run_dir_bindings, scope, scope, *ranking, task="ranking")
+        scope: graphed_run(tmp_path, run_dir_bindings, scope, scope, *ranking, task="ranking")
         for scope in ("step", "encoder")
     }
     (step, res_step), (enc, res_enc) = runs["step"], runs["encoder"]
@@ -473,8 +427,8 @@ def test_step_graphs_train_a_plain_table_with_the_sparse_optimizer(tmp_path, run
         "EmbeddingArgs.plain_table_optimizer='sparse'",
         "EmbeddingArgs.sparse_learning_rate=0.2",
     )
-    step, res_step = _graphed_run(tmp_path, run_dir_bindings, "step", "step", *det)
-    enc, res_enc = _graphed_run(tmp_path, run_dir_bindings, "enc", "encoder", *det)
+    step, res_step = graphed_run(tmp_path, run_dir_bindings, "step", "step", *det)
+    enc, res_enc = graphed_run(tmp_path, run_dir_bindings, "enc", "encoder", *det)
     assert step.table_optimizer is not None and step.step_graphs is not None
     stats = step.graph_stats()
     assert stats.disabled == "" and stats.replays >= 40, stats

@@ -17,9 +17,13 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from model_helpers import needs_compiled_kernels, small_model
+from model_helpers import (
+    fail_retrieval_captures,
+    graphed_run,
+    needs_compiled_kernels,
+    small_model,
+)
 
-from hstu.config.gin_utils import load_config
 from hstu.training.step_graphs import pad_batch, step_graphs_unsupported
 
 DYNAMIC = (
@@ -234,47 +238,8 @@ gpu = pytest.mark.gpu
 
 def _run(tmp_path, run_dir_bindings, name, scope, *extra, task="retrieval"):
     """A small synthetic run on the GPU with dynamic tables and CUDA graphs of ``scope``."""
-    from hstu.training.trainer import Trainer
-
-    cfg = load_config(
-        task,
-        [],
-        run_dir_bindings(tmp_path, name)
-        + [
-            "DatasetArgs.synthetic_num_users=400",
-            "DatasetArgs.synthetic_num_items=150",
-            "DatasetArgs.max_history_seqlen=60",
-            "NetworkArgs.num_layers=2",
-            "NetworkArgs.hidden_size=64",
-            "NetworkArgs.num_attention_heads=1",
-            "NetworkArgs.kv_channels=64",
-            "NetworkArgs.fused_layer=True",
-            "NetworkArgs.cuda_graphs=True",
-            f"NetworkArgs.cuda_graph_scope='{scope}'",
-            "NetworkArgs.relative_attention_bias='position'",
-            "NetworkArgs.hidden_dropout=0.0",
-            "TrainerArgs.train_batch_size=32",
-            "TrainerArgs.max_train_iters=80",
-            "TrainerArgs.eval_interval=0",
-            "TrainerArgs.max_eval_iters=2",
-            "TrainerArgs.log_interval=10",
-            "TrainerArgs.ckpt_save_interval=-1",
-            "TrainerArgs.progress_bar=False",
-            "OptimizerArgs.warmup_iters=10",
-            *DYNAMIC,
-            *extra,
-        ],
-    )
-    trainer = Trainer(cfg, device_type="cuda")
-    try:
-        result = trainer.fit()
-        # the tables' sizes, read before the process group closes (a collective when sharded)
-        result.table_rows = {
-            k: v for k, v in trainer.embeddings.stats().items() if k.endswith("/rows")
-        }
-        return trainer, result
-    finally:
-        trainer.close()
+    more = ("NetworkArgs.hidden_dropout=0.0", *DYNAMIC, *extra)
+    return graphed_run(tmp_path, run_dir_bindings, name, scope, *more, task=task)
 
 
 def _losses(result):
@@ -335,18 +300,8 @@ def test_a_failed_capture_after_the_lookup_finishes_its_step(
 ):
     """The capture fails after the dynamic tables looked the batch up: that step runs from the
     looked-up rows (no second lookup), the mode turns off and the run trains on eagerly."""
-    from hstu.models.retrieval import RetrievalGR
-
     needs_compiled_kernels()
-    forward = RetrievalGR.forward
-
-    def reads_back(self, batch, *args, **kwargs):
-        out = forward(self, batch, *args, **kwargs)
-        if torch.cuda.is_current_stream_capturing():
-            out["loss"].item()  # not allowed while capturing: the capture fails
-        return out
-
-    monkeypatch.setattr(RetrievalGR, "forward", reads_back)
+    fail_retrieval_captures(monkeypatch)
     det = ("RetrievalArgs.negative_sampling='in_batch'",)
     step, res = _run(tmp_path, run_dir_bindings, "fails", "step", *det)
     stats = step.graph_stats()

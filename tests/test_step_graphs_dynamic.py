@@ -79,6 +79,9 @@ def _dump(model):
             "ranking",
             ("DatasetArgs.max_num_candidates=4", "NetworkArgs.use_contextual_features=True"),
         ),
+        # rows in host memory with an HBM cache (the staging is the same; the step graphs take
+        # HBM tables only)
+        ("retrieval", ("EmbeddingArgs.storage='hybrid'", "EmbeddingArgs.hbm_cache=0.5")),
     ],
 )
 def test_a_split_step_equals_the_plain_step(task, bindings):
@@ -150,6 +153,9 @@ def test_what_the_step_graphs_refuse_of_dynamic_tables():
     assert "trained by Adam" in step_graphs_unsupported(adam, "adam", "retrieval", 1)
     adam.negative_sampling = "in_batch"
     assert step_graphs_unsupported(adam, "adam", "retrieval", 1) == ""
+    _, _, _, hybrid = small_model("retrieval", *DYNAMIC, "EmbeddingArgs.storage='hybrid'")
+    hybrid.encoder.graphs = object()
+    assert "storage='hybrid'" in step_graphs_unsupported(hybrid, "adam", "retrieval", 1)
 
 
 def test_the_fixed_extra_ids_are_those_the_forward_looks_up():

@@ -317,6 +317,8 @@ class HybridDynamicEmbeddingTable(DynamicEmbeddingTable):
         """As `DynamicEmbeddingTable.forward`; a training lookup also brings its rows into the
         HBM cache. With the compiled kernels it reads nothing from the GPU while the cache has
         room for the lookup's distinct ids by the host's count (`free_lb`); see `_reserve`."""
+        if self._staged is not None and self.training:
+            return self._staged_rows(ids)
         u = self._unique(ids, host_ids)
         n_unique = u.uniq.numel()
         dtype = _DTYPES[self.config.output_dtype]

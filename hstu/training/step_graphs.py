@@ -51,8 +51,8 @@ looked-up rows' backward runs the tables' fused updates with those gradients, wh
 for the next replay. The dense optimizer steps inside the graph and the table updates after it:
 they touch different tensors, so the step computes what the eager one does (a CPU test checks
 a step split this way bit for bit). A capture that fails after the lookup finishes its step
-eagerly from the looked-up rows. Not taken: the 'custom' eviction policy (its scores come with
-the ids), and Adam-trained item tables with random negatives from a corpus larger than the
+eagerly from the looked-up rows. Not taken: tables with host storage (`storage="hybrid"`), the
+'custom' eviction policy (its scores come with the ids), and Adam-trained item tables with random negatives from a corpus larger than the
 model's own ``whole_corpus_rows`` (looking the whole corpus up, Adam would move rows that got
 no gradient). For a large model the host is hidden anyway and each key's activations stay in
 the graphs' pool: the benchmark ranking model keeps the encoder's graphs
@@ -320,6 +320,11 @@ def step_graphs_unsupported(model, optimizer_str: str, task: str, world_size: in
         return "torchrec embedding tables (step graphs: plain and dynamic tables)"
     tables = getattr(emb.dynamic_collection, "tables", None) or {}
     for table in tables.values():
+        if table.config.storage != "hbm":
+            return (
+                f"dynamic table {table.config.name!r} with storage={table.config.storage!r} "
+                "(step graphs: dynamic tables in HBM)"
+            )
         if table.config.eviction_policy == "custom":
             return (
                 f"dynamic table {table.config.name!r} with eviction_policy='custom' (step "

@@ -52,11 +52,11 @@ for the next replay. The dense optimizer steps inside the graph and the table up
 they touch different tensors, so the step computes what the eager one does (a CPU test checks
 a step split this way bit for bit). A capture that fails after the lookup finishes its step
 eagerly from the looked-up rows. Not taken: tables with host storage (`storage="hybrid"`), the
-'custom' eviction policy (its scores come with the ids), and Adam-trained item tables with random negatives from a corpus larger than the
-model's own ``whole_corpus_rows`` (looking the whole corpus up, Adam would move rows that got
-no gradient). For a large model the host is hidden anyway and each key's activations stay in
-the graphs' pool: the benchmark ranking model keeps the encoder's graphs
-(docs/benchmarks.md).
+'custom' eviction policy (its scores come with the ids), and Adam-trained item tables with
+random negatives from a corpus larger than the model's own ``whole_corpus_rows`` (looking the
+whole corpus up, Adam would move rows that got no gradient). For a large model the host is
+hidden anyway and each key's activations stay in the graphs' pool: the benchmark ranking model
+keeps the encoder's graphs (docs/benchmarks.md).
 
 Ranking. A ranking batch's candidates are padded too: the padding samples carry candidates
 (at least one each, no more than the batch's largest count) so that the candidate count is a
@@ -327,8 +327,8 @@ def step_graphs_unsupported(model, optimizer_str: str, task: str, world_size: in
             )
         if table.config.eviction_policy == "custom":
             return (
-                f"dynamic table {table.config.name!r} with eviction_policy='custom' (step "
-                "graphs: its scores are not padded)"
+                f"dynamic table {table.config.name!r} with eviction_policy='custom' (its scores "
+                "come with the batch's ids; the graphed step's lookup takes ids alone)"
             )
     if getattr(model.encoder, "graphs", None) is None:
         return "layers without the compiled attention"

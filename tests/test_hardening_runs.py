@@ -252,6 +252,27 @@ def test_output_paths_are_checked_before_data_loading_and_model_building(tmp_pat
         Trainer(_cfg(tmp_path, f"TrainerArgs.ckpt_load_dir='{tmp_path / 'nope'}'"), "cpu")
 
 
+def test_a_trainer_that_fails_to_start_leaves_no_process_group(tmp_path):
+    """The process group a Trainer created is destroyed when its start fails (a later Trainer in
+    the same process, e.g. a notebook's retry, starts as the first did)."""
+    import torch.distributed as dist
+
+    from hstu.training.trainer import Trainer
+
+    before = dist.is_initialized()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Trainer(_cfg(tmp_path, f"TrainerArgs.ckpt_load_dir='{tmp_path / 'nope'}'"), "cpu")
+    assert dist.is_initialized() == before
+    if before:  # one left by an earlier test: the failed start must not have closed it
+        return
+    trainer = Trainer(_cfg(tmp_path / "ok"), "cpu")
+    try:
+        assert trainer.info.owns_group and dist.is_initialized()
+    finally:
+        trainer.close()
+    assert not dist.is_initialized()
+
+
 # ---- end to end ----------------------------------------------------------------------------------
 
 

@@ -138,8 +138,28 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, device_type: str = "cpu") -> None:
         self.cfg = cfg
-        t = cfg.trainer
         self.info = init_distributed(device_type)
+        try:
+            self._setup(cfg)
+        except BaseException:
+            # a run that cannot start leaves no process group (nor threads, files) behind: the
+            # next Trainer of this process starts as cleanly as the first
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Releases what a failed `__init__` had set up."""
+        for name in ("pipeline", "tb"):
+            part = getattr(self, name, None)
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:  # noqa: BLE001 - the original error is the one to raise
+                    logger.warning("closing %s after a failed start", name, exc_info=True)
+        cleanup(self.info)
+
+    def _setup(self, cfg: RunConfig) -> None:
+        t = cfg.trainer
         self.device = self.info.device
         torch.manual_seed(t.seed)
         np.random.seed(t.seed % (2**32))

@@ -24,6 +24,7 @@ from model_helpers import (
     small_model,
 )
 
+from hstu.training import step_graphs
 from hstu.training.step_graphs import pad_batch, step_graphs_unsupported
 
 DYNAMIC = (
@@ -47,7 +48,7 @@ def _split_step(model, opt, batch, seed):
     """The step as the step graphs run it: lookup, the model on staged leaves, the update."""
     emb = model.embeddings
     rows = emb.lookup_dynamic(batch, *model.fixed_extra_ids())
-    leaves = {n: r.detach().clone().requires_grad_(True) for n, r in rows.items()}
+    leaves = step_graphs._leaves(rows)
     emb.stage_dynamic(leaves)
     try:
         torch.manual_seed(seed)
@@ -57,8 +58,7 @@ def _split_step(model, opt, batch, seed):
         emb.stage_dynamic(None)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    used = [n for n, leaf in leaves.items() if leaf.grad is not None]
-    torch.autograd.backward([rows[n] for n in used], [leaves[n].grad for n in used])
+    step_graphs._update_tables(rows, leaves)
     return out["loss"].detach()
 
 
@@ -130,6 +130,10 @@ def test_staged_rows_of_another_shape_or_count_are_refused():
     finally:
         model.embeddings.stage_dynamic(None)
     model(splits.train.collate([0, 1, 2]), loss_normalizer=1.0)  # unstaged: looks up again
+    # a 'custom' table takes its scores with the ids: lookup_tables refuses it, naming it
+    table.config = dataclasses.replace(table.config, eviction_policy="custom")
+    with pytest.raises(ValueError, match="'item_table' has eviction_policy='custom'"):
+        model.embeddings.dynamic_collection.lookup_tables({"item_id": torch.arange(3)})
 
 
 def test_what_the_step_graphs_refuse_of_dynamic_tables():
@@ -219,6 +223,9 @@ def test_a_one_rank_sharded_collection_looks_up_what_its_forward_does(tmp_path):
         for k in da:
             assert torch.equal(da[k], db[k]), k
         assert a.tables["users"].step == b.tables["users"].step == 3
+        b.world_size = 2  # as a shard of two ranks: its rows come through forward's dists
+        with pytest.raises(RuntimeError, match="sharded over several ranks"):
+            b.lookup_tables({"item": item})
     finally:
         if owned:
             dist.destroy_process_group()

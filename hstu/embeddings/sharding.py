@@ -257,32 +257,17 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         """Fills ``ctx`` with the lookup of ``features`` (each table's ids, counts and scores;
         ``host_ids``: feature -> the same ids on the CPU, where known)."""
         jts = features.to_dict()
-        unknown = [f for f in jts if f not in self._feature_to_table]
-        if unknown:
-            raise ValueError(
-                f"features {unknown} have no dynamic table; configured: {self.feature_names()}"
-            )
         ctx.jagged = jts
-        ctx.plans = []
-        names = list(jts)
-        for table, hid in zip(self.tables.values(), self._table_host_ids(names, host_ids)):
-            # Every rank routes every table (an absent feature sends zero ids): the collectives
-            # must line up across ranks.
-            feats = [f for f in table.config.feature_names if f in jts]
-            for f in feats:
-                if jts[f].values().dtype not in (torch.int32, torch.int64):
-                    raise TypeError(
-                        f"feature {f!r}: ids must be int32/int64, got {jts[f].values().dtype}"
-                    )
-            vals = [jts[f].values().to(torch.int64) for f in feats]
-            ids = torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64)
-            scores = None
-            if table.config.eviction_policy == "custom" and feats:
-                ws = [jts[f].weights_or_none() for f in feats]
-                if all(w is not None for w in ws):
-                    scores = torch.cat(ws)
-            sizes = [v.numel() for v in vals]
-            ctx.plans.append(_TablePlan(table, feats, sizes, ids, scores, hid))
+        values = {f: jt.values() for f, jt in jts.items()}
+        weights = {f: jt.weights_or_none() for f, jt in jts.items()}
+        # Every rank routes every table (an absent feature sends zero ids): the collectives
+        # must line up across ranks.
+        inputs = self._table_inputs(values, host_ids, weights, every=True)
+        hids = self._table_host_ids(list(jts), host_ids)
+        ctx.plans = [
+            _TablePlan(table, feats, [values[f].numel() for f in feats], ids, scores, hid)
+            for (table, feats, ids, scores, _), hid in zip(inputs, hids, strict=True)
+        ]
         return ctx
 
     def input_dist(  # type: ignore[override]

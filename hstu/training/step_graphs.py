@@ -393,6 +393,21 @@ class _Entry:
     staged: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
+def _leaves(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of the dynamic tables' looked-up ``rows`` that the model reads instead (leaves
+    that collect the rows' gradients)."""
+    return {n: r.detach().clone().requires_grad_(r.requires_grad) for n, r in rows.items()}
+
+
+def _update_tables(rows: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]) -> None:
+    """The tables' fused updates: the backward of the looked-up ``rows`` with the gradients
+    that their ``leaves`` collected."""
+    pairs = [(rows[n], leaf.grad) for n, leaf in leaves.items() if leaf.grad is not None]
+    pairs = [(r, g) for r, g in pairs if r.requires_grad]
+    if pairs:
+        torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+
+
 def _float_bits(values: list[float]) -> np.ndarray:
     return np.asarray(values, dtype=np.float64).view(np.int64)
 
@@ -554,9 +569,7 @@ class StepGraphs:
         current = torch.cuda.current_stream(self.device)
         side = self._side_stream()
         side.wait_stream(current)
-        leaves = {
-            n: r.detach().clone().requires_grad_(r.requires_grad) for n, r in (rows or {}).items()
-        }
+        leaves = _leaves(rows or {})
         with torch.cuda.stream(side):
             batch = pinned.to(self.device, non_blocking=True)
             self.model.embeddings.stage_dynamic(leaves or None)
@@ -565,9 +578,7 @@ class StepGraphs:
             finally:
                 self.model.embeddings.stage_dynamic(None)
         current.wait_stream(side)
-        pairs = [(rows[n], leaf.grad) for n, leaf in leaves.items() if leaf.grad is not None]
-        if pairs:
-            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        _update_tables(rows or {}, leaves)
         for t in outputs.tensors():
             if t is not None:
                 t.record_stream(current)
@@ -594,9 +605,7 @@ class StepGraphs:
     def _update_dynamic(entry: _Entry, rows: dict[str, torch.Tensor]) -> None:
         """The fused updates of the looked-up ``rows`` with the gradients the replay left in the
         staged rows, which are zeroed for the next replay."""
-        pairs = [(r, entry.staged[n].grad) for n, r in rows.items() if r.requires_grad]
-        if pairs:
-            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        _update_tables(rows, entry.staged)
         for leaf in entry.staged.values():
             if leaf.grad is not None:
                 leaf.grad.zero_()
@@ -672,11 +681,10 @@ class StepGraphs:
         self._load(entry, parts)
         # this step's dynamic lookups, before the capture (which reads their rows, staged)
         rows.update(self._lookup_dynamic(entry, padded))
-        for name, r in rows.items():
-            leaf = r.detach().clone().requires_grad_(r.requires_grad)
-            if r.requires_grad:
-                leaf.grad = torch.zeros_like(leaf)
-            entry.staged[name] = leaf
+        entry.staged = _leaves(rows)
+        for leaf in entry.staged.values():
+            if leaf.requires_grad:
+                leaf.grad = torch.zeros_like(leaf)  # a fixed tensor the graph accumulates into
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         pre = self.model.preprocessor

@@ -1,6 +1,6 @@
 """Dynamic tables in the CUDA graphs of the whole training step (hstu.training.step_graphs,
 "Dynamic tables"): the tables are looked up before the replay and updated after it; the graph
-reads the looked-up rows from fixed tensors (`EmbeddingStack.stage_dynamic`).
+reads the looked-up rows from fixed tensors (`EmbeddingStack.stage_sparse`).
 
 CPU: a step split that way (lookup, the model on staged copies of the rows, the tables' update
 from the copies' gradients) gives exactly the losses, dense parameters and table contents of
@@ -13,6 +13,7 @@ steps; a failed capture after the lookup finishes its step from the looked-up ro
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -47,15 +48,15 @@ def _plain_step(model, opt, batch, seed):
 def _split_step(model, opt, batch, seed):
     """The step as the step graphs run it: lookup, the model on staged leaves, the update."""
     emb = model.embeddings
-    rows = emb.lookup_dynamic(batch, *model.fixed_extra_ids())
+    rows = emb.lookup_sparse(batch, *model.fixed_extra_ids())
     leaves = step_graphs._leaves(rows)
-    emb.stage_dynamic(leaves)
+    emb.stage_sparse(leaves)
     try:
         torch.manual_seed(seed)
         out = model(batch, loss_normalizer=7.0)
         out["loss"].backward()
     finally:
-        emb.stage_dynamic(None)
+        emb.stage_sparse(None)
     opt.step()
     opt.zero_grad(set_to_none=True)
     step_graphs._update_tables(rows, leaves)
@@ -63,40 +64,63 @@ def _split_step(model, opt, batch, seed):
 
 
 def _dump(model):
-    dump = model.embeddings.dynamic_collection.dump()
+    emb = model.embeddings
+    dump = emb.dynamic_collection.dump() if emb.dynamic_collection is not None else {}
+    if emb.embedding_collection is not None:
+        dump.update(emb.embedding_collection.state_dict())
     return {k: v.clone() for k, v in dump.items()}
+
+
+RANDOM = ("RetrievalArgs.negative_sampling='random'", "RetrievalArgs.num_negatives=8")
+CONTEXT = ("DatasetArgs.max_num_candidates=4", "NetworkArgs.use_contextual_features=True")
+TORCHREC = (
+    "EmbeddingArgs.embedding_backend='torchrec'",
+    "EmbeddingArgs.sparse_optimizer_str='rowwise_adagrad'",
+    "EmbeddingArgs.sparse_learning_rate=0.1",
+)
 
 
 @pytest.mark.parametrize(
     "task,bindings",
     [
-        (
-            "retrieval",
-            ("RetrievalArgs.negative_sampling='random'", "RetrievalArgs.num_negatives=8"),
-        ),
-        ("retrieval", ("RetrievalArgs.negative_sampling='in_batch'",)),
-        (
-            "ranking",
-            ("DatasetArgs.max_num_candidates=4", "NetworkArgs.use_contextual_features=True"),
-        ),
+        ("retrieval", (*DYNAMIC, *RANDOM)),
+        ("retrieval", (*DYNAMIC, "RetrievalArgs.negative_sampling='in_batch'")),
+        ("ranking", (*DYNAMIC, *CONTEXT)),
         # rows in host memory with an HBM cache (the staging is the same; the step graphs take
         # HBM tables only)
-        ("retrieval", ("EmbeddingArgs.storage='hybrid'", "EmbeddingArgs.hbm_cache=0.5")),
+        ("retrieval", (*DYNAMIC, "EmbeddingArgs.storage='hybrid'", "EmbeddingArgs.hbm_cache=0.5")),
+        # torchrec tables (their fused optimizer runs in the rows' backward)
+        ("retrieval", (*TORCHREC, *RANDOM)),
+        ("ranking", (*TORCHREC, *CONTEXT)),
+        # a dynamic item table beside torchrec contextual tables
+        ("ranking", (*DYNAMIC, "EmbeddingArgs.contextual_tables='torchrec'", *CONTEXT)),
     ],
 )
 def test_a_split_step_equals_the_plain_step(task, bindings):
-    models = [small_model(task, *DYNAMIC, *bindings) for _ in range(2)]
+    from hstu.embeddings.stack import EmbeddingStack
+
+    models = [small_model(task, *bindings) for _ in range(2)]
     splits = models[0][2]
     plain, split = models[0][3], models[1][3]
     for m in (plain, split):
         m.train()
+        m.embeddings.configure_sparse_optimizer("cpu")  # torchrec tables: fused into backward
         if hasattr(m, "whole_corpus_rows"):
             m.whole_corpus_rows = 10**6  # the whole corpus, as a graphed step looks it up
-    assert sorted(split.embeddings.dynamic_features)
+    emb = split.embeddings
+    assert emb.dynamic_features or emb.embedding_collection is not None
     opts = [
-        torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        torch.optim.Adam(
+            [
+                p
+                for n, p in m.named_parameters()
+                if p.requires_grad and not EmbeddingStack.is_sparse_parameter(n)
+            ],
+            lr=1e-2,
+        )
         for m in (plain, split)
     ]
+    first = _dump(plain)
     for step in range(3):
         batch = splits.train.collate(list(range(8 * step, 8 * step + 8)))
         padded = pad_batch(
@@ -111,8 +135,12 @@ def test_a_split_step_equals_the_plain_step(task, bindings):
     assert da.keys() == db.keys()
     for k in da:
         assert torch.equal(da[k], db[k]), k
-    # the tables were trained: rows exist and moved from their initial values
-    assert any(k.endswith("/keys") and v.numel() > 0 for k, v in da.items())
+    # the tables were trained: dynamic rows exist, torchrec rows moved from their initial values
+    if emb.dynamic_collection is not None:
+        assert any(k.endswith("/keys") and v.numel() > 0 for k, v in da.items())
+    if emb.embedding_collection is not None:
+        moved = [k for k in first if "/" not in k and not torch.equal(first[k], da[k])]
+        assert moved and all(k.startswith("embeddings.") for k in moved), moved
 
 
 def test_staged_rows_of_another_shape_or_count_are_refused():
@@ -122,13 +150,13 @@ def test_staged_rows_of_another_shape_or_count_are_refused():
     with pytest.raises(ValueError, match=r"staged rows must be \[n, \d+\] of torch.float32"):
         table.stage(torch.zeros(3, table.dim + 1))
     with pytest.raises(KeyError, match="no dynamic tables"):
-        model.embeddings.stage_dynamic({"nope": torch.zeros(1, table.dim)})
-    model.embeddings.stage_dynamic({"item_table": torch.zeros(3, table.dim)})
+        model.embeddings.stage_sparse({"nope": torch.zeros(1, table.dim)})
+    model.embeddings.stage_sparse({"item_table": torch.zeros(3, table.dim)})
     try:
         with pytest.raises(RuntimeError, match="a lookup of .* ids met 3 staged rows"):
             model(splits.train.collate([0, 1, 2]), loss_normalizer=1.0)
     finally:
-        model.embeddings.stage_dynamic(None)
+        model.embeddings.stage_sparse(None)
     model(splits.train.collate([0, 1, 2]), loss_normalizer=1.0)  # unstaged: looks up again
     # a 'custom' table takes its scores with the ids: lookup_tables refuses it, naming it
     table.config = dataclasses.replace(table.config, eviction_policy="custom")
@@ -136,13 +164,44 @@ def test_staged_rows_of_another_shape_or_count_are_refused():
         model.embeddings.dynamic_collection.lookup_tables({"item_id": torch.arange(3)})
 
 
-def test_what_the_step_graphs_refuse_of_dynamic_tables():
+def test_staged_torchrec_rows_are_checked():
+    _, _, splits, model = small_model("ranking", *TORCHREC, *CONTEXT)
+    model.train()
+    emb = model.embeddings
+    batch = splits.train.collate([0, 1, 2])
+    rows = emb.lookup_sparse(batch)
+    static = [k for k in emb.features if k not in emb.dynamic_features]
+    assert sorted(rows) == sorted("torchrec:" + k for k in static)
+    looked = emb(batch)
+    for k in static:
+        assert torch.equal(rows["torchrec:" + k], looked[k].values())
+    width = emb.table_dim
+    with pytest.raises(ValueError, match=rf"feature 'item_id' must be \[n, {width}\]"):
+        emb.stage_sparse({**rows, "torchrec:item_id": torch.zeros(3, width + 1)})
+    with pytest.raises(KeyError, match="must name the features"):
+        emb.stage_sparse({"torchrec:item_id": rows["torchrec:item_id"]})
+    with pytest.raises(KeyError, match="no dynamic tables"):
+        emb.stage_sparse({**rows, "item_table": rows["torchrec:item_id"]})
+    assert emb._staged_torchrec is None  # a refused staging stages nothing
+    emb.stage_sparse({**rows, "torchrec:item_id": torch.zeros(2, width)})
+    try:
+        with pytest.raises(RuntimeError, match="'item_id': a lookup of .* ids met 2 staged rows"):
+            model(batch, loss_normalizer=1.0)
+    finally:
+        emb.stage_sparse(None)
+    model(batch, loss_normalizer=1.0)  # unstaged: looks up again
+
+
+def test_what_the_step_graphs_refuse_of_dynamic_and_torchrec_tables():
     _, _, _, model = small_model("retrieval", *DYNAMIC)
     model.encoder.graphs = object()  # as on a GPU with the compiled attention
     assert step_graphs_unsupported(model, "adam", "retrieval", 1) == ""
-    _, _, _, ranker = small_model("ranking", "EmbeddingArgs.embedding_backend='dynamic'")
-    ranker.encoder.graphs = object()
-    assert "torchrec" in step_graphs_unsupported(ranker, "adam", "ranking", 1)
+    # torchrec tables are taken (contextual ones beside a dynamic item table, or all of them)
+    for backend in ("dynamic", "torchrec"):
+        _, _, _, ranker = small_model("ranking", f"EmbeddingArgs.embedding_backend='{backend}'")
+        ranker.encoder.graphs = object()
+        assert ranker.embeddings.embedding_collection is not None
+        assert step_graphs_unsupported(ranker, "adam", "ranking", 1) == ""
     _, _, _, ranker = small_model("ranking", *DYNAMIC)
     ranker.encoder.graphs = object()
     assert step_graphs_unsupported(ranker, "adam", "ranking", 1) == ""
@@ -154,9 +213,19 @@ def test_what_the_step_graphs_refuse_of_dynamic_tables():
     _, _, _, adam = small_model("retrieval", *DYNAMIC, "EmbeddingArgs.sparse_optimizer_str='adam'")
     adam.encoder.graphs = object()
     adam.whole_corpus_rows = 10
-    assert "trained by Adam" in step_graphs_unsupported(adam, "adam", "retrieval", 1)
+    assert "trained by the sparse Adam" in step_graphs_unsupported(adam, "adam", "retrieval", 1)
     adam.negative_sampling = "in_batch"
     assert step_graphs_unsupported(adam, "adam", "retrieval", 1) == ""
+    # the same with a torchrec item table
+    _, _, _, trec = small_model(
+        "retrieval", *TORCHREC, *RANDOM, "EmbeddingArgs.sparse_optimizer_str='adam'"
+    )
+    trec.encoder.graphs = object()
+    assert step_graphs_unsupported(trec, "adam", "retrieval", 1) == ""  # corpus looked up whole
+    trec.whole_corpus_rows = 10
+    assert "trained by the sparse Adam" in step_graphs_unsupported(trec, "adam", "retrieval", 1)
+    trec.embeddings.args = dataclasses.replace(trec.embeddings.args, sparse_optimizer_str="sgd")
+    assert step_graphs_unsupported(trec, "adam", "retrieval", 1) == ""
     _, _, _, hybrid = small_model("retrieval", *DYNAMIC, "EmbeddingArgs.storage='hybrid'")
     hybrid.encoder.graphs = object()
     assert "storage='hybrid'" in step_graphs_unsupported(hybrid, "adam", "retrieval", 1)
@@ -254,9 +323,10 @@ def test_step_outputs_clone_every_field():
 gpu = pytest.mark.gpu
 
 
-def _run(tmp_path, run_dir_bindings, name, scope, *extra, task="retrieval"):
-    """A small synthetic run on the GPU with dynamic tables and CUDA graphs of ``scope``."""
-    more = ("NetworkArgs.hidden_dropout=0.0", *DYNAMIC, *extra)
+def _run(tmp_path, run_dir_bindings, name, scope, *extra, task="retrieval", tables=DYNAMIC):
+    """A small synthetic run on the GPU with dynamic tables (or ``tables``) and CUDA graphs of
+    ``scope``."""
+    more = ("NetworkArgs.hidden_dropout=0.0", *tables, *extra)
     return graphed_run(tmp_path, run_dir_bindings, name, scope, *more, task=task)
 
 
@@ -264,30 +334,35 @@ def _losses(result):
     return torch.tensor([loss for _, loss in result.losses])
 
 
+RANKING = (
+    "DatasetArgs.max_num_candidates=6",
+    "NetworkArgs.use_contextual_features=True",
+    "NetworkArgs.target_group_size=2",
+)
+
+
 @gpu
 @pytest.mark.parametrize(
-    "task,extra",
+    "task,extra,tables",
     [
-        ("retrieval", ("RetrievalArgs.negative_sampling='in_batch'",)),
-        (
-            "ranking",
-            (
-                "DatasetArgs.max_num_candidates=6",
-                "NetworkArgs.use_contextual_features=True",
-                "NetworkArgs.target_group_size=2",
-            ),
-        ),
+        ("retrieval", ("RetrievalArgs.negative_sampling='in_batch'",), DYNAMIC),
+        ("ranking", RANKING, DYNAMIC),
+        ("retrieval", ("RetrievalArgs.negative_sampling='in_batch'",), TORCHREC),
+        ("ranking", RANKING, TORCHREC),
+        ("ranking", RANKING, (*DYNAMIC, "EmbeddingArgs.contextual_tables='torchrec'")),
     ],
+    ids=["dynamic-retrieval", "dynamic-ranking", "torchrec-retrieval", "torchrec-ranking", "mixed"],
 )
-def test_step_graphs_with_dynamic_tables_follow_the_eager_losses(
-    tmp_path, run_dir_bindings, task, extra
+def test_step_graphs_with_sparse_tables_follow_the_eager_losses(
+    tmp_path, run_dir_bindings, task, extra, tables
 ):
-    """No random draws: the graphed step (dynamic tables looked up before each replay, updated
-    after it) follows the encoder-graphed step's losses within bf16 noise, replays most steps,
-    and leaves tables of the same size that serve the same evaluation."""
+    """No random draws: the graphed step (dynamic and torchrec tables looked up before each
+    replay, updated after it) follows the encoder-graphed step's losses within bf16 noise,
+    replays most steps, and leaves tables of the same size that serve the same evaluation."""
     needs_compiled_kernels()
-    step, res_step = _run(tmp_path, run_dir_bindings, "step", "step", *extra, task=task)
-    enc, res_enc = _run(tmp_path, run_dir_bindings, "enc", "encoder", *extra, task=task)
+    run = functools.partial(_run, tmp_path, run_dir_bindings, task=task, tables=tables)
+    step, res_step = run("step", "step", *extra)
+    enc, res_enc = run("enc", "encoder", *extra)
     assert step.step_graphs is not None and enc.step_graphs is None
     stats = step.graph_stats()
     assert stats.disabled == "" and stats.replays >= 40, stats
@@ -295,17 +370,21 @@ def test_step_graphs_with_dynamic_tables_follow_the_eager_losses(
     assert len(a) == len(b) == 80
     torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
     assert a[-10:].mean() < a[:10].mean()
-    assert res_step.table_rows and res_step.table_rows == res_enc.table_rows
+    assert res_step.table_rows == res_enc.table_rows
+    assert res_step.table_rows or tables == TORCHREC
     for k, v in res_enc.final_metrics.items():
         assert abs(res_step.final_metrics[k] - v) < 0.05, k
 
 
 @gpu
-def test_step_graphs_with_dynamic_tables_and_random_negatives_learn(tmp_path, run_dir_bindings):
+@pytest.mark.parametrize("tables", [DYNAMIC, TORCHREC], ids=["dynamic", "torchrec"])
+def test_step_graphs_with_sparse_tables_and_random_negatives_learn(
+    tmp_path, run_dir_bindings, tables
+):
     needs_compiled_kernels()
     rand = ("RetrievalArgs.negative_sampling='random'", "RetrievalArgs.num_negatives=16")
-    step, res_step = _run(tmp_path, run_dir_bindings, "step", "step", *rand)
-    enc, res_enc = _run(tmp_path, run_dir_bindings, "enc", "encoder", *rand)
+    step, res_step = _run(tmp_path, run_dir_bindings, "step", "step", *rand, tables=tables)
+    enc, res_enc = _run(tmp_path, run_dir_bindings, "enc", "encoder", *rand, tables=tables)
     assert step.graph_stats().replays >= 40
     a, b = _losses(res_step).numpy(), _losses(res_enc).numpy()
     assert np.isfinite(a).all() and a[-20:].mean() < a[:10].mean()

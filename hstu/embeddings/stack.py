@@ -62,6 +62,8 @@ EXTRA_ITEM_FEATURE = "extra_item_id"
 USER_ID_FEATURE = "user_id"
 # the checkpoint entry of the rows that live outside state_dict()
 _DYNAMIC_STATE = "dynamic_embeddings"
+# the prefix of the torchrec tables' rows in `EmbeddingStack.lookup_sparse` (per feature)
+_TORCHREC_ROWS = "torchrec:"
 # submodules whose parameters are trained by a fused sparse optimizer, not the dense one
 _SPARSE_MODULES = ("embedding_collection",)
 # EmbeddingArgs fields that decide how tables are stored (a checkpoint records them)
@@ -163,6 +165,8 @@ class EmbeddingStack(nn.Module):
         )
         self.extra_item_feature = bool(extra_item_feature)
         self._input_dist_ahead = False  # set by enable_input_dist_ahead
+        # torchrec feature -> rows its lookups return instead (`stage_sparse`)
+        self._staged_torchrec: dict[str, torch.Tensor] | None = None
         backend = args.embedding_backend
         dense_static = backend == "dense" or (
             backend == "dynamic" and args.contextual_tables == "dense"
@@ -533,29 +537,81 @@ class EmbeddingStack(nn.Module):
         b, parts = self._feature_ids(batch, extra_ids, device)
         return _make_kjt(self.features, parts, b)
 
-    def lookup_dynamic(
+    def lookup_sparse(
         self,
         batch: Batch,
         extra_ids: torch.Tensor | None = None,
         extra_host_ids: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Dynamic table name -> the rows its training lookup gives for ``batch`` (+ extra ids),
-        exactly the ids `forward` would look it up with; their backward runs the tables'
-        fused update. With `stage_dynamic` of these rows' values, `forward` then reads the
-        tables no more (the whole training step's CUDA graphs: `hstu.training.step_graphs`)."""
-        if self.dynamic_collection is None:
-            return {}
-        _, parts = self._feature_ids(batch, extra_ids, batch.user_ids.device, extra_host_ids)
-        dyn = [k for k in self.features if k in self.dynamic_features]
-        host = {k: parts[k].host_values for k in dyn if parts[k].host_values is not None}
-        values = {k: parts[k].values for k in dyn}
-        return self.dynamic_collection.lookup_tables(values, host_ids=host)
-
-    def stage_dynamic(self, rows: dict[str, torch.Tensor] | None) -> None:
-        """Training lookups of the dynamic tables return ``rows`` (table name -> [n, dim]) until
-        ``stage_dynamic(None)`` (`DynamicEmbeddingTable.stage`)."""
+        """The rows that the tables trained by fused sparse optimizers give ``batch`` (+ extra
+        ids) in a training lookup, exactly the ids `forward` would look them up with: dynamic
+        tables under their table names, torchrec tables per feature under
+        ``"torchrec:<feature>"`` ([n, table_dim]). Their backward runs the fused updates. With
+        `stage_sparse` of these rows' values, `forward` then reads none of these tables (the
+        whole training step's CUDA graphs: `hstu.training.step_graphs`)."""
+        b, parts = self._feature_ids(batch, extra_ids, batch.user_ids.device, extra_host_ids)
+        rows: dict[str, torch.Tensor] = {}
+        static = [k for k in self.features if k not in self.dynamic_features]
+        if static and self.embedding_collection is not None:
+            # (a sharded collection returns an awaitable of the dict: dict() waits for it)
+            out = dict(self.embedding_collection(_make_kjt(static, parts, b)))
+            rows.update({_TORCHREC_ROWS + k: out[k].values() for k in static})
         if self.dynamic_collection is not None:
-            self.dynamic_collection.stage(rows)
+            dyn = [k for k in self.features if k in self.dynamic_features]
+            host = {k: parts[k].host_values for k in dyn if parts[k].host_values is not None}
+            values = {k: parts[k].values for k in dyn}
+            rows.update(self.dynamic_collection.lookup_tables(values, host_ids=host))
+        return rows
+
+    def stage_sparse(self, rows: dict[str, torch.Tensor] | None) -> None:
+        """Training lookups return ``rows`` (named as `lookup_sparse` names them) instead of
+        reading the tables, until ``stage_sparse(None)`` (`DynamicEmbeddingTable.stage` for the
+        dynamic tables; the torchrec tables are then not called at all)."""
+        if rows is None:
+            self._staged_torchrec = None
+            if self.dynamic_collection is not None:
+                self.dynamic_collection.stage(None)
+            return
+        mine = {
+            k[len(_TORCHREC_ROWS) :]: v for k, v in rows.items() if k.startswith(_TORCHREC_ROWS)
+        }
+        dynamic = {k: v for k, v in rows.items() if not k.startswith(_TORCHREC_ROWS)}
+        static = [k for k in self.features if k not in self.dynamic_features]
+        if mine and self.embedding_collection is None:
+            raise KeyError(
+                f"stage_sparse: rows {sorted(mine)} for torchrec tables, but there are none"
+            )
+        if mine and sorted(mine) != sorted(static):
+            raise KeyError(
+                f"stage_sparse: the torchrec tables' rows must name the features {static}, got "
+                f"{sorted(mine)}"
+            )
+        for name, r in mine.items():
+            if r.dim() != 2 or r.shape[1] != self.table_dim:
+                raise ValueError(
+                    f"stage_sparse: staged rows of feature {name!r} must be [n, {self.table_dim}], "
+                    f"got {tuple(r.shape)}"
+                )
+        if dynamic and self.dynamic_collection is None:
+            raise KeyError(f"stage_sparse: no dynamic tables {sorted(dynamic)}; there are none")
+        if self.dynamic_collection is not None:
+            self.dynamic_collection.stage(dynamic)
+        self._staged_torchrec = mine or None
+
+    def _staged_static(
+        self, static: list[str], parts: dict[str, _FeatureIds]
+    ) -> dict[str, JaggedTensor]:
+        """The torchrec tables' staged rows (`stage_sparse`) as `forward` returns their lookup."""
+        out = {}
+        for k in static:
+            r = self._staged_torchrec[k]
+            if r.shape[0] != parts[k].count:
+                raise RuntimeError(
+                    f"torchrec feature {k!r}: a lookup of {parts[k].count} ids met {r.shape[0]} "
+                    "staged rows (they were staged for another batch)"
+                )
+            out[k] = JaggedTensor(values=r, lengths=parts[k].lengths)
+        return out
 
     def check_host_ids(self, batch: Batch) -> None:
         """The id range checks that `forward` makes for the plain tables, on a CPU ``batch``
@@ -588,14 +644,14 @@ class EmbeddingStack(nn.Module):
         dyn = [k for k in keys if k in self.dynamic_features]
         static = [k for k in keys if k not in self.dynamic_features]
         out: dict[str, JaggedTensor] = {}
-        if static:
-            kjt = _make_kjt(static, parts, b)
-            if self.dense_tables is not None:
-                # plain tables check their id range on the CPU ids (no device read)
-                host = {k: known[k] for k in static if k in known}
-                out.update(self.dense_tables(kjt, host_ids=host))
-            else:
-                out.update(self.embedding_collection(kjt))
+        if static and self.dense_tables is not None:
+            # plain tables check their id range on the CPU ids (no device read)
+            host = {k: known[k] for k in static if k in known}
+            out.update(self.dense_tables(_make_kjt(static, parts, b), host_ids=host))
+        elif static and self._staged_torchrec is not None:
+            out.update(self._staged_static(static, parts))
+        elif static:
+            out.update(self.embedding_collection(_make_kjt(static, parts, b)))
         if dyn:
             kwargs = {}
             if sparse_input is not None:

@@ -35,28 +35,30 @@ it also creates the optimizer state); the second is captured (after one forward 
 the capture stream, whose gradients are zeroed again) and replayed; later ones replay. Captures
 are counted and timed (`GraphStats`). A capture that fails turns the mode off for the run
 (eager padded steps from then on). Applies to retrieval and ranking training with plain
-embedding tables (trained by the dense optimizer or by `PlainTableOptimizer`) and dynamic ones,
-Adam/AdamW, one CUDA process, and for retrieval in-batch negatives or random ones from a corpus
+embedding tables (trained by the dense optimizer or by `PlainTableOptimizer`), dynamic ones and
+torchrec ones, Adam/AdamW, one CUDA process, and for retrieval in-batch negatives or random ones from a corpus
 of at most `WHOLE_CORPUS_ROWS` items (looked up whole: `RetrievalGR.whole_corpus_rows`)
 (`step_graphs_unsupported` names what is missing); elsewhere the encoder's graphs run.
 
-Dynamic tables. A graph cannot replay a dynamic table's lookup with the step: the lookup inserts
-and touches ids, and the capture's warm-up forward would do it a second time. So the step is
-split at the looked-up rows: before the replay the tables look the batch up as an eager step
-would (`EmbeddingStack.lookup_dynamic`: the same ids, the whole corpus for random negatives
-(`fixed_extra_ids`), their own lookup graphs), and the rows are copied into fixed leaf tensors
-of the key (`_Entry.staged`); the graph's forward reads those (`EmbeddingStack.stage_dynamic`
-while capturing) and its backward leaves their gradients in fixed tensors; after the replay the
+Dynamic and torchrec tables. A graph cannot replay a dynamic table's lookup with the step: the
+lookup inserts and touches ids, and the capture's warm-up forward would do it a second time; a
+torchrec table's lookup and fused update run fbgemm kernels behind torchrec's Python, which a
+capture does not take either. So the step is split at the looked-up rows: before the replay
+the tables look the batch up as an eager step would (`EmbeddingStack.lookup_sparse`: the same
+ids, the whole corpus for random negatives (`fixed_extra_ids`); dynamic tables through their
+own lookup graphs), and the rows are copied into fixed leaf tensors of the key
+(`_Entry.staged`); the graph's forward reads those (`EmbeddingStack.stage_sparse` while
+capturing) and its backward leaves their gradients in fixed tensors; after the replay the
 looked-up rows' backward runs the tables' fused updates with those gradients, which are zeroed
 for the next replay. The dense optimizer steps inside the graph and the table updates after it:
 they touch different tensors, so the step computes what the eager one does (a CPU test checks
 a step split this way bit for bit). A capture that fails after the lookup finishes its step
-eagerly from the looked-up rows. Not taken: tables with host storage (`storage="hybrid"`), the
-'custom' eviction policy (its scores come with the ids), and Adam-trained item tables with
-random negatives from a corpus larger than the model's own ``whole_corpus_rows`` (looking the
-whole corpus up, Adam would move rows that got no gradient). For a large model the host is
-hidden anyway and each key's activations stay in the graphs' pool: the benchmark ranking model
-keeps the encoder's graphs (docs/benchmarks.md).
+eagerly from the looked-up rows. Not taken: dynamic tables with host storage
+(`storage="hybrid"`), the 'custom' eviction policy (its scores come with the ids), and
+Adam-trained item tables with random negatives from a corpus larger than the model's own
+``whole_corpus_rows`` (looking the whole corpus up, Adam would move rows that got no
+gradient). For a large model the host is hidden anyway and each key's activations stay in the
+graphs' pool: the benchmark ranking model keeps the encoder's graphs (docs/benchmarks.md).
 
 Ranking. A ranking batch's candidates are padded too: the padding samples carry candidates
 (at least one each, no more than the batch's largest count) so that the candidate count is a
@@ -316,8 +318,6 @@ def step_graphs_unsupported(model, optimizer_str: str, task: str, world_size: in
     if world_size > 1:
         return "several processes (DDP)"
     emb = model.embeddings
-    if emb.embedding_collection is not None:
-        return "torchrec embedding tables (step graphs: plain and dynamic tables)"
     tables = getattr(emb.dynamic_collection, "tables", None) or {}
     for table in tables.values():
         if table.config.storage != "hbm":
@@ -342,11 +342,15 @@ def step_graphs_unsupported(model, optimizer_str: str, task: str, world_size: in
                 f"random negatives from a corpus of more than {WHOLE_CORPUS_ROWS:,} items (their "
                 "distinct ids are counted on the GPU)"
             )
-        item = [t for t in tables.values() if ITEM_FEATURE in t.config.feature_names]
-        if corpus > model.whole_corpus_rows and item and item[0].config.optimizer == "adam":
+        item = [
+            t.config.optimizer for t in tables.values() if ITEM_FEATURE in t.config.feature_names
+        ]
+        if not item and emb.embedding_collection is not None:  # a torchrec item table
+            item = [emb.args.sparse_optimizer_str]
+        if corpus > model.whole_corpus_rows and item == ["adam"]:
             return (
-                "random negatives with a dynamic item table trained by Adam (a graphed step looks "
-                "the whole corpus up, and Adam would move the rows that got no gradient)"
+                "random negatives with an item table trained by the sparse Adam (a graphed step "
+                "looks the whole corpus up, and Adam would move the rows that got no gradient)"
             )
     return ""
 
@@ -444,8 +448,10 @@ class StepGraphs:
         self.pad_sizes_per_octave = int(pad_sizes_per_octave)
         self.max_graphs = int(max_graphs)
         self.stats = GraphStats()
-        # dynamic tables: looked up before each replay, updated after it ("Dynamic tables")
-        self._dynamic = bool(model.embeddings.dynamic_features)
+        # dynamic and torchrec tables: looked up before each replay, updated after it ("Dynamic
+        # tables")
+        emb = model.embeddings
+        self._sparse = bool(emb.dynamic_features) or emb.embedding_collection is not None
         self._seen: dict[StepKey, int] = {}
         self._entries: dict[StepKey, _Entry] = {}
         self._pool = None
@@ -546,10 +552,10 @@ class StepGraphs:
             # a replay runs none of the lookup's Python: its id checks here, on the host
             self.model.embeddings.check_host_ids(padded.batch)
             self._load(entry, self._host_inputs(padded, normalizer))
-            rows = self._lookup_dynamic(entry, padded)
+            rows = self._lookup_sparse(entry, padded)
         entry.graph.replay()
         self.stats.replays += 1
-        self._update_dynamic(entry, rows)
+        self._update_sparse(entry, rows)
         # outputs live in the graphs' pool, which the next replay reuses: copy them out now
         outputs = entry.outputs.clone()
         return outputs, padded.real_lengths, padded.real_tokens
@@ -572,11 +578,11 @@ class StepGraphs:
         leaves = _leaves(rows or {})
         with torch.cuda.stream(side):
             batch = pinned.to(self.device, non_blocking=True)
-            self.model.embeddings.stage_dynamic(leaves or None)
+            self.model.embeddings.stage_sparse(leaves or None)
             try:
                 outputs = self.step_fn(batch, normalizer)
             finally:
-                self.model.embeddings.stage_dynamic(None)
+                self.model.embeddings.stage_sparse(None)
         current.wait_stream(side)
         _update_tables(rows or {}, leaves)
         for t in outputs.tensors():
@@ -585,16 +591,16 @@ class StepGraphs:
         return outputs, padded.real_lengths, padded.real_tokens
 
     # ---- dynamic tables ------------------------------------------------------------------------
-    def _lookup_dynamic(self, entry: _Entry, padded: PaddedBatch) -> dict[str, torch.Tensor]:
+    def _lookup_sparse(self, entry: _Entry, padded: PaddedBatch) -> dict[str, torch.Tensor]:
         """The dynamic tables' training lookups of the batch in ``entry``'s buffer (loaded), their
         rows copied into the rows the graph reads; returns the looked-up rows (their backward
-        updates the tables: `_update_dynamic`)."""
-        if not self._dynamic:
+        updates the tables: `_update_sparse`)."""
+        if not self._sparse:
             return {}
         batch, _, _ = self._views(entry, padded, entry.sizes, ids_only=True)
         extra, extra_host = self.model.fixed_extra_ids()
         with torch.enable_grad():
-            rows = self.model.embeddings.lookup_dynamic(batch, extra, extra_host)
+            rows = self.model.embeddings.lookup_sparse(batch, extra, extra_host)
         if entry.staged:
             with torch.no_grad():
                 for name, r in rows.items():
@@ -602,7 +608,7 @@ class StepGraphs:
         return rows
 
     @staticmethod
-    def _update_dynamic(entry: _Entry, rows: dict[str, torch.Tensor]) -> None:
+    def _update_sparse(entry: _Entry, rows: dict[str, torch.Tensor]) -> None:
         """The fused updates of the looked-up ``rows`` with the gradients the replay left in the
         staged rows, which are zeroed for the next replay."""
         _update_tables(rows, entry.staged)
@@ -680,7 +686,7 @@ class StepGraphs:
         )
         self._load(entry, parts)
         # this step's dynamic lookups, before the capture (which reads their rows, staged)
-        rows.update(self._lookup_dynamic(entry, padded))
+        rows.update(self._lookup_sparse(entry, padded))
         entry.staged = _leaves(rows)
         for leaf in entry.staged.values():
             if leaf.requires_grad:
@@ -693,7 +699,7 @@ class StepGraphs:
         side = self._side_stream()
         side.wait_stream(current)
         try:
-            embeddings.stage_dynamic(entry.staged if self._dynamic else None)
+            embeddings.stage_sparse(entry.staged if self._sparse else None)
             with torch.cuda.stream(side):
                 # kernel setup and cuBLAS workspaces on this stream, outside the capture: one
                 # forward + backward whose gradients are zeroed again (no optimizer step)
@@ -719,7 +725,7 @@ class StepGraphs:
                     graph.capture_end()
         finally:
             pre.static = None
-            embeddings.stage_dynamic(None)
+            embeddings.stage_sparse(None)
             current.wait_stream(side)
         entry.graph, entry.outputs = graph, outputs
         torch.cuda.synchronize(self.device)

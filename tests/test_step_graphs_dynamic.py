@@ -1,13 +1,15 @@
-"""Dynamic tables in the CUDA graphs of the whole training step (hstu.training.step_graphs,
-"Dynamic tables"): the tables are looked up before the replay and updated after it; the graph
-reads the looked-up rows from fixed tensors (`EmbeddingStack.stage_sparse`).
+"""Dynamic and torchrec tables in the CUDA graphs of the whole training step
+(hstu.training.step_graphs, "Dynamic and torchrec tables"): the tables are looked up before the
+replay and updated after it; the graph reads the looked-up rows from fixed tensors
+(`EmbeddingStack.stage_sparse`).
 
 CPU: a step split that way (lookup, the model on staged copies of the rows, the tables' update
 from the copies' gradients) gives exactly the losses, dense parameters and table contents of
-the ordinary step, for retrieval (random and in-batch negatives) and ranking; staged rows of
-the wrong shape or count are refused; what the step graphs refuse of dynamic tables. GPU (-m
-gpu): graphed runs with dynamic tables follow the encoder-graphed runs' losses and replay most
-steps; a failed capture after the lookup finishes its step from the looked-up rows.
+the ordinary step, for retrieval (random and in-batch negatives) and ranking, with dynamic,
+torchrec and mixed tables; staged rows of the wrong shape, names or count are refused; what the
+step graphs refuse of these tables. GPU (-m gpu): graphed runs follow the encoder-graphed runs'
+losses and replay most steps; a failed capture after the lookup finishes its step from the
+looked-up rows.
 """
 
 from __future__ import annotations

@@ -431,8 +431,8 @@ class NetworkArgs:
     # rows, up to 1/count more; the eager step pads to 32)
     cuda_graph_pad_sizes: int = 8
     # with cuda_graphs: "step" replays the whole training step (forward, loss, backward,
-    # optimizer; hstu.training.step_graphs) where it can (retrieval or ranking with plain or
-    # dynamic tables, Adam, one process), the encoder's forward + backward elsewhere; "encoder":
+    # optimizer; hstu.training.step_graphs) where it can (retrieval or ranking with plain,
+    # dynamic or torchrec tables, Adam, one process), the encoder's forward + backward elsewhere; "encoder":
     # the encoder only (large models whose host time is hidden: less memory)
     cuda_graph_scope: str = "step"
 

@@ -193,6 +193,26 @@ def device_memory_bytes(device: torch.device) -> int:
     return int(torch.cuda.mem_get_info(device)[1])
 
 
+def planner_constraints(embeddings: EmbeddingStack, world_size: int) -> dict | None:
+    """torchrec planner constraints: on one rank, each torchrec table whole and table-wise
+    (None elsewhere: the planner chooses). On one GPU the planner may place a table row-wise,
+    one shard of all its rows, the same kernels; but a row-wise lookup first bucketizes the ids,
+    which drops their per-key lengths, and torchrec's all-to-all then reads those back from the
+    GPU: a host-device sync in every step (docs/architecture.md, "Host/device synchronisation").
+    Checkpoints do not depend on the placement (`hstu.training.reshard`)."""
+    if world_size != 1 or embeddings.embedding_collection is None:
+        return None
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingType
+
+    table_wise = [ShardingType.TABLE_WISE.value]
+    return {
+        spec.name: ParameterConstraints(sharding_types=table_wise)
+        for spec in embeddings.table_specs
+        if not spec.dynamic
+    }
+
+
 def wrap_model(model: nn.Module, info: DistInfo, embeddings: EmbeddingStack) -> nn.Module:
     """Shards the model's tables with DistributedModelParallel (dense parts under DDP when there
     are several ranks; see `use_ddp`).
@@ -217,7 +237,9 @@ def wrap_model(model: nn.Module, info: DistInfo, embeddings: EmbeddingStack) -> 
         compute_device=info.device.type,
         hbm_cap=device_memory_bytes(info.device) if info.device.type == "cuda" else None,
     )
-    planner = EmbeddingShardingPlanner(topology=topology)
+    planner = EmbeddingShardingPlanner(
+        topology=topology, constraints=planner_constraints(embeddings, info.world_size)
+    )
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     wrapper = None if use_ddp(info.world_size) else _no_data_parallel()
     return DistributedModelParallel(

@@ -7,7 +7,9 @@ raises. Nothing is scoped out on one GPU: the input dist of the torchrec-sharded
 EmbeddingCollection of the small contextual tables would sync on a recat index tensor built on
 the device from a Python list each step, which `install_torchrec_recat_cache`
 (hstu.training.distributed) builds once instead. The dynamic tables, including their inserts,
-must not sync.
+must not sync. The same with every table in torchrec at a width that the planner would place
+row-wise (on one rank they are placed table-wise: a row-wise lookup reads its bucketized lengths
+back).
 """
 
 from __future__ import annotations
@@ -52,7 +54,17 @@ def _sync_debug(mode):
         torch.cuda.set_sync_debug_mode(prev)
 
 
-def test_training_forward_has_no_host_device_sync(tmp_path, monkeypatch, run_dir_bindings):
+# every table in torchrec, rows of 48 floats: torchrec's planner alone would place these tables
+# row-wise, whose lookup reads the bucketized lengths back (`distributed.planner_constraints`)
+TORCHREC = [
+    "EmbeddingArgs.embedding_backend='torchrec'",
+    "EmbeddingArgs.contextual_tables='torchrec'",
+    "NetworkArgs.hidden_size=48",
+]
+
+
+@pytest.mark.parametrize("tables", ["dynamic", "torchrec"])
+def test_training_forward_has_no_host_device_sync(tmp_path, monkeypatch, run_dir_bindings, tables):
     from hstu.config.gin_utils import load_config
     from hstu.training.trainer import Trainer
 
@@ -60,7 +72,7 @@ def test_training_forward_has_no_host_device_sync(tmp_path, monkeypatch, run_dir
     cfg = load_config(
         "ranking",
         [ROOT / "configs" / "synthetic_benchmark_ranking.gin"],
-        BINDINGS + run_dir_bindings(tmp_path),
+        BINDINGS + run_dir_bindings(tmp_path) + (TORCHREC if tables == "torchrec" else []),
     )
     trainer = Trainer(cfg, "cuda")
     try:
@@ -83,8 +95,12 @@ def test_training_forward_has_no_host_device_sync(tmp_path, monkeypatch, run_dir
         attn = trainer.core.last_attention_inputs
         assert attn.host_seq_offsets is not None
         assert torch.equal(attn.host_seq_offsets, attn.seq_offsets.cpu())
-        tables = trainer.core.embeddings.dynamic_collection.tables.values()
-        assert all(t._padded_insert for t in tables)  # the compiled, sync-free insert path
+        if tables == "torchrec":
+            plan = trainer.model.plan.get_plan_for_module("embeddings.embedding_collection")
+            assert {p.sharding_type for p in plan.values()} == {"table_wise"}
+            return
+        dynamic = trainer.core.embeddings.dynamic_collection.tables.values()
+        assert all(t._padded_insert for t in dynamic)  # the compiled, sync-free insert path
         stats = trainer.core.embeddings.dynamic_collection.stats()
         assert stats["item_table/inserts"] > 0 and stats["item_table/lookups"] > 0
     finally:

@@ -417,3 +417,29 @@ def test_a_failed_capture_after_the_lookup_finishes_its_step(
     assert losses[-5:].mean() < losses[:5].mean()
     tables = step.embeddings.dynamic_collection.tables.values()
     assert all(t._staged is None for t in tables)
+
+
+@gpu
+@pytest.mark.parametrize(
+    "tables",
+    [("EmbeddingArgs.embedding_backend='dense'",), DYNAMIC, TORCHREC],
+    ids=["plain", "dynamic", "torchrec"],
+)
+def test_a_graphed_run_resumes_from_its_checkpoint(tmp_path, run_dir_bindings, tables):
+    """A run whose whole steps replay from graphs saves what they trained (the dense state with
+    its tensor learning rates, and the tables updated after each replay); a graphed run resumed
+    from that checkpoint continues the uninterrupted run's losses (GPU atomics and bf16: within
+    5%)."""
+    needs_compiled_kernels()
+    det = ("RetrievalArgs.negative_sampling='in_batch'",)
+    run = functools.partial(_run, tmp_path, run_dir_bindings, tables=tables)
+    _, full = run("full", "step", *det, "TrainerArgs.max_train_iters=40")
+    _, first = run(
+        "first", "step", *det, "TrainerArgs.max_train_iters=20", "TrainerArgs.ckpt_save_interval=20"
+    )
+    assert first.checkpoint_dir is not None
+    load = f"TrainerArgs.ckpt_load_dir='{first.checkpoint_dir}'"
+    again, resumed = run("resumed", "step", *det, "TrainerArgs.max_train_iters=40", load)
+    assert again.step_graphs is not None and again.graph_stats().replays >= 10
+    assert [s for s, _ in resumed.losses] == list(range(21, 41))
+    torch.testing.assert_close(_losses(resumed), _losses(full)[20:], rtol=5e-2, atol=5e-2)

@@ -36,9 +36,10 @@ the capture stream, whose gradients are zeroed again) and replayed; later ones r
 are counted and timed (`GraphStats`). A capture that fails turns the mode off for the run
 (eager padded steps from then on). Applies to retrieval and ranking training with plain
 embedding tables (trained by the dense optimizer or by `PlainTableOptimizer`), dynamic ones and
-torchrec ones, Adam/AdamW, one CUDA process, and for retrieval in-batch negatives or random ones from a corpus
-of at most `WHOLE_CORPUS_ROWS` items (looked up whole: `RetrievalGR.whole_corpus_rows`)
-(`step_graphs_unsupported` names what is missing); elsewhere the encoder's graphs run.
+torchrec ones, Adam/AdamW, one CUDA process, and for retrieval in-batch negatives or random ones
+from a corpus of at most `WHOLE_CORPUS_ROWS` items (looked up whole:
+`RetrievalGR.whole_corpus_rows`) (`step_graphs_unsupported` names what is missing); elsewhere
+the encoder's graphs run.
 
 Dynamic and torchrec tables. A graph cannot replay a dynamic table's lookup with the step: the
 lookup inserts and touches ids, and the capture's warm-up forward would do it a second time; a
@@ -392,14 +393,15 @@ class _Entry:
     graph: torch.cuda.CUDAGraph | None = None
     outputs: StepOutputs | None = None
     sizes: list[int] = dataclasses.field(default_factory=list)  # the buffer's parts
-    # dynamic table name -> the rows the graph reads (a leaf with its gradient; module
-    # docstring, "Dynamic tables")
+    # rows the graph reads, named as `EmbeddingStack.lookup_sparse` names them (dynamic table,
+    # torchrec:<feature>): leaves with their gradients (module docstring, "Dynamic and torchrec
+    # tables")
     staged: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def _leaves(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies of the dynamic tables' looked-up ``rows`` that the model reads instead (leaves
-    that collect the rows' gradients)."""
+    """Copies of the dynamic and torchrec tables' looked-up ``rows`` that the model reads
+    instead (leaves that collect the rows' gradients)."""
     return {n: r.detach().clone().requires_grad_(r.requires_grad) for n, r in rows.items()}
 
 
@@ -545,7 +547,7 @@ class StepGraphs:
                 return self._eager(padded, normalizer)
             entry, rows = self._capture(padded, normalizer)
             if entry is None:
-                # the dynamic tables already looked this batch up: the step goes on from
+                # the tables already looked this batch up: the step goes on from
                 # those rows (a second lookup would count and touch its ids twice)
                 return self._eager(padded, normalizer, rows)
         else:
@@ -568,8 +570,8 @@ class StepGraphs:
     ):
         """The step of ``padded`` op by op, on the stream the captures use: autograd then
         creates the parameters' gradient accumulators on that stream, as the captures need.
-        ``rows``: the dynamic tables' rows of this batch, looked up already (the model reads
-        copies of them, whose gradients then update the tables)."""
+        ``rows``: the dynamic and torchrec tables' rows of this batch, looked up already (the
+        model reads copies of them, whose gradients then update the tables)."""
         self.stats.eager += 1
         pinned = padded.batch.pin_memory()
         current = torch.cuda.current_stream(self.device)
@@ -590,11 +592,11 @@ class StepGraphs:
                 t.record_stream(current)
         return outputs, padded.real_lengths, padded.real_tokens
 
-    # ---- dynamic tables ------------------------------------------------------------------------
+    # ---- dynamic and torchrec tables ----------------------------------------------------------
     def _lookup_sparse(self, entry: _Entry, padded: PaddedBatch) -> dict[str, torch.Tensor]:
-        """The dynamic tables' training lookups of the batch in ``entry``'s buffer (loaded), their
-        rows copied into the rows the graph reads; returns the looked-up rows (their backward
-        updates the tables: `_update_sparse`)."""
+        """The dynamic and torchrec tables' training lookups of the batch in ``entry``'s buffer
+        (loaded), their rows copied into the rows the graph reads; returns the looked-up rows
+        (their backward updates the tables: `_update_sparse`)."""
         if not self._sparse:
             return {}
         batch, _, _ = self._views(entry, padded, entry.sizes, ids_only=True)
@@ -656,8 +658,9 @@ class StepGraphs:
     def _capture(
         self, padded: PaddedBatch, normalizer: float
     ) -> tuple[_Entry | None, dict[str, torch.Tensor]]:
-        """(the captured entry, with its buffer loaded; the dynamic tables' rows looked up for
-        this batch), or (None, rows looked up before the failure) with the mode off."""
+        """(the captured entry, with its buffer loaded; the dynamic and torchrec tables' rows
+        looked up for this batch), or (None, rows looked up before the failure) with the mode
+        off."""
         rows: dict[str, torch.Tensor] = {}
         try:
             return self._capture_once(padded, normalizer, rows), rows
@@ -685,7 +688,8 @@ class StepGraphs:
             key, torch.empty(sum(sizes), dtype=torch.int64, device=self.device), sizes=sizes
         )
         self._load(entry, parts)
-        # this step's dynamic lookups, before the capture (which reads their rows, staged)
+        # this step's dynamic and torchrec lookups, before the capture (which reads their rows,
+        # staged)
         rows.update(self._lookup_sparse(entry, padded))
         entry.staged = _leaves(rows)
         for leaf in entry.staged.values():

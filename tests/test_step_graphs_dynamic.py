@@ -93,6 +93,7 @@ TORCHREC = (
         ("retrieval", (*DYNAMIC, "EmbeddingArgs.storage='hybrid'", "EmbeddingArgs.hbm_cache=0.5")),
         # torchrec tables (their fused optimizer runs in the rows' backward)
         ("retrieval", (*TORCHREC, *RANDOM)),
+        ("retrieval", (*TORCHREC, "RetrievalArgs.negative_sampling='in_batch'")),
         ("ranking", (*TORCHREC, *CONTEXT)),
         # a dynamic item table beside torchrec contextual tables
         ("ranking", (*DYNAMIC, "EmbeddingArgs.contextual_tables='torchrec'", *CONTEXT)),

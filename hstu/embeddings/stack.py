@@ -572,21 +572,21 @@ class EmbeddingStack(nn.Module):
             if self.dynamic_collection is not None:
                 self.dynamic_collection.stage(None)
             return
-        mine = {
+        torchrec_rows = {
             k[len(_TORCHREC_ROWS) :]: v for k, v in rows.items() if k.startswith(_TORCHREC_ROWS)
         }
         dynamic = {k: v for k, v in rows.items() if not k.startswith(_TORCHREC_ROWS)}
         static = [k for k in self.features if k not in self.dynamic_features]
-        if mine and self.embedding_collection is None:
+        if torchrec_rows and self.embedding_collection is None:
             raise KeyError(
-                f"stage_sparse: rows {sorted(mine)} for torchrec tables, but there are none"
+                f"stage_sparse: rows {sorted(torchrec_rows)} for torchrec tables, but there are none"
             )
-        if mine and sorted(mine) != sorted(static):
+        if torchrec_rows and sorted(torchrec_rows) != sorted(static):
             raise KeyError(
                 f"stage_sparse: the torchrec tables' rows must name the features {static}, got "
-                f"{sorted(mine)}"
+                f"{sorted(torchrec_rows)}"
             )
-        for name, r in mine.items():
+        for name, r in torchrec_rows.items():
             if r.dim() != 2 or r.shape[1] != self.table_dim:
                 raise ValueError(
                     f"stage_sparse: staged rows of feature {name!r} must be [n, {self.table_dim}], "
@@ -596,7 +596,7 @@ class EmbeddingStack(nn.Module):
             raise KeyError(f"stage_sparse: no dynamic tables {sorted(dynamic)}; there are none")
         if self.dynamic_collection is not None:
             self.dynamic_collection.stage(dynamic)
-        self._staged_torchrec = mine or None
+        self._staged_torchrec = torchrec_rows or None
 
     def _staged_static(
         self, static: list[str], parts: dict[str, _FeatureIds]

@@ -193,6 +193,10 @@ def test_staged_torchrec_rows_are_checked():
     finally:
         emb.stage_sparse(None)
     model(batch, loss_normalizer=1.0)  # unstaged: looks up again
+    # torchrec rows for a model whose tables are plain
+    _, _, _, plain = small_model("ranking", "EmbeddingArgs.embedding_backend='dense'")
+    with pytest.raises(KeyError, match="for torchrec tables; there are none"):
+        plain.embeddings.stage_sparse({"torchrec:item_id": torch.zeros(2, width)})
 
 
 def test_what_the_step_graphs_refuse_of_dynamic_and_torchrec_tables():

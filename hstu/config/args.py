@@ -432,8 +432,9 @@ class NetworkArgs:
     cuda_graph_pad_sizes: int = 8
     # with cuda_graphs: "step" replays the whole training step (forward, loss, backward,
     # optimizer; hstu.training.step_graphs) where it can (retrieval or ranking with plain,
-    # dynamic or torchrec tables, Adam, one process), the encoder's forward + backward elsewhere; "encoder":
-    # the encoder only (large models whose host time is hidden: less memory)
+    # dynamic or torchrec tables, Adam, one process), the encoder's forward + backward
+    # elsewhere; "encoder": the encoder only (large models whose host time is hidden: less
+    # memory)
     cuda_graph_scope: str = "step"
 
     def __post_init__(self) -> None:

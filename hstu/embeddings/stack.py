@@ -204,6 +204,9 @@ class EmbeddingStack(nn.Module):
             self.embedding_collection = build_embedding_collection(
                 static, init_std=args.init_std, generator=gen
             )
+        # the features of the dynamic tables and of the others (plain or torchrec), in lookup order
+        self._dynamic_keys = [k for k in self.features if k in self.dynamic_features]
+        self._static_keys = [k for k in self.features if k not in self.dynamic_features]
 
     def _make_dynamic(
         self, specs: list[TableSpec], args: EmbeddingArgs, seed: int, device: str
@@ -436,7 +439,7 @@ class EmbeddingStack(nn.Module):
         if not batch.is_on_cpu:
             raise ValueError("start_input_dist takes the CPU batch (before it is moved)")
         b, parts = self._feature_ids(batch, None, batch.user_ids.device)
-        dyn = [k for k in self.features if k in self.dynamic_features]
+        dyn = self._dynamic_keys
         kjt = _make_kjt(dyn, parts, b)
         host = {k: parts[k].host_values for k in dyn}
         dist_input = coll.input_dist(coll.create_context(), kjt, host, asynchronous=True)
@@ -551,13 +554,13 @@ class EmbeddingStack(nn.Module):
         whole training step's CUDA graphs: `hstu.training.step_graphs`)."""
         b, parts = self._feature_ids(batch, extra_ids, batch.user_ids.device, extra_host_ids)
         rows: dict[str, torch.Tensor] = {}
-        static = [k for k in self.features if k not in self.dynamic_features]
+        static = self._static_keys
         if static and self.embedding_collection is not None:
             # (a sharded collection returns an awaitable of the dict: dict() waits for it)
             out = dict(self.embedding_collection(_make_kjt(static, parts, b)))
             rows.update({_TORCHREC_ROWS + k: out[k].values() for k in static})
         if self.dynamic_collection is not None:
-            dyn = [k for k in self.features if k in self.dynamic_features]
+            dyn = self._dynamic_keys
             host = {k: parts[k].host_values for k in dyn if parts[k].host_values is not None}
             values = {k: parts[k].values for k in dyn}
             rows.update(self.dynamic_collection.lookup_tables(values, host_ids=host))
@@ -576,10 +579,10 @@ class EmbeddingStack(nn.Module):
             k[len(_TORCHREC_ROWS) :]: v for k, v in rows.items() if k.startswith(_TORCHREC_ROWS)
         }
         dynamic = {k: v for k, v in rows.items() if not k.startswith(_TORCHREC_ROWS)}
-        static = [k for k in self.features if k not in self.dynamic_features]
+        static = self._static_keys
         if torchrec_rows and self.embedding_collection is None:
             raise KeyError(
-                f"stage_sparse: rows {sorted(torchrec_rows)} for torchrec tables, but there are none"
+                f"stage_sparse: rows {sorted(torchrec_rows)} for torchrec tables; there are none"
             )
         if torchrec_rows and sorted(torchrec_rows) != sorted(static):
             raise KeyError(
@@ -641,8 +644,7 @@ class EmbeddingStack(nn.Module):
         b, parts = self._feature_ids(batch, extra_ids, device, extra_host_ids)
         keys = self.features
         known = {k: parts[k].host_values for k in keys if parts[k].host_values is not None}
-        dyn = [k for k in keys if k in self.dynamic_features]
-        static = [k for k in keys if k not in self.dynamic_features]
+        dyn, static = self._dynamic_keys, self._static_keys
         out: dict[str, JaggedTensor] = {}
         if static and self.dense_tables is not None:
             # plain tables check their id range on the CPU ids (no device read)

@@ -80,18 +80,26 @@ class RetrievalGR(GenerativeRecommender):
     def normalize(x: torch.Tensor) -> torch.Tensor:
         return F.normalize(x.float(), dim=-1, eps=1e-6)
 
+    def _random_negatives(self) -> bool:
+        """Whether the training forward draws negatives from the corpus."""
+        return self.negative_sampling != "in_batch" and self.num_negatives > 0
+
+    def _corpus_on_host(self) -> torch.Tensor | None:
+        """The corpus ids on the CPU (None where the corpus was replaced without them)."""
+        host = self._host_corpus
+        return host if host.numel() == self.item_corpus.numel() else None
+
     def _sample_negatives(self, num_rows: int) -> NegativeSample | None:
         """Draws ``num_negatives`` corpus positions per supervised row (None without random
         negatives)."""
-        if self.negative_sampling == "in_batch" or self.num_negatives <= 0:
+        if not self._random_negatives():
             return None
         corpus = self.item_corpus
         offsets = torch.randint(
             0, corpus.numel(), (num_rows, self.num_negatives), device=corpus.device
         )
         if corpus.numel() <= self.whole_corpus_rows:
-            host = self._host_corpus if self._host_corpus.numel() == corpus.numel() else None
-            return NegativeSample(corpus, corpus[offsets], offsets, True, host)
+            return NegativeSample(corpus, corpus[offsets], offsets, True, self._corpus_on_host())
         uniq, inverse = torch.unique(offsets, return_inverse=True)
         return NegativeSample(corpus[uniq], corpus[offsets], inverse, whole_corpus=False)
 
@@ -100,14 +108,14 @@ class RetrievalGR(GenerativeRecommender):
         it runs: the whole corpus with random negatives from a corpus of at most
         ``whole_corpus_rows`` items, none with in-batch negatives. Raises where they depend on
         the draw (the distinct sampled ids of a larger corpus)."""
-        if self.negative_sampling == "in_batch" or self.num_negatives <= 0:
+        if not self._random_negatives():
             return None, None
         if self.item_corpus.numel() > self.whole_corpus_rows:
             raise RuntimeError(
                 f"the negatives' ids of a corpus of {self.item_corpus.numel():,} items (more "
                 f"than whole_corpus_rows={self.whole_corpus_rows:,}) are drawn in the forward"
             )
-        return self.item_corpus, self._host_corpus
+        return self.item_corpus, self._corpus_on_host()
 
     def _negative_logits(
         self, q: torch.Tensor, neg_emb: torch.Tensor, sample: NegativeSample

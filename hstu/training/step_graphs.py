@@ -414,6 +414,13 @@ def _update_tables(rows: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor
         torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
 
 
+def _zero_grads(leaves: dict[str, torch.Tensor]) -> None:
+    """Zeroes the gradients that the staged ``leaves`` collected (in place: a graph holds them)."""
+    for leaf in leaves.values():
+        if leaf.grad is not None:
+            leaf.grad.zero_()
+
+
 def _float_bits(values: list[float]) -> np.ndarray:
     return np.asarray(values, dtype=np.float64).view(np.int64)
 
@@ -614,9 +621,7 @@ class StepGraphs:
         """The fused updates of the looked-up ``rows`` with the gradients the replay left in the
         staged rows, which are zeroed for the next replay."""
         _update_tables(rows, entry.staged)
-        for leaf in entry.staged.values():
-            if leaf.grad is not None:
-                leaf.grad.zero_()
+        _zero_grads(entry.staged)
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -703,7 +708,7 @@ class StepGraphs:
         side = self._side_stream()
         side.wait_stream(current)
         try:
-            embeddings.stage_sparse(entry.staged if self._sparse else None)
+            embeddings.stage_sparse(entry.staged or None)
             with torch.cuda.stream(side):
                 # kernel setup and cuBLAS workspaces on this stream, outside the capture: one
                 # forward + backward whose gradients are zeroed again (no optimizer step)
@@ -715,9 +720,7 @@ class StepGraphs:
                 del out
                 for p in self.params:
                     p.grad.zero_()
-                for leaf in entry.staged.values():
-                    if leaf.grad is not None:
-                        leaf.grad.zero_()
+                _zero_grads(entry.staged)
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")

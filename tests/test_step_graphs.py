@@ -12,6 +12,8 @@ failed capture leaves a run that trains on eagerly.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -436,3 +438,40 @@ def test_step_graphs_train_a_plain_table_with_the_sparse_optimizer(tmp_path, run
     b = torch.tensor([loss for _, loss in res_enc.losses])
     torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
     assert a[-10:].mean() < a[:10].mean()
+
+
+def test_a_batch_padded_ahead_is_the_one_its_step_takes(monkeypatch):
+    """`StepGraphs.prepare` (the prefetch thread) pads and lays the batch out; the step takes that
+    padded batch instead of padding again, and a batch it did not see is padded at its step."""
+    _, _, splits, model = small_model("retrieval")
+    graphs = step_graphs.StepGraphs(
+        model,
+        lambda b, n: None,
+        list(model.parameters()),
+        torch.device("cpu"),
+        autocast=contextlib.nullcontext,
+        pad_sizes_per_octave=4,
+    )
+    host = splits.train.collate(list(range(9)))
+    graphs.prepare(host)
+    ahead = graphs._padded(host)
+    assert ahead is not None and ahead.key.samples > host.batch_size
+    direct = graphs.pad(host)
+    assert ahead.key == direct.key
+    np.testing.assert_array_equal(ahead.index, direct.index)
+    assert not host.host_memo  # taken out: a second step of the batch pads it anew
+    calls = []
+    monkeypatch.setattr(graphs, "pad", lambda b: calls.append(b) or direct)
+    graphs.prepare(host)
+    assert graphs._padded(host) is direct and len(calls) == 1
+    assert graphs._padded(host) is direct and len(calls) == 2  # not prepared: padded now
+    # a batch the graphs do not take is remembered as such (no second try at its step)
+    evaluation = splits.eval.collate([0, 1])
+    monkeypatch.undo()
+    graphs.prepare(evaluation)
+    assert graphs._padded(evaluation) is None
+    # disabled graphs: the model's own host layout instead, for its eager step
+    graphs.stats.disabled = True
+    other = splits.train.collate(list(range(5)))
+    graphs.prepare(other)
+    assert other.host_memo and all(k[0] != "step_graphs" for k in other.host_memo)

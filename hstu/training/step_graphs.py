@@ -421,6 +421,9 @@ def _zero_grads(leaves: dict[str, torch.Tensor]) -> None:
             leaf.grad.zero_()
 
 
+_NOT_PREPARED = object()  # a batch `StepGraphs.prepare` has not seen
+
+
 def _float_bits(values: list[float]) -> np.ndarray:
     return np.asarray(values, dtype=np.float64).view(np.int64)
 
@@ -468,6 +471,25 @@ class StepGraphs:
         self._grad_ptrs: tuple[int, ...] = ()
 
     # ---- padding and inputs --------------------------------------------------------------------
+    def prepare(self, host: Batch) -> None:
+        """Pads and lays out CPU batch ``host`` ahead of its step, kept in ``host.host_memo``
+        for `step` (the trainer calls this on the batch-prefetch thread, so the padding and the
+        index layout overlap the GPU's work on the steps before). Once the graphs are disabled,
+        the model's own host preparation instead (its eager step reads that)."""
+        if self.stats.disabled:
+            self.model.prepare_host(host, self.device)
+        else:
+            host.host_memo[self._memo_key] = self.pad(host)
+
+    @property
+    def _memo_key(self) -> tuple:
+        return ("step_graphs", id(self), self.pad_sizes_per_octave)
+
+    def _padded(self, host: Batch) -> PaddedBatch | None:
+        """``host`` padded by `prepare` ahead of its step (taken out of its memo), else now."""
+        memo = host.host_memo.pop(self._memo_key, _NOT_PREPARED)
+        return self.pad(host) if memo is _NOT_PREPARED else memo
+
     def pad(self, host: Batch) -> PaddedBatch | None:
         """``host`` padded to its key, laid out by the model's preprocessor (None: not taken)."""
         pre = self.model.preprocessor
@@ -538,7 +560,7 @@ class StepGraphs:
         be padded (the caller runs it eagerly as it is)."""
         if self.stats.disabled:
             return None
-        padded = self.pad(host)
+        padded = self._padded(host)
         if padded is None:
             return None
         key = padded.key

@@ -263,8 +263,14 @@ class Trainer:
         # Python GC at fixed steps on every rank (active inside fit() and the benchmarks' loops)
         self.gc = StepGC(t.gc_interval)
         # the host half of each training batch's layout is computed on the prefetch thread,
-        # while the GPU runs the steps before it (BaseGR.prepare_host)
-        self.train_iter.set_prepare(functools.partial(self.core.prepare_host, device=self.device))
+        # while the GPU runs the steps before it (BaseGR.prepare_host; a graphed step's padding
+        # and layout: StepGraphs.prepare)
+        if self.step_graphs is not None:
+            self.train_iter.set_prepare(self.step_graphs.prepare)
+        else:
+            self.train_iter.set_prepare(
+                functools.partial(self.core.prepare_host, device=self.device)
+            )
         # sharded dynamic tables: the ids of training batch i+1 go to their owner ranks (gloo,
         # background thread) while step i runs; the same decision on every rank (config only)
         self.pipeline = SparseDistPipeline(

@@ -45,6 +45,7 @@ from hstu.embeddings.static import (
     apply_sparse_optimizer,
     build_embedding_collection,
 )
+from hstu.embeddings.torchrec_direct import DirectLookup
 
 __all__ = [
     "EmbeddingStack",
@@ -167,6 +168,8 @@ class EmbeddingStack(nn.Module):
         self._input_dist_ahead = False  # set by enable_input_dist_ahead
         # torchrec feature -> rows its lookups return instead (`stage_sparse`)
         self._staged_torchrec: dict[str, torch.Tensor] | None = None
+        # (collection, its DirectLookup or None), decided at the first training lookup
+        self._direct: tuple[nn.Module, DirectLookup | None] | None = None
         backend = args.embedding_backend
         dense_static = backend == "dense" or (
             backend == "dynamic" and args.contextual_tables == "dense"
@@ -556,15 +559,29 @@ class EmbeddingStack(nn.Module):
         rows: dict[str, torch.Tensor] = {}
         static = self._static_keys
         if static and self.embedding_collection is not None:
-            # (a sharded collection returns an awaitable of the dict: dict() waits for it)
-            out = dict(self.embedding_collection(_make_kjt(static, parts, b)))
-            rows.update({_TORCHREC_ROWS + k: out[k].values() for k in static})
+            direct = self._direct_lookup()
+            if direct is not None:  # one rank, table-wise: fbgemm's modules called directly
+                counts = {k: parts[k].count for k in static}
+                out = direct(lambda names: _make_kjt(names, parts, b), counts)
+                rows.update({_TORCHREC_ROWS + k: out[k] for k in static})
+            else:
+                # (a sharded collection returns an awaitable of the dict: dict() waits for it)
+                out = dict(self.embedding_collection(_make_kjt(static, parts, b)))
+                rows.update({_TORCHREC_ROWS + k: out[k].values() for k in static})
         if self.dynamic_collection is not None:
             dyn = self._dynamic_keys
             host = {k: parts[k].host_values for k in dyn if parts[k].host_values is not None}
             values = {k: parts[k].values for k in dyn}
             rows.update(self.dynamic_collection.lookup_tables(values, host_ids=host))
         return rows
+
+    def _direct_lookup(self) -> DirectLookup | None:
+        """`DirectLookup` of the torchrec collection as it is now (sharded by the trainer after
+        this stack was built), or None where it does not apply; decided once per collection."""
+        ec = self.embedding_collection
+        if self._direct is None or self._direct[0] is not ec:
+            self._direct = (ec, DirectLookup.of(ec, self._static_keys))
+        return self._direct[1]
 
     def stage_sparse(self, rows: dict[str, torch.Tensor] | None) -> None:
         """Training lookups return ``rows`` (named as `lookup_sparse` names them) instead of

@@ -503,14 +503,18 @@ class EmbeddingStack(nn.Module):
                 if extra_ids is not None
                 else torch.zeros(0, dtype=torch.long, device=dev)
             )
-            extra_lengths = torch.zeros(b, dtype=dtype, device=dev)
-            # a fill, not `[0] = n`: that copies a CPU scalar to the device (a CUDA graph of the
-            # step cannot capture it)
-            extra_lengths[:1].fill_(extra.numel())
+            # the extra ids spread evenly over the B samples: a sequence lookup's rows do not
+            # depend on how its ids are split into samples, but fbgemm's forward gives each
+            # sample's ids to one warp, which took 3.5 ms for Amazon Beauty's 12,101-item corpus
+            # all on one sample. Fills, not `[0] = n`:
+            # that copies a CPU scalar to the device (a step's CUDA graph cannot capture it)
+            n = extra.numel()
+            extra_lengths = torch.full((b,), n // b, dtype=dtype, device=dev)
+            extra_lengths[: n % b].add_(1)
             parts[EXTRA_ITEM_FEATURE] = _FeatureIds(
                 values=extra.to(dev),
                 lengths=extra_lengths,
-                count=extra.numel(),
+                count=n,
                 host_values=extra if extra.device.type == "cpu" else extra_host_ids,
             )
         return b, parts

@@ -89,8 +89,9 @@ def _old_lookup(model, batch: Batch | None, extra_ids=None) -> dict[str, JaggedT
         values = torch.zeros(0, dtype=torch.long, device=device)
     if model.uses_extra_items:
         extra = extra_ids.long() if extra_ids is not None else torch.zeros(0, dtype=torch.long)
-        extra_lengths = torch.zeros(b, dtype=lengths.dtype)
-        extra_lengths[0] = extra.numel()
+        # spread evenly over the samples (the first n % b get one more)
+        n = extra.numel()
+        extra_lengths = torch.tensor([n // b + (i < n % b) for i in range(b)], dtype=lengths.dtype)
         lengths = torch.cat([lengths, extra_lengths])
         values = torch.cat([values.long(), extra])
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=names, values=values.long(), lengths=lengths)

@@ -81,6 +81,34 @@ def test_the_direct_lookup_gives_the_collections_rows_and_updates(one_rank):
     assert not torch.equal(ta[k], _tables(_sharded(one_rank)[2])[k])  # the updates happened
 
 
+def test_the_forward_looks_up_directly_with_the_same_rows_and_updates(one_rank):
+    """The eager forward (`EmbeddingStack.forward`) takes the direct lookup too: the same
+    JaggedTensors (values and lengths, extra ids included) and tables after the updates."""
+    splits, direct_model, a = _sharded(one_rank)
+    _, via_model, b = _sharded(one_rank)
+    b.load_state_dict(a.state_dict())
+    stack_a, stack_b = direct_model.embeddings, via_model.embeddings
+    stack_b._direct = (stack_b.embedding_collection, None)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        batch = splits.train.collate(list(range(8 * step, 8 * step + 8)))
+        extra = torch.randint(0, 100, (37,), generator=g)  # 37 over 8 samples
+        oa, ob = stack_a(batch, extra), stack_b(batch, extra)
+        assert sorted(oa) == sorted(ob) == sorted(stack_a.features)
+        for k in oa:
+            assert torch.equal(oa[k].values(), ob[k].values()), (step, k)
+            assert torch.equal(oa[k].lengths(), ob[k].lengths()), (step, k)
+        static = stack_a._static_keys
+        grads = [torch.randn(oa[k].values().shape, generator=g) for k in static]
+        torch.autograd.backward([oa[k].values() for k in static], grads)
+        torch.autograd.backward([ob[k].values() for k in static], grads)
+        ta, tb = _tables(a), _tables(b)
+        for k in ta:
+            assert torch.equal(ta[k], tb[k]), (step, k)
+    lengths = oa["extra_item_id"].lengths()
+    assert lengths.tolist() == [5] * 5 + [4] * 3  # 37 = 8 * 4 + 5: the first 5 get one more
+
+
 def test_collections_it_does_not_know_stay_with_torchrec(one_rank):
     _, _, _, model = small_model("retrieval", "EmbeddingArgs.embedding_backend='torchrec'")
     stack = model.embeddings

@@ -673,6 +673,12 @@ class EmbeddingStack(nn.Module):
             out.update(self.dense_tables(_make_kjt(static, parts, b), host_ids=host))
         elif static and self._staged_torchrec is not None:
             out.update(self._staged_static(static, parts))
+        elif static and self._direct_lookup() is not None:
+            # one rank, table-wise: the collection's fbgemm modules called directly
+            rows = self._direct_lookup()(
+                lambda names: _make_kjt(names, parts, b), {k: parts[k].count for k in static}
+            )
+            out.update({k: JaggedTensor(values=rows[k], lengths=parts[k].lengths) for k in static})
         elif static:
             out.update(self.embedding_collection(_make_kjt(static, parts, b)))
         if dyn:

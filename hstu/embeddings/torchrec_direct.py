@@ -11,7 +11,8 @@ milliseconds a step for the small configs, whose GPU work for the same step is ~
 table-batched embedding with the optimizer fused into its backward) with each group's features
 and splits the rows per feature: the same kernels on the same ids, so the same rows and the same
 fused updates (CPU test: rows and tables after the updates equal those of the collection's
-forward). `DirectLookup.of` takes only a collection whose structure it knows (one rank, only
+forward; `EmbeddingStack.lookup_sparse` and `EmbeddingStack.forward` use it). `DirectLookup.of`
+takes only a collection whose structure it knows (one rank, only
 table-wise shards, one lookup of table-batched modules, no index deduplication); for any other it
 returns None and the caller keeps the collection's forward.
 """

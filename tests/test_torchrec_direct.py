@@ -121,3 +121,12 @@ def test_collections_it_does_not_know_stay_with_torchrec(one_rank):
     assert DirectLookup.of(ec, [*sharded.embeddings._static_keys, "other"]) is None
     ec._sharding_type_to_sharding = {"row_wise": None, **ec._sharding_type_to_sharding}
     assert DirectLookup.of(ec, sharded.embeddings._static_keys) is None
+
+
+def test_the_run_log_names_the_torchrec_lookup(one_rank):
+    _, _, _, model = small_model("retrieval", "EmbeddingArgs.embedding_backend='torchrec'")
+    assert model.embeddings.torchrec_lookup() == "torchrec (not sharded (EmbeddingCollection))"
+    _, sharded, _ = _sharded(one_rank)
+    assert sharded.embeddings.torchrec_lookup() == "direct"
+    _, _, _, plain = small_model("retrieval", "EmbeddingArgs.embedding_backend='dense'")
+    assert plain.embeddings.torchrec_lookup() == ""

@@ -579,6 +579,16 @@ class EmbeddingStack(nn.Module):
             rows.update(self.dynamic_collection.lookup_tables(values, host_ids=host))
         return rows
 
+    def torchrec_lookup(self) -> str:
+        """How the torchrec tables are looked up, for the run's log: "direct" (`DirectLookup`),
+        "torchrec (<why not direct>)", or "" without torchrec tables."""
+        ec = self.embedding_collection
+        if ec is None or not self._static_keys:
+            return ""
+        if self._direct_lookup() is not None:
+            return "direct"
+        return f"torchrec ({DirectLookup.why_not(ec, self._static_keys)})"
+
     def _direct_lookup(self) -> DirectLookup | None:
         """`DirectLookup` of the torchrec collection as it is now (sharded by the trainer after
         this stack was built), or None where it does not apply; decided once per collection."""

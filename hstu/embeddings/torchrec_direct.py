@@ -37,24 +37,27 @@ class DirectLookup:
 
     def __init__(self, groups: list[tuple[nn.Module, list[str]]]) -> None:
         self.groups = groups
-        self.features = [f for _, names in groups for f in names]
 
     @classmethod
     def of(cls, collection: nn.Module, features: list[str]) -> DirectLookup | None:
         """The direct lookup of ``collection`` for ``features`` (each looked up by exactly one
         of its modules), or None when ``collection`` is not a sharded collection this knows how
-        to call directly (the reason is logged at debug level)."""
+        to call directly (`why_not` says why; logged at debug level)."""
+        why = cls.why_not(collection, features)
+        if why:
+            logger.debug("torchrec tables: the lookup goes through torchrec (%s)", why)
+            return None
+        return cls(_groups(collection))
+
+    @staticmethod
+    def why_not(collection: nn.Module, features: list[str]) -> str:
+        """Why ``collection`` is not looked up directly for ``features`` ("" when it is)."""
         why = _unsupported(collection)
         if not why:
-            modules = collection._lookups[0]._emb_modules
-            groups = [(op, list(op._config.feature_names())) for op in modules]
-            found = [f for _, names in groups for f in names]
+            found = [f for _, names in _groups(collection) for f in names]
             if sorted(found) != sorted(features) or len(set(found)) != len(found):
                 why = f"its modules look up {found}, the stack asks for {features}"
-        if why:
-            logger.debug("torchrec tables: the training lookup goes through torchrec (%s)", why)
-            return None
-        return cls(groups)
+        return why
 
     def __call__(
         self, kjt_of: Callable[[list[str]], KeyedJaggedTensor], counts: dict[str, int]
@@ -93,3 +96,8 @@ def _unsupported(collection: nn.Module) -> str:
         if not isinstance(op, BaseBatchedEmbedding) or not hasattr(op, "_config"):
             return f"a lookup module of type {type(op).__name__}"
     return ""
+
+
+def _groups(collection: nn.Module) -> list[tuple[nn.Module, list[str]]]:
+    """The table-batched modules of a supported collection, each with its features."""
+    return [(op, list(op._config.feature_names())) for op in collection._lookups[0]._emb_modules]

@@ -168,7 +168,7 @@ class EmbeddingStack(nn.Module):
         self._input_dist_ahead = False  # set by enable_input_dist_ahead
         # torchrec feature -> rows its lookups return instead (`stage_sparse`)
         self._staged_torchrec: dict[str, torch.Tensor] | None = None
-        # (collection, its DirectLookup or None), decided at the first training lookup
+        # (collection, its DirectLookup or None), decided at the first lookup
         self._direct: tuple[nn.Module, DirectLookup | None] | None = None
         backend = args.embedding_backend
         dense_static = backend == "dense" or (
@@ -506,8 +506,8 @@ class EmbeddingStack(nn.Module):
             # the extra ids spread evenly over the B samples: a sequence lookup's rows do not
             # depend on how its ids are split into samples, but fbgemm's forward gives each
             # sample's ids to one warp, which took 3.5 ms for Amazon Beauty's 12,101-item corpus
-            # all on one sample. Fills, not `[0] = n`:
-            # that copies a CPU scalar to the device (a step's CUDA graph cannot capture it)
+            # all on one sample. Fills, not `[0] = n`: that copies a CPU scalar to the device
+            # (a step's CUDA graph cannot capture it)
             n = extra.numel()
             extra_lengths = torch.full((b,), n // b, dtype=dtype, device=dev)
             extra_lengths[: n % b].add_(1)

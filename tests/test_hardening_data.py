@@ -34,6 +34,7 @@ from hstu.data.sequences import (
     MANIFEST_FILE,
     PreparedDataError,
     SequenceData,
+    array_checksum,
 )
 from hstu.data.sources import DataFormatError
 
@@ -421,3 +422,16 @@ def test_real_sasrec_ml_1m_proof_and_truncation(tmp_path, shared_data):
     with pytest.raises(DataFormatError, match=r"ml-1m\.txt\.gz: the gzip file is truncated"):
         prepare_dataset("sequences", cut, tmp_path / "cut", progress=False)
     assert not (tmp_path / "cut").exists()
+
+
+def test_a_dataset_without_user_features_saves_and_loads(tmp_path):
+    """A [U, 0] feature array (no contextual features) has a checksum (of no bytes) and its
+    dataset round-trips."""
+    assert array_checksum(np.zeros((3, 0), dtype=np.int64)) == hashlib.sha256(b"").hexdigest()
+    data = SequenceData.load(_prepare(tmp_path))
+    data.user_features = np.zeros((data.num_users, 0), dtype=np.int64)
+    data.user_feature_names = []
+    data.save(tmp_path / "nofeatures")
+    back = SequenceData.load(tmp_path / "nofeatures")
+    assert back.user_features.shape == (data.num_users, 0)
+    assert np.array_equal(back.item_ids, data.item_ids)

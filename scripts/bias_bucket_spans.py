@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hstu.data.sequences import SequenceData  # noqa: E402
 from hstu.ops.reference import time_bucket_edges, time_buckets  # noqa: E402
 
 
@@ -56,7 +57,7 @@ def bucket_span_counts(timestamps: torch.Tensor, tile: int, edges: torch.Tensor)
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--dataset-dir", required=True, help="a prepared dataset (sequences.npz)")
+    p.add_argument("--dataset-dir", required=True, help="a prepared dataset (hstu.data.prepare)")
     p.add_argument("--min-length", type=int, default=300, help="sequences at least this long")
     p.add_argument("--users", type=int, default=20, help="the first this many such sequences")
     p.add_argument("--tile", type=int, default=64, help="keys per tile")
@@ -75,18 +76,20 @@ def _parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = _parse(argv)
-    path = Path(args.dataset_dir) / "sequences.npz"
-    if not path.is_file():
+    try:
+        data = SequenceData.load(args.dataset_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+    if not data.has_timestamps and not args.synthetic:
         raise SystemExit(
-            f"{path} not found: prepare the dataset first (python -m hstu.data.prepare "
-            "--dataset <name> --source <raw files> --output <dir>)"
+            f"{args.dataset_dir} ({data.name}) has no real timestamps (only the order of its "
+            "file): take a dataset with timestamps, or --synthetic for the benchmark's gaps"
         )
-    data = np.load(path)
-    offsets, stamps = data["offsets"], data["timestamps"]
+    offsets, stamps = data.offsets, data.timestamps
     lengths = np.diff(offsets)
     chosen = np.flatnonzero(lengths >= args.min_length)[: args.users]
     if chosen.size == 0:
-        raise SystemExit(f"no sequence of {args.min_length} or more tokens in {path}")
+        raise SystemExit(f"no sequence of {args.min_length} or more tokens in {args.dataset_dir}")
     edges = time_bucket_edges(args.buckets)
     gen = torch.Generator().manual_seed(args.seed)
     counts = np.zeros(4, dtype=np.int64)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from hstu.data.sequences import SequenceData
 from hstu.ops.reference import time_bucket_edges
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bias_bucket_spans.py"
@@ -53,17 +54,43 @@ def test_span_counts_match_a_brute_force_count(tile):
             assert got[1:].sum() > 0  # not all one bucket: the test can tell
 
 
-def test_the_script_reports_shares_of_a_prepared_dataset(tmp_path, capsys):
+def _prepared(directory, has_timestamps=True):
     offsets = np.array([0, 30, 35, 75])
     rng = np.random.default_rng(0)
-    stamps = np.concatenate([np.cumsum(rng.integers(0, 5000, n)) for n in np.diff(offsets)])
-    np.savez(tmp_path / "sequences.npz", offsets=offsets, timestamps=stamps)
-    row = spans.main(["--dataset-dir", str(tmp_path), "--min-length", "30", "--tile", "8"])
+    n = int(offsets[-1])
+    stamps = np.concatenate([np.cumsum(rng.integers(0, 5000, k)) for k in np.diff(offsets)])
+    SequenceData(
+        name="spans",
+        user_ids=np.arange(3),
+        offsets=offsets,
+        item_ids=rng.integers(0, 50, n),
+        actions=np.ones(n, dtype=np.int64),
+        timestamps=stamps,
+        user_features=np.zeros((3, 0), dtype=np.int64),
+        action_names=["interaction"],
+        has_timestamps=has_timestamps,
+    ).save(directory)
+    return str(directory)
+
+
+def test_the_script_reports_shares_of_a_prepared_dataset(tmp_path, capsys):
+    data = _prepared(tmp_path / "d")
+    row = spans.main(["--dataset-dir", data, "--min-length", "30", "--tile", "8"])
     assert json.loads(capsys.readouterr().out) == row
     assert row["sequences"] == 2 and row["pairs"] > 0
     shares = [row[k] for k in ("share_1_bucket", "share_2_buckets", "share_3_buckets")]
     assert abs(sum(shares) + row["share_more"] - 1.0) < 1e-12
     with pytest.raises(SystemExit, match="no sequence of 100"):
-        spans.main(["--dataset-dir", str(tmp_path), "--min-length", "100"])
-    with pytest.raises(SystemExit, match="prepare the dataset first"):
+        spans.main(["--dataset-dir", data, "--min-length", "100"])
+    with pytest.raises(SystemExit, match="prepare it with"):
         spans.main(["--dataset-dir", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit):  # argparse: --tile must be >= 1
+        spans.main(["--dataset-dir", data, "--tile", "0"])
+
+
+def test_a_dataset_without_real_timestamps_is_refused_unless_synthetic(tmp_path, capsys):
+    data = _prepared(tmp_path / "d", has_timestamps=False)
+    with pytest.raises(SystemExit, match="has no real timestamps"):
+        spans.main(["--dataset-dir", data, "--min-length", "30"])
+    row = spans.main(["--dataset-dir", data, "--min-length", "30", "--synthetic"])
+    assert row["timestamps"].startswith("synthetic") and row["pairs"] > 0

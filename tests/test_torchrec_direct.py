@@ -56,13 +56,28 @@ def _tables(wrapped) -> dict[str, torch.Tensor]:
     }
 
 
-def test_the_direct_lookup_gives_the_collections_rows_and_updates(one_rank):
-    splits, direct_model, a = _sharded(one_rank)
-    _, via_model, b = _sharded(one_rank)
+def _direct_and_through_torchrec(info):
+    """Two sharded models with the same tables: the first looks its torchrec tables up directly,
+    the second through torchrec's forward. Returns (splits, stack a, stack b, wrapped a, b)."""
+    splits, direct_model, a = _sharded(info)
+    _, via_model, b = _sharded(info)
     b.load_state_dict(a.state_dict())
     stack_a, stack_b = direct_model.embeddings, via_model.embeddings
     assert stack_a._direct_lookup() is not None  # the planner's one-rank plan: table-wise
     stack_b._direct = (stack_b.embedding_collection, None)  # through torchrec's forward
+    return splits, stack_a, stack_b, a, b
+
+
+def _assert_same_tables(a, b, step) -> dict[str, torch.Tensor]:
+    ta, tb = _tables(a), _tables(b)
+    assert ta.keys() == tb.keys() and ta
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), (step, k)
+    return ta
+
+
+def test_the_direct_lookup_gives_the_collections_rows_and_updates(one_rank):
+    splits, stack_a, stack_b, a, b = _direct_and_through_torchrec(one_rank)
     assert len(stack_a._static_keys) >= 2  # the item table and contextual tables
     g = torch.Generator().manual_seed(0)
     for step in range(3):
@@ -74,21 +89,15 @@ def test_the_direct_lookup_gives_the_collections_rows_and_updates(one_rank):
         grads = [torch.randn(ra[n].shape, generator=g) for n in ra]
         torch.autograd.backward([ra[n] for n in ra], grads)  # the fused updates
         torch.autograd.backward([rb[n] for n in ra], grads)
-        ta, tb = _tables(a), _tables(b)
-        assert ta.keys() == tb.keys() and ta
-        for k in ta:
-            assert torch.equal(ta[k], tb[k]), (step, k)
-    assert not torch.equal(ta[k], _tables(_sharded(one_rank)[2])[k])  # the updates happened
+        ta = _assert_same_tables(a, b, step)
+    fresh = _tables(_sharded(one_rank)[2])
+    assert all(not torch.equal(ta[k], fresh[k]) for k in ta)  # every table was updated
 
 
 def test_the_forward_looks_up_directly_with_the_same_rows_and_updates(one_rank):
     """The eager forward (`EmbeddingStack.forward`) takes the direct lookup too: the same
     JaggedTensors (values and lengths, extra ids included) and tables after the updates."""
-    splits, direct_model, a = _sharded(one_rank)
-    _, via_model, b = _sharded(one_rank)
-    b.load_state_dict(a.state_dict())
-    stack_a, stack_b = direct_model.embeddings, via_model.embeddings
-    stack_b._direct = (stack_b.embedding_collection, None)
+    splits, stack_a, stack_b, a, b = _direct_and_through_torchrec(one_rank)
     g = torch.Generator().manual_seed(1)
     for step in range(3):
         batch = splits.train.collate(list(range(8 * step, 8 * step + 8)))
@@ -102,9 +111,7 @@ def test_the_forward_looks_up_directly_with_the_same_rows_and_updates(one_rank):
         grads = [torch.randn(oa[k].values().shape, generator=g) for k in static]
         torch.autograd.backward([oa[k].values() for k in static], grads)
         torch.autograd.backward([ob[k].values() for k in static], grads)
-        ta, tb = _tables(a), _tables(b)
-        for k in ta:
-            assert torch.equal(ta[k], tb[k]), (step, k)
+        _assert_same_tables(a, b, step)
     lengths = oa["extra_item_id"].lengths()
     assert lengths.tolist() == [5] * 5 + [4] * 3  # 37 = 8 * 4 + 5: the first 5 get one more
 

@@ -563,21 +563,26 @@ class EmbeddingStack(nn.Module):
         rows: dict[str, torch.Tensor] = {}
         static = self._static_keys
         if static and self.embedding_collection is not None:
-            direct = self._direct_lookup()
-            if direct is not None:  # one rank, table-wise: fbgemm's modules called directly
-                counts = {k: parts[k].count for k in static}
-                out = direct(lambda names: _make_kjt(names, parts, b), counts)
-                rows.update({_TORCHREC_ROWS + k: out[k] for k in static})
-            else:
-                # (a sharded collection returns an awaitable of the dict: dict() waits for it)
-                out = dict(self.embedding_collection(_make_kjt(static, parts, b)))
-                rows.update({_TORCHREC_ROWS + k: out[k].values() for k in static})
+            out = self._lookup_torchrec(static, parts, b)
+            rows.update({_TORCHREC_ROWS + k: out[k].values() for k in static})
         if self.dynamic_collection is not None:
             dyn = self._dynamic_keys
             host = {k: parts[k].host_values for k in dyn if parts[k].host_values is not None}
             values = {k: parts[k].values for k in dyn}
             rows.update(self.dynamic_collection.lookup_tables(values, host_ids=host))
         return rows
+
+    def _lookup_torchrec(
+        self, static: list[str], parts: dict[str, _FeatureIds], b: int
+    ) -> dict[str, JaggedTensor]:
+        """The torchrec tables' lookup of the features ``static``: their fbgemm modules called
+        directly where `DirectLookup` applies (one rank, table-wise), else the collection."""
+        direct = self._direct_lookup()
+        if direct is None:
+            # (a sharded collection returns an awaitable of the dict: dict() waits for it)
+            return dict(self.embedding_collection(_make_kjt(static, parts, b)))
+        rows = direct(lambda names: _make_kjt(names, parts, b), {k: parts[k].count for k in static})
+        return {k: JaggedTensor(values=rows[k], lengths=parts[k].lengths) for k in static}
 
     def torchrec_lookup(self) -> str:
         """How the torchrec tables are looked up, for the run's log: "direct" (`DirectLookup`),
@@ -683,14 +688,8 @@ class EmbeddingStack(nn.Module):
             out.update(self.dense_tables(_make_kjt(static, parts, b), host_ids=host))
         elif static and self._staged_torchrec is not None:
             out.update(self._staged_static(static, parts))
-        elif static and self._direct_lookup() is not None:
-            # one rank, table-wise: the collection's fbgemm modules called directly
-            rows = self._direct_lookup()(
-                lambda names: _make_kjt(names, parts, b), {k: parts[k].count for k in static}
-            )
-            out.update({k: JaggedTensor(values=rows[k], lengths=parts[k].lengths) for k in static})
         elif static:
-            out.update(self.embedding_collection(_make_kjt(static, parts, b)))
+            out.update(self._lookup_torchrec(static, parts, b))
         if dyn:
             kwargs = {}
             if sparse_input is not None:

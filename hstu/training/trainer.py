@@ -298,8 +298,9 @@ class Trainer:
             logger.info("embedding tables:\n%s", format_memory_plan(plan))
             choices = self.core.encoder.kernel_choices(self.device)
             choices["cuda_graphs"] = self._graphs_choice()
-            if self.embeddings.torchrec_lookup():
-                choices["torchrec_lookup"] = self.embeddings.torchrec_lookup()
+            torchrec_lookup = self.embeddings.torchrec_lookup()
+            if torchrec_lookup:
+                choices["torchrec_lookup"] = torchrec_lookup
             logger.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in choices.items()))
 
     # ---- checkpoints -----------------------------------------------------------------------

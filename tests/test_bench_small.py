@@ -72,3 +72,46 @@ def test_graph_fields_name_what_a_graph_replays(load_script):
     fields = bench._graph_fields(enc)
     assert fields["lookup_graph_captures"] == 2 and fields["lookup_graph_replays"] == 7
     assert fields["graph_scope"] == "encoder"
+
+
+def test_copies_start_training_together_and_are_summed(load_script, tmp_path):
+    bench = load_script("bench_small")
+    out = tmp_path / "rows.jsonl"
+    argv = ["--config", CONFIG, "--device", "cpu", "--steps", "8", "--processes", "2"]
+    argv += ["--first-steps", "4", "--out", str(out), "--bindings", *TINY]
+    assert bench.main(argv) == 0
+    row = json.loads(out.read_text().strip().splitlines()[-1])
+    assert row["processes"] == 2 and row["steps"] == 8 and row["batch"] == 8
+    assert len(row["samples_per_s"]) == 2 and min(row["samples_per_s"]) > 0
+    assert abs(row["sum_samples_per_s"] - sum(row["samples_per_s"])) < 1e-6
+    assert abs(row["fit_window_samples_per_s"] * row["fit_window_s"] - 2 * 8 * 8) < 1e-6
+    starts = [span[0] for span in row["fit_spans_s"]]
+    ends = [span[1] for span in row["fit_spans_s"]]
+    # the barrier: both copies began training within moments of each other, before either ended
+    assert min(starts) == 0.0 and max(starts) < min(ends)
+    assert max(ends) == row["fit_window_s"]
+    assert len(row["metrics"]) == 2 and all("HR@10" in m for m in row["metrics"])
+    assert row["wall_s"] >= row["fit_window_s"]
+
+
+def test_a_failing_copy_stops_the_others_with_its_error(load_script):
+    import pytest
+
+    bench = load_script("bench_small")
+    argv = ["--config", CONFIG, "--device", "cpu", "--steps", "8", "--processes", "2"]
+    argv += ["--first-steps", "4", "--bindings", *TINY, "NetworkArgs.num_layers=0"]
+    with pytest.raises(RuntimeError, match=r"copy \d exited with 1:(.|\n)*num_layers"):
+        bench.main(argv)
+
+
+def test_processes_options_are_checked(load_script, capsys):
+    import pytest
+
+    bench = load_script("bench_small")
+    for argv, message in [
+        (["--processes", "0"], "--processes must be >= 1"),
+        (["--processes", "2", "--profile", "x"], "--profile profiles one run"),
+    ]:
+        with pytest.raises(SystemExit):
+            bench.main(["--config", CONFIG, "--device", "cpu", *argv])
+        assert message in capsys.readouterr().err

@@ -247,6 +247,8 @@ def run_copies(args: argparse.Namespace) -> dict:
         "samples_per_s": [r["samples_per_s"] for r in rows],
         "steady_step_ms": [r["steady_step_ms"] for r in rows],
         "sum_samples_per_s": sum(r["samples_per_s"] for r in rows),
+        "startup_s": [r["startup_s"] for r in rows],
+        "eval_s": [r["eval_s"] for r in rows],
         # all copies' samples over [the common start, the last copy's end of fit]
         "fit_window_s": window,
         "fit_window_samples_per_s": samples / window,

@@ -84,6 +84,7 @@ def test_copies_start_training_together_and_are_summed(load_script, tmp_path):
     assert row["processes"] == 2 and row["steps"] == 8 and row["batch"] == 8
     assert len(row["samples_per_s"]) == 2 and min(row["samples_per_s"]) > 0
     assert abs(row["sum_samples_per_s"] - sum(row["samples_per_s"])) < 1e-6
+    assert len(row["eval_s"]) == 2 and min(row["eval_s"]) > 0 and min(row["startup_s"]) > 0
     assert abs(row["fit_window_samples_per_s"] * row["fit_window_s"] - 2 * 8 * 8) < 1e-6
     starts = [span[0] for span in row["fit_spans_s"]]
     ends = [span[1] for span in row["fit_spans_s"]]

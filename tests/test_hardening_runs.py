@@ -429,3 +429,33 @@ def test_launcher_file_shaped_log_dir_and_foreign_checkpoint_dir(tmp_path):
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "already holds checkpoints" in error_lines(proc.stderr)[0]
+
+
+def test_cpu_threads_hold_while_the_trainer_runs_and_are_restored(tmp_path):
+    import torch
+
+    from hstu.training.trainer import Trainer
+
+    before = torch.get_num_threads()
+    seen = []
+    trainer = Trainer(_cfg(tmp_path, "TrainerArgs.cpu_threads=1"), "cpu")
+    try:
+        seen.append(torch.get_num_threads())
+        trainer.fit()
+        seen.append(torch.get_num_threads())
+    finally:
+        trainer.close()
+    assert seen == [1, 1] and torch.get_num_threads() == before
+    # a start that fails restores them too
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        bad = f"TrainerArgs.ckpt_load_dir='{tmp_path / 'nope'}'"
+        Trainer(_cfg(tmp_path / "b", "TrainerArgs.cpu_threads=1", bad), "cpu")
+    assert torch.get_num_threads() == before
+    # 0 leaves PyTorch's count as it is
+    trainer = Trainer(_cfg(tmp_path / "c"), "cpu")
+    try:
+        assert torch.get_num_threads() == before
+    finally:
+        trainer.close()
+    with pytest.raises(ValueError, match=r"TrainerArgs.cpu_threads=-1 must be a non-negative"):
+        _cfg(tmp_path / "d", "TrainerArgs.cpu_threads=-1")

@@ -250,6 +250,9 @@ class TrainerArgs:
     # resume weights, step, data position and RNG but a fresh dense optimizer state
     ckpt_reset_optimizer: bool = False
     ckpt_keep_last: int = 3  # checkpoints kept in ckpt_save_dir (older ones pruned); 0 = all
+    # PyTorch's CPU threads (torch.set_num_threads) while the trainer runs; 0 = PyTorch's
+    # default (one per core). Several runs sharing one machine: 1 (docs/benchmarks.md)
+    cpu_threads: int = 0
 
     def __post_init__(self) -> None:
         _int(self, "train_batch_size", min_value=1, max_value=INT32_MAX, why=_DIM)
@@ -272,6 +275,14 @@ class TrainerArgs:
             what="0 = evaluate only at the end",
         )
         _int(self, "log_interval", min_value=1, max_value=INT64_MAX, why=_COUNT)
+        _int(
+            self,
+            "cpu_threads",
+            min_value=0,
+            max_value=INT32_MAX,
+            why="a thread count",
+            what="0 = PyTorch's default",
+        )
         _int(
             self,
             "ckpt_save_interval",

@@ -82,6 +82,7 @@ _NOT_IDENTITY = {
         "peak_tflops",
         "rank_balance",
         "gc_interval",
+        "cpu_threads",
         "route_ids_ahead",
         "allow_existing_run_dir",
         "ckpt_reset_optimizer",

@@ -138,7 +138,12 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, device_type: str = "cpu") -> None:
         self.cfg = cfg
+        # PyTorch's CPU thread count while this trainer runs (TrainerArgs.cpu_threads; restored
+        # by close)
         self.info = init_distributed(device_type)
+        self._cpu_threads_before = torch.get_num_threads()
+        if cfg.trainer.cpu_threads:
+            torch.set_num_threads(cfg.trainer.cpu_threads)
         try:
             self._setup(cfg)
         except BaseException:
@@ -157,6 +162,7 @@ class Trainer:
                 except Exception:  # noqa: BLE001 - the original error is the one to raise
                     logger.warning("closing %s after a failed start", name, exc_info=True)
         cleanup(self.info)
+        torch.set_num_threads(self._cpu_threads_before)
 
     def _setup(self, cfg: RunConfig) -> None:
         t = cfg.trainer
@@ -285,10 +291,11 @@ class Trainer:
             mark_started(self.run, cfg)  # from now on a run of the same name gets a new directory
         if self.info.is_main:
             logger.info(
-                "model: %d dense parameters, tables %s; run directory %s",
+                "model: %d dense parameters, tables %s; run directory %s; %d CPU threads",
                 self.num_dense_params,
                 [(s.name, s.num_embeddings, s.embedding_dim) for s in self.core.table_specs],
                 self.run_dir,
+                torch.get_num_threads(),
             )
             plan = self.embeddings.memory_plan(
                 self.info.world_size,
@@ -909,6 +916,7 @@ class Trainer:
         self.pipeline.close()
         self.tb.close()
         cleanup(self.info)
+        torch.set_num_threads(self._cpu_threads_before)
 
 
 CONFIG_SUMMARY_FILENAME = "config_summary.txt"

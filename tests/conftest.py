@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -74,6 +75,8 @@ def load_script(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleType]:
         monkeypatch.syspath_prepend(str(REPO_ROOT / "scripts"))
         spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        # registered while it runs: dataclasses look their module up by name
+        monkeypatch.setitem(sys.modules, name, module)
         spec.loader.exec_module(module)
         return module
 

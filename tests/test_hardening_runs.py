@@ -459,3 +459,18 @@ def test_cpu_threads_hold_while_the_trainer_runs_and_are_restored(tmp_path):
         trainer.close()
     with pytest.raises(ValueError, match=r"TrainerArgs.cpu_threads=-1 must be a non-negative"):
         _cfg(tmp_path / "d", "TrainerArgs.cpu_threads=-1")
+
+
+def test_metrics_log_reads_back_without_a_torn_last_line(tmp_path):
+    from hstu.training.rundir import METRICS_FILE, append_metrics, read_metrics
+
+    append_metrics(tmp_path, 3, {"HR@10": 0.25}, 0.5)
+    append_metrics(tmp_path, 6, {"HR@10": 0.5}, 0.25)
+    with open(tmp_path / METRICS_FILE, "a") as f:
+        f.write('{"step": 9, "metr')  # a run killed while writing its line
+    rows = read_metrics(tmp_path)
+    assert [(r["step"], r["metrics"]["HR@10"], r["eval_s"]) for r in rows] == [
+        (3, 0.25, 0.5),
+        (6, 0.5, 0.25),
+    ]
+    assert read_metrics(tmp_path / "none") == []

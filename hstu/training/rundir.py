@@ -61,6 +61,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
+# one JSON line per evaluation (step, metrics, seconds): what a sweep or a script reads back
+METRICS_FILE = "metrics.jsonl"
 
 # Fields that do not change what is trained (where files go, how often to log or save, how
 # long to train, which kernels compute the same math): a run continued with other values of
@@ -427,6 +429,60 @@ def mark_started(run: RunDir, cfg: RunConfig) -> None:
     info = _read_run_file(run.path) or {}
     extra = {k: v for k, v in info.items() if k == "resumed_from"}
     _write_run_file(run.path, cfg, "started", **extra)
+
+
+def start_metrics_file(run: RunDir) -> None:
+    """A fresh run's evaluation log starts empty (a run continued from its checkpoint appends to
+    its own). Rank 0."""
+    if not run.continuing:
+        (run.path / METRICS_FILE).write_text("")
+
+
+def append_metrics(run_dir: Path, step: int, metrics: dict[str, float], eval_s: float) -> None:
+    """One evaluation as a line of the run's `METRICS_FILE` (flushed). Rank 0."""
+    line = {
+        "step": int(step),
+        "metrics": {k: float(v) for k, v in metrics.items()},
+        "eval_s": round(float(eval_s), 3),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    with open(run_dir / METRICS_FILE, "a") as f:
+        f.write(json.dumps(line) + "\n")
+        f.flush()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The evaluations a run logged (`append_metrics`), in order; a torn last line (a run killed
+    while writing it) is left out."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def mark_finished(run: RunDir, cfg: RunConfig, **result: Any) -> None:
+    """Record in run.json that the run trained to its last step, with ``result`` (final step and
+    metrics, checkpoint). Rank 0."""
+    info = _read_run_file(run.path) or {}
+    extra = {k: v for k, v in info.items() if k == "resumed_from"}
+    _write_run_file(run.path, cfg, "finished", **extra, result=result)
+
+
+def read_run_file(run_dir: Path) -> dict[str, Any] | None:
+    """A run directory's run.json (None: none, or unreadable)."""
+    return _read_run_file(Path(run_dir))
+
+
+def fingerprint(cfg: RunConfig) -> str:
+    """The run.json ``fingerprint`` of a run of ``cfg`` (equal for configurations that train the
+    same model the same way)."""
+    return _fingerprint(config_identity(cfg))
 
 
 # ---- every rank --------------------------------------------------------------------------------

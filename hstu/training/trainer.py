@@ -58,7 +58,14 @@ from hstu.training.reshard import (
     unexpected_keys,
     upgrade_state_keys,
 )
-from hstu.training.rundir import config_identity, mark_started, setup_run_dir
+from hstu.training.rundir import (
+    append_metrics,
+    config_identity,
+    mark_finished,
+    mark_started,
+    setup_run_dir,
+    start_metrics_file,
+)
 from hstu.training.step_graphs import (
     StepGraphs,
     StepOutputs,
@@ -289,6 +296,7 @@ class Trainer:
                 graph_safe_optimizer(self.optimizer, self.device)  # the loaded groups' flags
         if self.info.is_main:
             mark_started(self.run, cfg)  # from now on a run of the same name gets a new directory
+            start_metrics_file(self.run)
         if self.info.is_main:
             logger.info(
                 "model: %d dense parameters, tables %s; run directory %s; %d CPU threads",
@@ -721,6 +729,7 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------------
     def fit(self) -> TrainResult:
         t = self.cfg.trainer
+        fit_start = time.perf_counter()
         result = TrainResult(run_dir=self.run_dir)
         bar = tqdm(
             total=t.max_train_iters,
@@ -745,6 +754,16 @@ class Trainer:
             self._hparams(), {f"hparam/{k}": v for k, v in result.final_metrics.items()}
         )
         self.tb.flush()
+        if self.info.is_main:
+            mark_finished(
+                self.run,
+                self.cfg,
+                step=self.step,
+                final_metrics=result.final_metrics,
+                checkpoint=str(result.checkpoint_dir) if result.checkpoint_dir else None,
+                # this process's training, evaluations and checkpoints (not its start-up)
+                fit_s=round(time.perf_counter() - fit_start, 3),
+            )
         barrier()
         return result
 
@@ -900,8 +919,10 @@ class Trainer:
         result.evals.append((self.step, metrics))
         self.tb.scalars({f"eval/{k}": v for k, v in metrics.items()}, self.step)
         if self.info.is_main:
+            seconds = time.perf_counter() - start
+            append_metrics(self.run_dir, self.step, metrics, seconds)
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-            logger.info("eval @ step %d (%.1fs): %s", self.step, time.perf_counter() - start, shown)
+            logger.info("eval @ step %d (%.1fs): %s", self.step, seconds, shown)
 
     def _hparams(self) -> dict:
         out = {"task": self.cfg.task}

@@ -1,0 +1,152 @@
+"""scripts/sweep.py on CPU: the grid, runs at once, results read back, failures, reruns."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "synthetic_retrieval.gin")
+
+TINY = [
+    "DatasetArgs.synthetic_num_users=200",
+    "DatasetArgs.synthetic_num_items=100",
+    "DatasetArgs.max_history_seqlen=16",
+    "NetworkArgs.num_layers=1",
+    "NetworkArgs.hidden_size=16",
+    "NetworkArgs.num_attention_heads=1",
+    "NetworkArgs.kv_channels=16",
+    "TrainerArgs.train_batch_size=8",
+    "TrainerArgs.eval_batch_size=32",
+    "TrainerArgs.max_eval_iters=2",
+    "TrainerArgs.max_train_iters=6",
+    "TrainerArgs.eval_interval=3",
+    "TrainerArgs.ckpt_save_interval=3",
+]
+
+
+def _rows(out: Path) -> dict[str, dict[str, str]]:
+    with open(out / "sweep.csv", newline="") as f:
+        return {r["run"]: r for r in csv.DictReader(f)}
+
+
+def test_values_split_at_top_level_commas_only(load_script):
+    sweep = load_script("sweep")
+    assert sweep.split_values("1e-3, 5e-4") == ["1e-3", "5e-4"]
+    assert sweep.split_values("'a,b',(1, 2),[3,4]") == ["'a,b'", "(1, 2)", "[3,4]"]
+    grid = sweep.parse_grid(["OptimizerArgs.learning_rate=1e-3,5e-4"], "1,2")
+    assert grid == [
+        ("OptimizerArgs.learning_rate", ["1e-3", "5e-4"]),
+        ("TrainerArgs.seed", ["1", "2"]),
+    ]
+    runs = sweep.expand(grid)
+    assert [r.name for r in runs] == [
+        "learning_rate-1e-3_seed-1",
+        "learning_rate-1e-3_seed-2",
+        "learning_rate-5e-4_seed-1",
+        "learning_rate-5e-4_seed-2",
+    ]
+    assert runs[1].bindings == ["OptimizerArgs.learning_rate=1e-3", "TrainerArgs.seed=2"]
+    # a field name two classes share is written with its class
+    two = sweep.expand(sweep.parse_grid(["A.x=1", "B.x=2"], ""))
+    assert two[0].name == "A-x-1_B-x-2"
+
+
+@pytest.mark.parametrize(
+    "grid, seeds, message",
+    [
+        (["OptimizerArgs.learning_rate"], "", "expected Class.field=v1,v2"),
+        (["learning_rate=1"], "", "expected Class.field=v1,v2"),
+        (["A.x=1,,2"], "", "an empty value"),
+        (["A.x=1,1"], "", "a value given twice"),
+        (["A.x=1", "A.x=2"], "", "A.x given twice"),
+        (["TrainerArgs.seed=1"], "2", "give the seeds once"),
+        ([], "", "nothing to sweep"),
+        (["A.x='a b','a_b'"], "", "the same name"),
+    ],
+)
+def test_a_bad_grid_is_named(load_script, grid, seeds, message):
+    sweep = load_script("sweep")
+    with pytest.raises(ValueError, match=message):
+        sweep.expand(sweep.parse_grid(grid, seeds))
+
+
+def test_a_bad_run_configuration_stops_the_sweep_before_any_run(load_script, tmp_path, capsys):
+    sweep = load_script("sweep")
+    out = tmp_path / "sweep"
+    argv = ["--config", CONFIG, "--out", str(out), "--grid", "NetworkArgs.num_layers=1,0"]
+    assert sweep.main([*argv, "--allow-non-a100", "--bindings", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "error: run num_layers-0 (NetworkArgs.num_layers=0)" in err and "num_layers" in err
+    assert not out.exists()
+
+
+def test_a_sweep_runs_its_grid_reports_failures_and_skips_finished_runs_on_rerun(
+    load_script, tmp_path, capsys
+):
+    sweep = load_script("sweep")
+    out = tmp_path / "sweep"
+    argv = ["--config", CONFIG, "--out", str(out), "--parallel", "2", "--allow-non-a100"]
+    # one grid value fails at start (a checkpoint that does not exist): the others go on
+    argv += ["--grid", "OptimizerArgs.learning_rate=1e-3,5e-4", "--bindings", *TINY]
+    bad = ["TrainerArgs.ckpt_load_dir='/nonexistent/ckpt'"]
+    assert sweep.main(argv) == 0
+    rows = _rows(out)
+    assert set(rows) == {"learning_rate-1e-3", "learning_rate-5e-4"}
+    for name, row in rows.items():
+        assert row["status"] == "finished" and row["main_metric"] == "HR@10"
+        lines = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in lines] == [3, 6]
+        best = max(x["metrics"]["HR@10"] for x in lines)
+        assert abs(float(row["best"]) - best) < 1e-6
+        assert abs(float(row["final HR@10"]) - lines[-1]["metrics"]["HR@10"]) < 1e-6
+        info = json.loads((out / name / "run.json").read_text())
+        assert info["status"] == "finished" and info["result"]["step"] == 6
+    assert "learning_rate-1e-3" in capsys.readouterr().out
+    # the same command again: nothing runs (the logs do not grow), the table is the same
+    logs = {p.name: p.stat().st_size for p in (out / "logs").iterdir()}
+    assert sweep.main(argv) == 0
+    assert {p.name: p.stat().st_size for p in (out / "logs").iterdir()} == logs
+    assert _rows(out) == rows
+    # a run that fails: reported with its error line, exit 1
+    assert sweep.main([*argv, *bad, "--seeds", "7"]) == 1
+    failed = _rows(out)
+    assert {r["status"] for r in failed.values()} == {"failed"}
+    assert (
+        "checkpoint path /nonexistent/ckpt does not exist"
+        in failed["learning_rate-1e-3_seed-7"]["error"]
+    )
+    assert "failed: learning_rate-5e-4_seed-7" in capsys.readouterr().err
+
+
+def test_an_unfinished_run_continues_from_its_checkpoint(load_script, tmp_path):
+    sweep = load_script("sweep")
+    out = tmp_path / "sweep"
+    argv = ["--config", CONFIG, "--out", str(out), "--allow-non-a100", "--seeds", "3"]
+    argv += ["--bindings", *TINY]
+    assert sweep.main(argv) == 0
+    run = out / "seed-3"
+    info = json.loads((run / "run.json").read_text())
+    # as if the run had died after its last checkpoint, before it finished
+    info["status"] = "started"
+    (run / "run.json").write_text(json.dumps(info))
+    assert sweep.main(argv) == 0
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished"
+    assert info["resumed_from"].endswith("step_00000006")
+    # the continued run appended its evaluation to the same log
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [3, 6, 6]
+
+
+def test_more_steps_continue_the_finished_runs(load_script, tmp_path):
+    sweep = load_script("sweep")
+    out = tmp_path / "sweep"
+    argv = ["--config", CONFIG, "--out", str(out), "--allow-non-a100", "--seeds", "4"]
+    assert sweep.main([*argv, "--bindings", *TINY]) == 0
+    assert sweep.main([*argv, "--bindings", *TINY, "TrainerArgs.max_train_iters=9"]) == 0
+    info = json.loads((out / "seed-4" / "run.json").read_text())
+    assert info["result"]["step"] == 9 and info["resumed_from"].endswith("step_00000006")
+    assert _rows(out)["seed-4"]["status"] == "finished"

@@ -150,3 +150,37 @@ def test_more_steps_continue_the_finished_runs(load_script, tmp_path):
     info = json.loads((out / "seed-4" / "run.json").read_text())
     assert info["result"]["step"] == 9 and info["resumed_from"].endswith("step_00000006")
     assert _rows(out)["seed-4"]["status"] == "finished"
+
+
+def test_an_interrupted_sweep_stops_its_runs_and_keeps_its_table(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "sweep"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sweep.py"
+    long_run = [*TINY, "TrainerArgs.max_train_iters=100000", "TrainerArgs.eval_interval=0"]
+    cmd = [sys.executable, str(script), "--config", CONFIG, "--out", str(out), "--parallel", "1"]
+    cmd += ["--allow-non-a100", "--seeds", "1,2", "--bindings", *long_run]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        # wait until the first run trains (its run.json says so)
+        while time.monotonic() < deadline:
+            info = out / "seed-1" / "run.json"
+            if info.is_file() and json.loads(info.read_text() or "{}").get("status") == "started":
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the first run did not start")
+        os.kill(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    rows = _rows(out)
+    assert rows["seed-1"]["status"] == "interrupted" and rows["seed-2"]["status"] == "not run"
+    assert "results:" in stdout

@@ -313,7 +313,7 @@ def write_table(runs: list[Run], out: Path) -> Path:
                 "main_metric",
                 "best",
                 "best_step",
-                "wall_s",
+                "fit_s",
                 *(f"final {m}" for m in metrics),
                 "error",
             ]

@@ -102,6 +102,7 @@ def test_a_sweep_runs_its_grid_reports_failures_and_skips_finished_runs_on_rerun
         best = max(x["metrics"]["HR@10"] for x in lines)
         assert abs(float(row["best"]) - best) < 1e-6
         assert abs(float(row["final HR@10"]) - lines[-1]["metrics"]["HR@10"]) < 1e-6
+        assert float(row["fit_s"]) > 0
         info = json.loads((out / name / "run.json").read_text())
         assert info["status"] == "finished" and info["result"]["step"] == 6
     assert "learning_rate-1e-3" in capsys.readouterr().out

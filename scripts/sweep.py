@@ -62,6 +62,7 @@ class Run:
     final_metrics: dict[str, float] = field(default_factory=dict)
     fit_s: float | None = None  # the run's fit (training, evaluations, checkpoints)
     error: str = ""
+    device: str = ""  # CUDA_VISIBLE_DEVICES of its process ("" = inherited)
 
 
 # ---- the grid ----------------------------------------------------------------------------------
@@ -240,6 +241,12 @@ def _error_line(log: Path) -> str:
 # ---- the sweep ---------------------------------------------------------------------------------
 
 
+def pick_device(devices: list[str], running: list[Run]) -> str:
+    """The device of ``devices`` with the fewest ``running`` runs (the first of equals)."""
+    load = [sum(r.device == d for r in running) for d in devices]
+    return devices[load.index(min(load))]
+
+
 def run_all(args: argparse.Namespace, runs: list[Run], out: Path) -> bool:
     """Runs the runs that have no result yet, ``args.parallel`` at a time; False when
     interrupted."""
@@ -249,6 +256,7 @@ def run_all(args: argparse.Namespace, runs: list[Run], out: Path) -> bool:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     active: dict[str, tuple[Run, subprocess.Popen, object]] = {}
+    devices = [d for d in args.devices.split(",") if d.strip()] if args.devices else []
     bar = tqdm(
         total=len(runs),
         initial=len(runs) - len(todo),
@@ -260,9 +268,13 @@ def run_all(args: argparse.Namespace, runs: list[Run], out: Path) -> bool:
         while todo or active:
             while todo and len(active) < args.parallel:
                 run = todo.pop(0)
+                env = None
+                if devices:
+                    run.device = pick_device(devices, [a[0] for a in active.values()])
+                    env = {**os.environ, "CUDA_VISIBLE_DEVICES": run.device}
                 fh = open(logs / f"{run.name}.log", "ab")
                 proc = subprocess.Popen(
-                    _command(args, run, out), stdout=fh, stderr=subprocess.STDOUT
+                    _command(args, run, out), stdout=fh, stderr=subprocess.STDOUT, env=env
                 )
                 run.status = "running"
                 active[run.name] = (run, proc, fh)
@@ -310,6 +322,7 @@ def write_table(runs: list[Run], out: Path) -> Path:
                 "run",
                 *keys,
                 "status",
+                "device",
                 "main_metric",
                 "best",
                 "best_step",
@@ -324,6 +337,7 @@ def write_table(runs: list[Run], out: Path) -> Path:
                     r.name,
                     *(r.values[k] for k in keys),
                     r.status,
+                    r.device,
                     r.main_metric,
                     "" if r.best is None else f"{r.best:.6f}",
                     "" if r.best_step is None else r.best_step,
@@ -346,8 +360,47 @@ def summary(runs: list[Run]) -> str:
         best = "" if r.best is None else f"{r.best:.4f}"
         step = "" if r.best_step is None else str(r.best_step)
         rows.append([*(r.values[k] for k in keys), r.status, best, step])
+    return _table(rows)
+
+
+def _table(rows: list[list[str]]) -> str:
+    """``rows`` (the first a header) as left-aligned columns."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return mean, var**0.5
+
+
+def seed_summary(runs: list[Run]) -> str:
+    """With several seeds: per setting of the other grid values, the mean and standard deviation
+    (over its finished seeds) of the best and the final main metric, best mean first; "" without
+    seeds."""
+    keys = [k for k in runs[0].values if k != "TrainerArgs.seed"]
+    if len(keys) == len(runs[0].values):
+        return ""
+    metric = next((r.main_metric for r in runs if r.main_metric), "metric")
+    groups: dict[tuple[str, ...], list[Run]] = {}
+    for r in runs:
+        groups.setdefault(tuple(r.values[k] for k in keys), []).append(r)
+    stats = []
+    for setting, members in groups.items():
+        done = [r for r in members if r.best is not None]
+        best = _mean_std([r.best for r in done]) if done else None
+        finals = [r.final_metrics[metric] for r in done if metric in r.final_metrics]
+        final = _mean_std(finals) if finals else None
+        stats.append((setting, f"{len(done)}/{len(members)}", best, final))
+    stats.sort(key=lambda s: (s[2] is None, -(s[2][0] if s[2] else 0.0)))
+
+    def shown(ms: tuple[float, float] | None) -> str:
+        return "" if ms is None else f"{ms[0]:.4f} +- {ms[1]:.4f}"
+
+    rows = [[*keys, "seeds", f"best {metric}", f"final {metric}"]]
+    rows += [[*setting, n, shown(b), shown(f)] for setting, n, b, f in stats]
+    return _table(rows)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -370,6 +423,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--allow-non-a100",
         action="store_true",
         help="passed to each run (non-A100 GPUs, CPU development mode)",
+    )
+    p.add_argument(
+        "--devices",
+        default="",
+        help="GPUs to spread the runs over, e.g. 0,1,2,3 (each run gets CUDA_VISIBLE_DEVICES of "
+        "the one with the fewest runs at its start); default: the devices the sweep sees",
     )
     p.add_argument("--dry-run", action="store_true", help="list the runs, start none")
     args = p.parse_args(argv)
@@ -404,6 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     completed = run_all(args, runs, out)
     path = write_table(runs, out)
     print(summary(runs))
+    by_seed = seed_summary(runs)
+    if by_seed:
+        print("mean +- standard deviation over the seeds:")
+        print(by_seed)
     print(f"results: {path}")
     failed = [r for r in runs if r.status == "failed"]
     for r in failed:

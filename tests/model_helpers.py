@@ -9,6 +9,21 @@ from hstu.config.gin_utils import load_config
 from hstu.data.registry import build_samples, load_sequence_data
 from hstu.models.builder import build_model
 
+# bindings of a whole run that trains and evaluates in seconds on a CPU (synthetic data, one
+# small layer, small batches, two evaluation batches)
+TINY_RUN = [
+    "DatasetArgs.synthetic_num_users=200",
+    "DatasetArgs.synthetic_num_items=100",
+    "DatasetArgs.max_history_seqlen=16",
+    "NetworkArgs.num_layers=1",
+    "NetworkArgs.hidden_size=16",
+    "NetworkArgs.num_attention_heads=1",
+    "NetworkArgs.kv_channels=16",
+    "TrainerArgs.train_batch_size=8",
+    "TrainerArgs.eval_batch_size=32",
+    "TrainerArgs.max_eval_iters=2",
+]
+
 
 def small_model(task: str, *bindings: str):
     """(cfg, data, splits, model) of a small synthetic setup: 200 users, 100 items, histories up

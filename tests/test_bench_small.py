@@ -5,20 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from model_helpers import TINY_RUN
+
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "synthetic_retrieval.gin")
 
-TINY = [
-    "DatasetArgs.synthetic_num_users=200",
-    "DatasetArgs.synthetic_num_items=100",
-    "DatasetArgs.max_history_seqlen=16",
-    "NetworkArgs.num_layers=1",
-    "NetworkArgs.hidden_size=16",
-    "NetworkArgs.num_attention_heads=1",
-    "NetworkArgs.kv_channels=16",
-    "TrainerArgs.train_batch_size=8",
-    "TrainerArgs.eval_batch_size=32",
-    "TrainerArgs.max_eval_iters=2",
-]
+TINY = TINY_RUN
 
 
 def test_bench_small_times_a_run_by_parts(load_script, tmp_path):

@@ -7,20 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+from model_helpers import TINY_RUN
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "synthetic_retrieval.gin")
 
 TINY = [
-    "DatasetArgs.synthetic_num_users=200",
-    "DatasetArgs.synthetic_num_items=100",
-    "DatasetArgs.max_history_seqlen=16",
-    "NetworkArgs.num_layers=1",
-    "NetworkArgs.hidden_size=16",
-    "NetworkArgs.num_attention_heads=1",
-    "NetworkArgs.kv_channels=16",
-    "TrainerArgs.train_batch_size=8",
-    "TrainerArgs.eval_batch_size=32",
-    "TrainerArgs.max_eval_iters=2",
+    *TINY_RUN,
     "TrainerArgs.max_train_iters=6",
     "TrainerArgs.eval_interval=3",
     "TrainerArgs.ckpt_save_interval=3",

@@ -459,7 +459,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in runs:
             print(f"  {r.name}: {r.status}; {' '.join(r.bindings)}")
         return 0
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"error: --out {out} cannot be created ({exc.strerror or exc})", file=sys.stderr)
+        return 2
     completed = run_all(args, runs, out)
     path = write_table(runs, out)
     print(summary(runs))

@@ -210,3 +210,12 @@ def test_seeds_are_summarised_per_setting(load_script):
     assert lines[2].split() == ["1", "2/2", "0.3000", "+-", "0.1414", "0.2000", "+-", "0.1414"]
     no_seeds = [sweep.Run("x", {"A.lr": "1"}, [])]
     assert sweep.seed_summary(no_seeds) == ""
+
+
+def test_an_out_directory_that_cannot_be_made_is_named(load_script, tmp_path, capsys):
+    sweep = load_script("sweep")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    argv = ["--config", CONFIG, "--out", str(blocker / "sweep"), "--seeds", "1"]
+    assert sweep.main([*argv, "--bindings", *TINY]) == 2
+    assert f"error: --out {blocker / 'sweep'} cannot be created" in capsys.readouterr().err

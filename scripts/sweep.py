@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
+import math
 import os
 import re
 import signal
@@ -195,6 +196,7 @@ def read_result(run: Run, out: Path) -> bool:
         (e["step"], e["metrics"][run.main_metric])
         for e in read_metrics(run_dir)
         if run.main_metric in e.get("metrics", {})
+        and not math.isnan(e["metrics"][run.main_metric])  # e.g. an AUC of one-class labels
     ]
     if evals:
         run.best_step, run.best = max(evals, key=lambda p: (p[1], -p[0]))

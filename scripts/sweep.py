@@ -276,7 +276,11 @@ def run_all(args: argparse.Namespace, runs: list[Run], out: Path) -> bool:
                     env = {**os.environ, "CUDA_VISIBLE_DEVICES": run.device}
                 fh = open(logs / f"{run.name}.log", "ab")
                 proc = subprocess.Popen(
-                    _command(args, run, out), stdout=fh, stderr=subprocess.STDOUT, env=env
+                    _command(args, run, out),
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    preexec_fn=_child_signals,
                 )
                 run.status = "running"
                 active[run.name] = (run, proc, fh)
@@ -296,19 +300,50 @@ def run_all(args: argparse.Namespace, runs: list[Run], out: Path) -> bool:
                 bar.update(1)
         return True
     except KeyboardInterrupt:
-        for _run, proc, _fh in active.values():
-            proc.send_signal(signal.SIGINT)
-        for run, proc, fh in active.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            fh.close()
+        _stop([(proc, fh) for _run, proc, fh in active.values()])
+        for run, _proc, _fh in active.values():
             run.status = "interrupted"
         return False
     finally:
         bar.close()
+
+
+STOP_WAIT_S = 30.0
+
+
+def _stop(procs: list[tuple[subprocess.Popen, object]]) -> None:
+    """Stops the running runs: SIGINT (a launcher leaves nothing half-written and exits), then
+    SIGTERM, then SIGKILL for any still running after `STOP_WAIT_S` each (at once when the sweep
+    is interrupted again meanwhile)."""
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            alive = [p for p, _ in procs if p.poll() is None]
+            for p in alive:
+                p.send_signal(sig)
+            deadline = time.monotonic() + STOP_WAIT_S
+            for p in alive:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+    except KeyboardInterrupt:  # interrupted again: no more waiting
+        pass
+    for p, _ in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for _, fh in procs:
+        fh.close()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _child_signals() -> None:
+    """In a run's process before it starts: SIGINT as the default (a sweep started where SIGINT
+    is ignored, e.g. in the background of a script, would pass that on)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def write_table(runs: list[Run], out: Path) -> Path:
@@ -466,7 +501,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"error: --out {out} cannot be created ({exc.strerror or exc})", file=sys.stderr)
         return 2
-    completed = run_all(args, runs, out)
+    # SIGINT and SIGTERM interrupt the sweep (also where SIGINT was ignored at its start)
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        completed = run_all(args, runs, out)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     path = write_table(runs, out)
     print(summary(runs))
     by_seed = seed_summary(runs)

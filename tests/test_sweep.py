@@ -157,7 +157,14 @@ def test_an_interrupted_sweep_stops_its_runs_and_keeps_its_table(tmp_path):
     long_run = [*TINY, "TrainerArgs.max_train_iters=100000", "TrainerArgs.eval_interval=0"]
     cmd = [sys.executable, str(script), "--config", CONFIG, "--out", str(out), "--parallel", "1"]
     cmd += ["--allow-non-a100", "--seeds", "1,2", "--bindings", *long_run]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # started with SIGINT ignored, as a background job of a script is: the sweep still stops
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     try:
         deadline = time.monotonic() + 120
         # wait until the first run trains (its run.json says so)
@@ -177,6 +184,9 @@ def test_an_interrupted_sweep_stops_its_runs_and_keeps_its_table(tmp_path):
     rows = _rows(out)
     assert rows["seed-1"]["status"] == "interrupted" and rows["seed-2"]["status"] == "not run"
     assert "results:" in stdout
+    # the run stopped on its SIGINT (the launcher's exit), not killed after the waits
+    log = (out / "logs" / "seed-1.log").read_text()
+    assert "interrupted" in log.lower(), log[-2000:]
 
 
 def test_runs_go_to_the_least_loaded_device(load_script):

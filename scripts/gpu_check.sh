@@ -10,6 +10,7 @@
 # (scripts/bench_e2e.py, 1 GPU, the docs/benchmarks.md command), data (prepare ML-1M, Amazon
 # Beauty, ML-100K from data/raw), inference (scripts/bench_inference.py), small
 # (scripts/bench_small.py, eager vs CUDA graphs), small-profile (the same with a profile),
+# small-shared (8 Amazon Beauty runs at once: PyTorch's CPU threads, then TrainerArgs.cpu_threads=1),
 # hybrid-e2e (the e2e model with a 20M-row hybrid item table against 2M rows in HBM), e2e-graphs
 # (the e2e step eager and with CUDA graphs of the encoder), e2e-graph-sizes (eager against graphs
 # of 16 and 32 pad sizes, profiled), e2e-ab (the e2e step against another
@@ -109,6 +110,12 @@ step() {
           --evals 1 --bindings "NetworkArgs.cuda_graphs=$g" --out "$out/small.jsonl"
         python3 scripts/bench_small.py --config configs/amazon_beauty_retrieval.gin --steps 2000 \
           --evals 1 --bindings "NetworkArgs.cuda_graphs=$g" --out "$out/small.jsonl"
+      done ;;
+    small-shared)  # 8 Amazon Beauty runs at once on the GPU, PyTorch's CPU threads vs one each
+      for t in 0 1; do
+        python3 scripts/bench_small.py --config configs/amazon_beauty_retrieval.gin --steps 1000 \
+          --evals 1 --processes 8 --bindings "TrainerArgs.cpu_threads=$t" \
+          --out "$out/small_shared.jsonl"
       done ;;
     small-profile)  # the small configs with CUDA graphs, then 20 steps under torch.profiler
       for c in ml_1m_retrieval amazon_beauty_retrieval; do

@@ -440,6 +440,14 @@ def seed_summary(runs: list[Run]) -> str:
     return _table(rows)
 
 
+def _print_tables(runs: list[Run]) -> None:
+    print(summary(runs))
+    by_seed = seed_summary(runs)
+    if by_seed:
+        print("mean +- standard deviation over the seeds:")
+        print(by_seed)
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -467,7 +475,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="GPUs to spread the runs over, e.g. 0,1,2,3 (each run gets CUDA_VISIBLE_DEVICES of "
         "the one with the fewest runs at its start); default: the devices the sweep sees",
     )
-    p.add_argument("--dry-run", action="store_true", help="list the runs, start none")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the runs and the results of those finished, start none",
+    )
     args = p.parse_args(argv)
     if args.parallel < 1:
         p.error(f"--parallel must be >= 1 (got {args.parallel})")
@@ -495,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for r in runs:
             print(f"  {r.name}: {r.status}; {' '.join(r.bindings)}")
+        if done:  # the results so far (e.g. of a sweep still running elsewhere)
+            _print_tables(runs)
         return 0
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -509,11 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     path = write_table(runs, out)
-    print(summary(runs))
-    by_seed = seed_summary(runs)
-    if by_seed:
-        print("mean +- standard deviation over the seeds:")
-        print(by_seed)
+    _print_tables(runs)
     print(f"results: {path}")
     failed = [r for r in runs if r.status == "failed"]
     for r in failed:

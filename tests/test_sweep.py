@@ -103,6 +103,12 @@ def test_a_sweep_runs_its_grid_reports_failures_and_skips_finished_runs_on_rerun
     assert sweep.main(argv) == 0
     assert {p.name: p.stat().st_size for p in (out / "logs").iterdir()} == logs
     assert _rows(out) == rows
+    # --dry-run lists the runs and the finished ones' results
+    capsys.readouterr()
+    assert sweep.main([*argv, "--dry-run"]) == 0
+    shown = capsys.readouterr().out
+    assert "(2 finished before)" in shown and "learning_rate-5e-4: finished" in shown
+    assert "best HR@10" in shown
     # a run that fails: reported with its error line, exit 1
     assert sweep.main([*argv, *bad, "--seeds", "7"]) == 1
     failed = _rows(out)

@@ -53,7 +53,6 @@ EXIT_INTERRUPTED = 130
 class Run:
     name: str
     values: dict[str, str]  # grid binding -> value (text, as given)
-    bindings: list[str]
     fingerprint: str = ""
     max_steps: int = 0
     main_metric: str = ""
@@ -64,6 +63,10 @@ class Run:
     fit_s: float | None = None  # the run's fit (training, evaluations, checkpoints)
     error: str = ""
     device: str = ""  # CUDA_VISIBLE_DEVICES of its process ("" = inherited)
+
+    @property
+    def bindings(self) -> list[str]:
+        return [f"{n}={v}" for n, v in self.values.items()]
 
 
 # ---- the grid ----------------------------------------------------------------------------------
@@ -130,7 +133,7 @@ def expand(grid: list[tuple[str, list[str]]]) -> list[Run]:
     for combo in itertools.product(*(vals for _, vals in grid)):
         values = {n: v for (n, _), v in zip(grid, combo)}
         name = "_".join(f"{label}-{_slug(v)}" for label, v in zip(labels, combo))
-        runs.append(Run(name=name, values=values, bindings=[f"{n}={v}" for n, v in values.items()]))
+        runs.append(Run(name=name, values=values))
     names = [r.name for r in runs]
     clashes = sorted({n for n in names if names.count(n) > 1})
     if clashes:
@@ -200,21 +203,21 @@ def read_result(run: Run, out: Path) -> bool:
     ]
     if evals:
         run.best_step, run.best = max(evals, key=lambda p: (p[1], -p[0]))
-    elif run.main_metric in run.final_metrics:
-        run.best, run.best_step = run.final_metrics[run.main_metric], result.get("step")
     run.status = "finished"
     return True
 
 
 def _resume_binding(out: Path, run: Run) -> list[str]:
-    """How an unfinished run starts again: from its latest checkpoint where it saved one, else
-    afresh in its own directory."""
+    """How an unfinished run starts again: from its latest complete checkpoint where it saved
+    one, else afresh in its own directory."""
+    from hstu.training.rundir import latest_checkpoint
+
     run_dir = out / run.name
     if not run_dir.is_dir():
         return []
-    ckpts = run_dir / "checkpoints"
-    if ckpts.is_dir() and any(p.name.startswith("step_") for p in ckpts.iterdir()):
-        return [f"TrainerArgs.ckpt_load_dir='{ckpts}'"]
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    if latest is not None:
+        return [f"TrainerArgs.ckpt_load_dir='{latest}'"]
     return ["TrainerArgs.allow_existing_run_dir=True"]
 
 

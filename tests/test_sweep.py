@@ -198,7 +198,7 @@ def test_an_interrupted_sweep_stops_its_runs_and_keeps_its_table(tmp_path):
 def test_runs_go_to_the_least_loaded_device(load_script):
     sweep = load_script("sweep")
     run = sweep.Run
-    on = [run("a", {}, [], device="0"), run("b", {}, [], device="0"), run("c", {}, [], device="1")]
+    on = [run("a", {}, device="0"), run("b", {}, device="0"), run("c", {}, device="1")]
     assert sweep.pick_device(["0", "1", "2"], on) == "2"
     assert sweep.pick_device(["0", "1"], on) == "1"
     assert sweep.pick_device(["0", "1"], []) == "0"
@@ -208,7 +208,7 @@ def test_seeds_are_summarised_per_setting(load_script):
     sweep = load_script("sweep")
 
     def run(lr, seed, best=None, final=None):
-        r = sweep.Run(f"{lr}-{seed}", {"A.lr": lr, "TrainerArgs.seed": seed}, [])
+        r = sweep.Run(f"{lr}-{seed}", {"A.lr": lr, "TrainerArgs.seed": seed})
         r.main_metric, r.best = "HR@10", best
         r.final_metrics = {} if final is None else {"HR@10": final}
         return r
@@ -224,7 +224,7 @@ def test_seeds_are_summarised_per_setting(load_script):
     # best mean first; the standard deviation is the sample one (n - 1)
     assert lines[1].split() == ["2", "1/2", "0.5000", "+-", "0.0000", "0.5000", "+-", "0.0000"]
     assert lines[2].split() == ["1", "2/2", "0.3000", "+-", "0.1414", "0.2000", "+-", "0.1414"]
-    no_seeds = [sweep.Run("x", {"A.lr": "1"}, [])]
+    no_seeds = [sweep.Run("x", {"A.lr": "1"})]
     assert sweep.seed_summary(no_seeds) == ""
 
 

@@ -282,7 +282,8 @@ def _abandoned(run_dir: Path) -> bool:
     return pid == os.getpid() or not _pid_alive(pid)
 
 
-def _latest_of(ckpt_root: Path) -> Path | None:
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The latest complete step directory under checkpoint root ``ckpt_root`` (None: none)."""
     try:
         if not (ckpt_root / LATEST_FILE).is_file() and not Checkpointer.list_checkpoints(ckpt_root):
             return None
@@ -361,7 +362,7 @@ def prepare_run_dir(cfg: RunConfig, resume: Path | None = None) -> RunDir:
         )
     started = base.is_dir() and any(base.iterdir()) and not _abandoned(base)
     if started:
-        continuing = resume is not None and resume == _latest_of(ckpt_root(base))
+        continuing = resume is not None and resume == latest_checkpoint(ckpt_root(base))
         if continuing:
             saved = _saved_identity(base)
             diffs = _differences(saved, identity) if saved else []
@@ -382,7 +383,7 @@ def prepare_run_dir(cfg: RunConfig, resume: Path | None = None) -> RunDir:
             run = None  # a fresh directory, chosen below
     ckpt_dir = ckpt_root(run if run is not None else base)
     if explicit_ckpt is not None and t.ckpt_save_interval >= 0 and not allow:
-        latest = _latest_of(explicit_ckpt)
+        latest = latest_checkpoint(explicit_ckpt)
         if latest is not None and latest != resume:
             raise RunDirError(
                 f"TrainerArgs.ckpt_save_dir='{t.ckpt_save_dir}' already holds checkpoints of "
@@ -425,16 +426,11 @@ def prepare_run_dir(cfg: RunConfig, resume: Path | None = None) -> RunDir:
 
 def mark_started(run: RunDir, cfg: RunConfig) -> None:
     """Record in run.json that the run finished setting up (its directory is no longer reused
-    by a later run of the same name). Rank 0."""
+    by a later run of the same name), and start a fresh run's `METRICS_FILE` empty. Rank 0."""
     info = _read_run_file(run.path) or {}
     extra = {k: v for k, v in info.items() if k == "resumed_from"}
     _write_run_file(run.path, cfg, "started", **extra)
-
-
-def start_metrics_file(run: RunDir) -> None:
-    """A fresh run's evaluation log starts empty (a run continued from its checkpoint appends to
-    its own). Rank 0."""
-    if not run.continuing:
+    if not run.continuing:  # a fresh run's evaluation log starts empty (a continued one appends)
         (run.path / METRICS_FILE).write_text("")
 
 

@@ -64,7 +64,6 @@ from hstu.training.rundir import (
     mark_finished,
     mark_started,
     setup_run_dir,
-    start_metrics_file,
 )
 from hstu.training.step_graphs import (
     StepGraphs,
@@ -145,9 +144,9 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, device_type: str = "cpu") -> None:
         self.cfg = cfg
-        # PyTorch's CPU thread count while this trainer runs (TrainerArgs.cpu_threads; restored
-        # by close)
         self.info = init_distributed(device_type)
+        # PyTorch's CPU thread count while this trainer runs (TrainerArgs.cpu_threads; restored
+        # by close and after a failed start)
         self._cpu_threads_before = torch.get_num_threads()
         if cfg.trainer.cpu_threads:
             torch.set_num_threads(cfg.trainer.cpu_threads)
@@ -296,7 +295,6 @@ class Trainer:
                 graph_safe_optimizer(self.optimizer, self.device)  # the loaded groups' flags
         if self.info.is_main:
             mark_started(self.run, cfg)  # from now on a run of the same name gets a new directory
-            start_metrics_file(self.run)
         if self.info.is_main:
             logger.info(
                 "model: %d dense parameters, tables %s; run directory %s; %d CPU threads",

@@ -235,3 +235,18 @@ def test_an_out_directory_that_cannot_be_made_is_named(load_script, tmp_path, ca
     argv = ["--config", CONFIG, "--out", str(blocker / "sweep"), "--seeds", "1"]
     assert sweep.main([*argv, "--bindings", *TINY]) == 2
     assert f"error: --out {blocker / 'sweep'} cannot be created" in capsys.readouterr().err
+
+
+def test_sweep_options_are_checked(load_script, tmp_path, capsys):
+    sweep = load_script("sweep")
+    out = ["--out", str(tmp_path / "s")]
+    for argv, message in [
+        (["--config", CONFIG, *out, "--seeds", "1", "--parallel", "0"], "--parallel must be >= 1"),
+        (["--config", str(tmp_path / "none.gin"), *out, "--seeds", "1"], "none.gin: no such file"),
+        ([*out, "--seeds", "1"], "--config"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            sweep.main(argv)
+        assert info.value.code == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()

@@ -219,22 +219,6 @@ def _without_option(argv: list[str], name: str) -> list[str]:
     return out
 
 
-# A sweep's launches all run the encoder eagerly: several processes never replay CUDA graphs, so
-# a graphed N=1 launch (the benchmark config's default) would not compare with the others.
-SWEEP_BINDING = "NetworkArgs.cuda_graphs=False"
-
-
-def _with_eager_encoder(argv: list[str]) -> list[str]:
-    """argv with `SWEEP_BINDING` first among its gin bindings (a later binding of the user's
-    still wins)."""
-    for i, tok in enumerate(argv):
-        if tok == "--bindings":
-            return argv[: i + 1] + [SWEEP_BINDING] + argv[i + 1 :]
-        if tok.startswith("--bindings="):
-            return argv[:i] + ["--bindings", SWEEP_BINDING, tok.split("=", 1)[1]] + argv[i + 1 :]
-    return argv + ["--bindings", SWEEP_BINDING]
-
-
 def _sweep(args: argparse.Namespace, argv: list[str]) -> int:
     """One torchrun launch per GPU count; then the scaling rows."""
     import tempfile
@@ -248,7 +232,7 @@ def _sweep(args: argparse.Namespace, argv: list[str]) -> int:
                 f"{have} are visible (CUDA_VISIBLE_DEVICES); drop the larger counts or use "
                 "--device cpu (gloo)"
             )
-    base = _with_eager_encoder(_without_option(_without_option(argv, "--nproc"), "--out"))
+    base = _without_option(_without_option(argv, "--nproc"), "--out")
     rows: dict[int, list[dict]] = {}
     for n in counts:
         with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp:
@@ -887,16 +871,33 @@ def _warm_graphs(trainer, graphs, cap: int) -> int:
     `GRAPH_SETTLE_STEPS` steps in a row replayed a graph: each token bucket is captured the first
     time it is seen, so a long run's steady state replays nearly every step, while a fixed short
     warm-up would leave captures in the timed steps. Returns the steps added."""
-    if graphs is None or graphs.disabled:
-        return 0
+    def settled(streak: int) -> bool:
+        return graphs is None or graphs.disabled or streak >= GRAPH_SETTLE_STEPS
+
     streak = added = 0
-    while streak < GRAPH_SETTLE_STEPS and added < cap and not graphs.disabled:
+    # with several ranks every rank runs as many steps as the slowest to settle (DDP's
+    # collectives need the same step count everywhere): one host collective per warm-up step
+    world = trainer.info.world_size
+    while added < cap and not _all_ranks(settled(streak), world, trainer.device):
+        if graphs is None:  # off here, still warming up on another rank
+            trainer.train_step()
+            added += 1
+            continue
         replays, eager, captures = graphs.replays, graphs.eager, graphs.captures
         trainer.train_step()
         added += 1
         replayed = graphs.replays > replays and graphs.eager == eager
         streak = streak + 1 if replayed and graphs.captures == captures else 0
     return added
+
+
+def _all_ranks(flag: bool, world: int, device: torch.device) -> bool:
+    """Whether ``flag`` holds on every rank (one collective when there are several)."""
+    if world == 1:
+        return flag
+    from hstu.training.distributed import all_reduce_sum
+
+    return all_reduce_sum([0.0 if flag else 1.0], device)[0] == 0.0
 
 
 def _issue_alone(trainer, probes: int, graphs) -> dict:

@@ -61,14 +61,14 @@ def torchrun_command(script: str | os.PathLike[str], nproc: int, *args: str) -> 
 
 
 def torchrun_losses(
-    nproc: int, bindings: list[str], out: Path, timeout: float = 600
+    nproc: int, bindings: list[str], out: Path, timeout: float = 600, **env: str
 ) -> list[float]:
-    """Trains the ranking task with ``bindings`` on ``nproc`` gloo processes (`launcher_env`)
-    and returns rank 0's loss per step."""
+    """Trains the ranking task with ``bindings`` on ``nproc`` processes (`launcher_env`, plus
+    ``env``: gloo on CPU, NCCL where CUDA is visible) and returns rank 0's loss per step."""
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
         torchrun_command(WORKER, nproc, str(ROOT), json.dumps(bindings), str(out)),
-        env=launcher_env(),
+        env=launcher_env(**env),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -4,7 +4,7 @@ Trains the ranking task with the gin ``BINDINGS`` (a JSON list), writes rank 0's
 ``OUT/losses.json`` and, right after a checkpoint was loaded (before any step), every rank's
 restored state to ``OUT/loaded_rank_<r>.pt`` (sharded tensors as offset records), so a test can
 compare it with the saved files; rank 0 also writes ``OUT/info.json`` (whether the ids of the
-dynamic tables were routed ahead of the steps).
+dynamic tables were routed ahead of the steps; its CUDA graphs' replays and captures).
 """
 
 from __future__ import annotations
@@ -44,7 +44,14 @@ def main() -> None:
         trainer.close()
     if rank == 0:
         (out / "losses.json").write_text(json.dumps(result.losses))
-        (out / "info.json").write_text(json.dumps({"input_dist_ahead": trainer.pipeline.ahead}))
+        graphs = trainer.graph_stats()
+        info = {
+            "input_dist_ahead": trainer.pipeline.ahead,
+            "graph_replays": None if graphs is None else graphs.replays,
+            "graph_captures": None if graphs is None else graphs.captures,
+            "graphs_disabled": None if graphs is None else graphs.disabled,
+        }
+        (out / "info.json").write_text(json.dumps(info))
 
 
 if __name__ == "__main__":

@@ -194,8 +194,9 @@ class _FakeGraphs:
 
 
 class _FakeTrainer:
-    def __init__(self, graphs):
+    def __init__(self, graphs, world_size: int = 1):
         self.graphs, self.device = graphs, type("D", (), {"type": "cpu"})()
+        self.info = type("Info", (), {"world_size": world_size})()
         self.steps = 0
 
     def train_step(self):
@@ -219,6 +220,34 @@ def test_graph_warmup_runs_until_steps_in_a_row_replayed(load_script, monkeypatc
     graphs = _FakeGraphs("e" * 20)
     assert bench._warm_graphs(_FakeTrainer(graphs), graphs, cap=5) == 5  # the cap
     assert bench._warm_graphs(_FakeTrainer(graphs), None, cap=5) == 0  # graphs off
+
+
+def test_graph_warmup_on_several_ranks_lasts_until_every_rank_settled(load_script, monkeypatch):
+    """With several ranks the warm-up goes on until every rank had its steps in a row (DDP's
+    collectives need the same step count on all ranks): the other rank here settles 4 steps later
+    than this one; a rank whose graphs are off or settled still steps along."""
+    from hstu.training import distributed
+
+    bench = load_script("bench_e2e")
+    monkeypatch.setattr(bench, "GRAPH_SETTLE_STEPS", 3)
+    other = iter([1.0] * 7 + [0.0] * 10)  # the other rank: not settled for its first 7 checks
+    calls = []
+
+    def all_reduce_sum(values, device):
+        calls.append(values)
+        return [values[0] + next(other)]
+
+    monkeypatch.setattr(distributed, "all_reduce_sum", all_reduce_sum)
+    graphs = _FakeGraphs("crrr" + "r" * 10)
+    trainer = _FakeTrainer(graphs, world_size=2)
+    assert bench._warm_graphs(trainer, graphs, cap=100) == 7 and trainer.steps == 7
+    assert len(calls) == 8  # one agreement per step, and the last that ends the warm-up
+    other = iter([1.0] * 3 + [0.0])
+    trainer = _FakeTrainer(_FakeGraphs("e" * 5), world_size=2)
+    assert bench._warm_graphs(trainer, None, cap=100) == 3  # graphs off here, not there
+    other = iter([1.0] * 10)
+    trainer = _FakeTrainer(_FakeGraphs("r" * 10), world_size=2)
+    assert bench._warm_graphs(trainer, trainer.graphs, cap=5) == 5  # the cap ends it everywhere
 
 
 def test_issue_probes_keep_only_replayed_steps_with_graphs(load_script):
@@ -613,18 +642,3 @@ def test_bench_e2e_repeat_batch_is_one_process_only():
     )  # fmt: skip
     assert proc.returncode != 0 and "--repeat-batch runs on one process" in proc.stderr
 
-
-def test_scaling_sweep_runs_every_launch_with_the_eager_encoder(load_script):
-    """--nproc sweeps bind NetworkArgs.cuda_graphs=False first among the gin bindings (added to
-    an existing --bindings list, also in its --bindings=X form, or as a new one), so a graphed
-    N=1 launch never meets eager N>1 launches; a user's own later binding still wins."""
-    bench = load_script("bench_e2e")
-    b = bench.SWEEP_BINDING
-    assert b == "NetworkArgs.cuda_graphs=False"
-    assert bench._with_eager_encoder(["--steps", "3"]) == ["--steps", "3", "--bindings", b]
-    assert bench._with_eager_encoder(["--bindings", "A=1", "B=2", "--steps", "3"]) == [
-        "--bindings", b, "A=1", "B=2", "--steps", "3",
-    ]  # fmt: skip
-    assert bench._with_eager_encoder(["--bindings=A=1", "--steps", "3"]) == [
-        "--bindings", b, "A=1", "--steps", "3",
-    ]  # fmt: skip

@@ -114,7 +114,7 @@ def test_padding_changes_no_output_or_gradient(task, extra):
 def test_only_a_call_that_may_replay_graphs_pads_coarsely(monkeypatch, sizes):
     """The model rounds the token count to `NetworkArgs.cuda_graph_pad_sizes` sizes per power of
     two (default 8) only for a call its encoder may replay from CUDA graphs (training on CUDA,
-    graphs on: `HSTUEncoder.graphed`); otherwise (evaluation, CPU, several processes) to 32."""
+    graphs on: `HSTUEncoder.graphed`); otherwise (evaluation, CPU) to 32."""
     bindings = ["NetworkArgs.cuda_graphs=True"]
     if sizes is not None:
         bindings.append(f"NetworkArgs.cuda_graph_pad_sizes={sizes}")

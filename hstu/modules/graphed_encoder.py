@@ -52,8 +52,10 @@ allocator's cached free blocks of the ordinary pool go back to the device (the f
 warm-up passes ran there; later ones run in the graphs' pool, "Memory"): the graphs' own pool
 holds what a replay needs. Captures are counted and
 timed (`stats`) so that logs and benchmarks can report them apart from the steady state.
-Training on one CUDA process only: under DDP (several ranks) and in evaluation the encoder runs
-eagerly.
+Training only (evaluation runs the encoder eagerly), on one CUDA process or several: under DDP
+each rank captures and replays its own graphs (their keys follow its own share of the batch) and
+the backward replay returns every parameter's gradient to autograd at once, where DDP's hooks
+start the gradient all-reduce; nothing inside a graph communicates.
 """
 
 from __future__ import annotations
@@ -313,20 +315,15 @@ class EncoderGraphs:
 
     # ---- dispatch ------------------------------------------------------------------------------
     def applies(self, encoder: nn.Module, device: torch.device) -> bool:
-        """Whether a call on ``device`` may use graphs: CUDA, training with gradients, one
-        process."""
+        """Whether a call on ``device`` may use graphs: CUDA, training with gradients, not
+        inside another capture."""
         if self.stats.disabled or torch.device(device).type != "cuda":
             return False
         if not (encoder.training and torch.is_grad_enabled()):
             return False
-        if torch.cuda.is_current_stream_capturing():
-            return False
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # expected (a config that graphs one GPU launched on several), so not a warning
-            self._disable("several processes (DDP); multi-GPU runs are not graphed", logging.INFO)
-            return False
-        return True
+        # Under DDP (several ranks) too: the graphs hold no collective; the backward replay hands
+        # every parameter's gradient to autograd at its end, where DDP's hooks reduce them
+        return not torch.cuda.is_current_stream_capturing()
 
     def run(self, encoder: nn.Module, x: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
         """``encoder``'s forward of (x, attn) from a graph where one applies (captured first

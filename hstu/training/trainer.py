@@ -774,8 +774,6 @@ class Trainer:
             return "off (the layers run a PyTorch attention)"
         if self.device.type != "cuda":
             return "n/a (CPU)"
-        if self.info.world_size > 1:
-            return "off (several processes)"
         step = self._no_step_graphs
         if self.cfg.network.cuda_graph_scope == "step" and step:
             return f"on (encoder forward+backward per input shape; not the whole step: {step})"

@@ -871,6 +871,7 @@ def _warm_graphs(trainer, graphs, cap: int) -> int:
     `GRAPH_SETTLE_STEPS` steps in a row replayed a graph: each token bucket is captured the first
     time it is seen, so a long run's steady state replays nearly every step, while a fixed short
     warm-up would leave captures in the timed steps. Returns the steps added."""
+
     def settled(streak: int) -> bool:
         return graphs is None or graphs.disabled or streak >= GRAPH_SETTLE_STEPS
 

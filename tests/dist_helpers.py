@@ -61,13 +61,29 @@ def torchrun_command(script: str | os.PathLike[str], nproc: int, *args: str) -> 
 
 
 def torchrun_losses(
-    nproc: int, bindings: list[str], out: Path, timeout: float = 600, **env: str
+    nproc: int,
+    bindings: list[str],
+    out: Path,
+    timeout: float = 600,
+    device: str = "cpu",
+    flat_gradients: bool = False,
+    **env: str,
 ) -> list[float]:
     """Trains the ranking task with ``bindings`` on ``nproc`` processes (`launcher_env`, plus
-    ``env``: gloo on CPU, NCCL where CUDA is visible) and returns rank 0's loss per step."""
+    ``env``) on ``device`` (cpu: gloo; cuda: a GPU per rank, NCCL; ``flat_gradients``: the
+    ranks average the dense gradients with `FlatGradients`, not DDP) and returns rank 0's loss
+    per step."""
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
-        torchrun_command(WORKER, nproc, str(ROOT), json.dumps(bindings), str(out)),
+        torchrun_command(
+            WORKER,
+            nproc,
+            str(ROOT),
+            json.dumps(bindings),
+            str(out),
+            device,
+            *(["flat_gradients"] if flat_gradients else []),
+        ),
         env=launcher_env(**env),
         capture_output=True,
         text=True,

@@ -1,6 +1,9 @@
-"""Worker for the multi-process CPU tests: ``torchrun ... dist_train_worker.py ROOT BINDINGS OUT``.
+"""Worker for the multi-process tests: ``torchrun ... dist_train_worker.py ROOT BINDINGS OUT
+[DEVICE [flat_gradients]]``.
 
-Trains the ranking task with the gin ``BINDINGS`` (a JSON list), writes rank 0's loss curve to
+Trains the ranking task with the gin ``BINDINGS`` (a JSON list) on DEVICE (``cpu``: gloo, the
+default; ``cuda``: one GPU per rank, NCCL; ``flat_gradients``: the ranks average the dense
+gradients with `FlatGradients` instead of DDP, as graphed steps on several processes do), writes rank 0's loss curve to
 ``OUT/losses.json`` and, right after a checkpoint was loaded (before any step), every rank's
 restored state to ``OUT/loaded_rank_<r>.pt`` (sharded tensors as offset records), so a test can
 compare it with the saved files; rank 0 also writes ``OUT/info.json`` (whether the ids of the
@@ -24,8 +27,12 @@ from hstu.training.trainer import Trainer  # noqa: E402
 
 def main() -> None:
     bindings, out = json.loads(sys.argv[2]), Path(sys.argv[3])
+    device_type = sys.argv[4] if len(sys.argv) > 4 else "cpu"
+    if len(sys.argv) > 5 and sys.argv[5] == "flat_gradients":
+        # the gradient averaging of graphed steps on several processes, without the graphs
+        Trainer._averages_gradients_itself = lambda self: self.info.world_size > 1
     cfg = load_config("ranking", [], bindings)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, device_type)
     rank = trainer.info.rank
     try:
         if cfg.trainer.ckpt_load_dir:
@@ -47,6 +54,9 @@ def main() -> None:
         graphs = trainer.graph_stats()
         info = {
             "input_dist_ahead": trainer.pipeline.ahead,
+            "flat_gradients": trainer.grad_reducer is not None,
+            "ddp": type(getattr(trainer.model, "_dmp_wrapped_module", None)).__name__
+            == "DistributedDataParallel",
             "graph_replays": None if graphs is None else graphs.replays,
             "graph_captures": None if graphs is None else graphs.captures,
             "graphs_disabled": None if graphs is None else graphs.disabled,

@@ -641,4 +641,3 @@ def test_bench_e2e_repeat_batch_is_one_process_only():
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0 and "--repeat-batch runs on one process" in proc.stderr
-

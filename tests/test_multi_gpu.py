@@ -183,6 +183,30 @@ def test_ids_routed_ahead_give_the_losses_of_routing_in_the_step(tmp_path):
     np.testing.assert_array_equal(runs[True], runs[False])
 
 
+def test_flat_gradients_train_as_ddp_does(tmp_path):
+    """Two gloo processes, plain tables: averaging the dense gradients with `FlatGradients`
+    (what graphed steps on several GPUs do inside their graphs) trains exactly as DDP does, and
+    as one process with the whole batch."""
+    common = TINY + [
+        "EmbeddingArgs.embedding_backend='dense'",
+        "NetworkArgs.use_contextual_features=False",
+        "TrainerArgs.max_train_iters=8",
+        "TrainerArgs.ckpt_save_interval=-1",
+        "TrainerArgs.run_name='r'",
+    ]
+    runs = {}
+    for name, nproc, flat in (("ddp", 2, False), ("flat", 2, True), ("one", 1, False)):
+        out = tmp_path / name
+        runs[name] = torchrun_losses(
+            nproc, common + [f"TrainerArgs.log_dir='{out}'"], out, flat_gradients=flat
+        )
+        info = json.loads((out / "info.json").read_text())
+        assert (info["flat_gradients"], info["ddp"]) == (flat, name == "ddp"), (name, info)
+    assert len(runs["flat"]) == 8
+    np.testing.assert_allclose(runs["flat"], runs["ddp"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(runs["flat"], runs["one"], rtol=1e-4, atol=1e-6)
+
+
 # ---- scripts/check_multi_gpu.py -------------------------------------------------------------
 
 CHECK = ROOT / "scripts" / "check_multi_gpu.py"
@@ -280,3 +304,32 @@ def test_bench_e2e_refuses_more_processes_than_gpus():
         timeout=120,
     )
     assert bad.returncode == 2 and "distinct positive GPU counts" in bad.stderr
+
+
+def test_flat_gradients_views_broadcast_and_refusal(tmp_path):
+    """`FlatGradients` on one gloo process: every gradient a view of one buffer per dtype (the
+    backward accumulates into them), averaging divides by the world size, and a gradient set to
+    None is refused with the fix instead of being left out of the average."""
+    import torch.distributed as dist
+
+    from hstu.training.distributed import FlatGradients
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        a = torch.nn.Parameter(torch.ones(2, 3))
+        b = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+        c = torch.nn.Parameter(torch.ones(5))
+        flat = FlatGradients([a, b, c], world_size=1)
+        assert len(flat.buffers) == 2 and flat.views_intact()
+        (a.sum() * 2 + b.sum() * 3 + c.sum()).backward()
+        assert torch.equal(flat.buffers[0], torch.tensor([2.0] * 6 + [1.0] * 5))
+        flat.world_size = 2  # as if a second rank had sent zeros: the average halves
+        flat.all_reduce()
+        assert torch.equal(a.grad, torch.ones(2, 3)) and torch.equal(b.grad, torch.full((4,), 1.5))
+        a.grad = None
+        with pytest.raises(RuntimeError, match="set_to_none=False"):
+            flat.all_reduce()
+    finally:
+        dist.destroy_process_group()

@@ -1,10 +1,11 @@
-"""Two GPUs (NCCL, DDP): the encoder's CUDA graphs replay on every rank and train as the eager
-encoder does.
+"""Two GPUs (NCCL): CUDA graphs replay on every rank and train as the eager steps do.
 
-Each rank captures its own graphs (their keys follow its share of the batch); the backward replay
-hands the parameter gradients to autograd at its end, where DDP's hooks all-reduce them. These
-tests run two processes of the real trainer (`dist_train_worker.py`) with the graphs on and off
-and compare rank 0's loss curves.
+With torchrec or dynamic tables the encoder's graphs run under DDP: each rank captures its own
+(their keys follow its share of the batch); the backward replay hands the parameter gradients to
+autograd at its end, where DDP's hooks all-reduce them. With plain tables only the whole step is
+graphed and averages the dense gradients inside its graphs (`FlatGradients`, no DDP). These tests
+run two processes of the real trainer (`dist_train_worker.py`) with the graphs on and off and
+compare rank 0's loss curves.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["torchrec", "dynamic"])
-def test_two_gpus_replay_the_encoder_graphs_with_the_eager_losses(tmp_path, backend):
+@pytest.mark.parametrize("backend", ["torchrec", "dynamic", "dense"])
+def test_two_gpus_replay_graphs_with_the_eager_losses(tmp_path, backend):
+    """torchrec and dynamic tables: the encoder's graphs under DDP; plain tables: the whole
+    step's graphs, the gradients averaged inside them (`FlatGradients`, no DDP)."""
     needs_compiled_kernels()
     losses, info = {}, {}
     for graphs in (True, False):
@@ -55,13 +58,16 @@ def test_two_gpus_replay_the_encoder_graphs_with_the_eager_losses(tmp_path, back
             f"NetworkArgs.cuda_graphs={graphs}",
             f"TrainerArgs.log_dir='{out}'",
         ]
-        losses[graphs] = torchrun_losses(2, bindings, out, HSTU_ALLOW_NON_A100="1")
+        if backend == "dense":  # no torchrec table at all: the whole step is graphed
+            bindings.append("NetworkArgs.use_contextual_features=False")
+        losses[graphs] = torchrun_losses(2, bindings, out, device="cuda")
         info[graphs] = json.loads((out / "info.json").read_text())
-    on = info[True]
+    on, off = info[True], info[False]
     assert not on["graphs_disabled"], on
-    # rank 0 replayed most of its 60 steps (a step of a new shape is captured, then replayed)
+    # rank 0 replayed most of its 60 steps (a step of a new shape runs eagerly or is captured)
     assert on["graph_captures"] >= 1 and on["graph_replays"] >= 40, on
-    assert info[False]["graph_replays"] is None  # eager: no graphs built
+    assert (on["flat_gradients"], on["ddp"]) == (backend == "dense", backend != "dense"), on
+    assert off["graph_replays"] is None and off["ddp"] and not off["flat_gradients"], off
     a, b = torch.tensor(losses[True]), torch.tensor(losses[False])
     assert a.shape == b.shape == (60,)
     assert torch.isfinite(a).all()

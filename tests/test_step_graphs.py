@@ -241,7 +241,6 @@ def test_the_capturable_learning_rate_is_filled_in_place():
 def test_what_the_step_graphs_refuse(monkeypatch):
     _, _, _, model = small_model("retrieval", "EmbeddingArgs.embedding_backend='dense'")
     assert "step graphs: retrieval, ranking" in step_graphs_unsupported(model, "adam", "x", 1)
-    assert "several processes" in step_graphs_unsupported(model, "adam", "retrieval", 2)
     # on CPU the encoder has no graphs (no compiled attention)
     assert "compiled attention" in step_graphs_unsupported(model, "adam", "retrieval", 1)
     _, _, _, ranker = small_model("ranking", "EmbeddingArgs.embedding_backend='dense'")
@@ -250,8 +249,13 @@ def test_what_the_step_graphs_refuse(monkeypatch):
     _, _, _, ranker = small_model("ranking")  # torchrec tables: taken too
     ranker.encoder.graphs = object()
     assert step_graphs_unsupported(ranker, "adam", "ranking", 1) == ""
+    # on several processes not: their ids go between ranks by all-to-all
+    why = step_graphs_unsupported(ranker, "adam", "ranking", 2)
+    assert "several processes with dynamic or torchrec tables" in why
     model.encoder.graphs = object()  # as on a GPU with the compiled attention
     assert step_graphs_unsupported(model, "adam", "retrieval", 1) == ""
+    # plain tables only: several processes too (the step averages the gradients itself)
+    assert step_graphs_unsupported(model, "adam", "retrieval", 2) == ""
     assert "sgd" in step_graphs_unsupported(model, "sgd", "retrieval", 1)
     # random negatives: a corpus looked up whole, up to WHOLE_CORPUS_ROWS items (100 here)
     monkeypatch.setattr(step_graphs, "WHOLE_CORPUS_ROWS", 99)

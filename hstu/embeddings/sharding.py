@@ -106,8 +106,9 @@ class _TableRoute:
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on ``device``; from pinned memory the copy does not wait for the GPU."""
-    if device.type != "cuda":
+    """``t`` on ``device``; a CPU tensor goes through pinned memory to a GPU, so that the copy
+    does not wait for the GPU (a tensor already on a GPU, e.g. routed there, is moved as is)."""
+    if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 

@@ -213,9 +213,15 @@ def planner_constraints(embeddings: EmbeddingStack, world_size: int) -> dict | N
     }
 
 
-def wrap_model(model: nn.Module, info: DistInfo, embeddings: EmbeddingStack) -> nn.Module:
+def wrap_model(
+    model: nn.Module,
+    info: DistInfo,
+    embeddings: EmbeddingStack,
+    data_parallel: bool | None = None,
+) -> nn.Module:
     """Shards the model's tables with DistributedModelParallel (dense parts under DDP when there
-    are several ranks; see `use_ddp`).
+    are several ranks, see `use_ddp`; ``data_parallel=False``: never, the caller averages the
+    gradients itself, `FlatGradients`).
 
     The planner places tables for this world size; on CPU it plans for host memory. The sharders
     come from the model's `EmbeddingStack` (torchrec tables and dynamic tables side by side).
@@ -241,7 +247,60 @@ def wrap_model(model: nn.Module, info: DistInfo, embeddings: EmbeddingStack) -> 
         topology=topology, constraints=planner_constraints(embeddings, info.world_size)
     )
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    wrapper = None if use_ddp(info.world_size) else _no_data_parallel()
+    if data_parallel is None:
+        data_parallel = use_ddp(info.world_size)
+    wrapper = None if data_parallel else _no_data_parallel()
     return DistributedModelParallel(
         model, device=info.device, plan=plan, sharders=sharders, data_parallel_wrapper=wrapper
     )
+
+
+class FlatGradients:
+    """The gradients of ``params`` as views of one flat buffer per dtype, averaged over the ranks
+    by one all-reduce per buffer: the data parallelism of a training step replayed whole from
+    CUDA graphs on several processes (hstu.training.step_graphs), where DDP's gradient hooks,
+    which start their all-reduces from the host during the backward, cannot run. The collective
+    sits inside the captured step and runs at every replay; an eager step calls it alike, so
+    every rank issues the same collectives whichever of its steps replay.
+
+    The parameters are broadcast from rank 0 first (as DDP's construction does). The gradients
+    must then be zeroed in place, never set to None (the step graphs already require that)."""
+
+    def __init__(self, params: list[nn.Parameter], world_size: int) -> None:
+        self.world_size = int(world_size)
+        self.params = list(params)
+        self.buffers: list[torch.Tensor] = []
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault((p.dtype, p.device), []).append(p)
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src=0)
+            for (dtype, device), group in by_dtype.items():
+                flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
+                offset = 0
+                for p in group:
+                    p.grad = flat[offset : offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                self.buffers.append(flat)
+
+    def views_intact(self) -> bool:
+        """Whether every parameter's gradient is still a view of the buffers."""
+        ptrs = {b.untyped_storage().data_ptr() for b in self.buffers}
+        return all(
+            p.grad is not None and p.grad.untyped_storage().data_ptr() in ptrs for p in self.params
+        )
+
+    def all_reduce(self) -> None:
+        """Averages the gradients over the ranks (sum, then / world size). Raises when a
+        gradient was replaced (set to None or to a new tensor): its values would not be
+        averaged."""
+        if not self.views_intact():
+            raise RuntimeError(
+                "FlatGradients: a parameter's gradient is no longer a view of the flat buffers "
+                "(set to None or replaced); zero the gradients in place "
+                "(optimizer.zero_grad(set_to_none=False))"
+            )
+        for flat in self.buffers:
+            dist.all_reduce(flat)
+            flat.mul_(1.0 / self.world_size)

@@ -316,9 +316,12 @@ def step_graphs_unsupported(model, optimizer_str: str, task: str, world_size: in
     """Why the whole training step of ``model`` cannot be graphed ("" when it can)."""
     if task not in ("retrieval", "ranking"):
         return f"the {task} task (step graphs: retrieval, ranking)"
-    if world_size > 1:
-        return "several processes (DDP)"
     emb = model.embeddings
+    if world_size > 1 and (emb.dynamic_features or emb.embedding_collection is not None):
+        return (
+            "several processes with dynamic or torchrec tables (their ids go to the owning "
+            "ranks by all-to-all, whose sizes the host reads)"
+        )
     tables = getattr(emb.dynamic_collection, "tables", None) or {}
     for table in tables.values():
         if table.config.storage != "hbm":

@@ -39,6 +39,7 @@ from hstu.modules.metrics import (
 from hstu.training.checkpoint import Checkpointer, capture_rng_state, restore_rng_state
 from hstu.training.distributed import (
     DistInfo,
+    FlatGradients,
     all_reduce_sum,
     all_reduce_sum_host,
     barrier,
@@ -231,7 +232,13 @@ class Trainer:
         # model
         model = build_model(cfg, self.data, device_type=self.device.type)
         model.embeddings.configure_sparse_optimizer(self.device.type)
-        self.model = wrap_model(model, self.info, model.embeddings)
+        # CUDA graphs of the whole step where they apply; on several processes the step then
+        # averages the gradients itself inside the graph (FlatGradients) instead of DDP
+        self._no_step_graphs = self._step_graphs_unsupported(model)
+        own_reduce = self._averages_gradients_itself()
+        self.model = wrap_model(
+            model, self.info, model.embeddings, data_parallel=False if own_reduce else None
+        )
         self.core: GenerativeRecommender = self.model.module
         self.embeddings = self.core.embeddings
         # plain tables trained like sparse ones (EmbeddingArgs.plain_table_optimizer='sparse')
@@ -248,10 +255,12 @@ class Trainer:
         self.num_dense_params = sum(p.numel() for p in dense)
         self.dense_params = dense
         self.optimizer = build_dense_optimizer(dense, cfg.optimizer)
+        self.grad_reducer = (
+            FlatGradients(dense + table_params, self.info.world_size) if own_reduce else None
+        )
         # CUDA graphs of the whole step where they apply (before the scheduler: the learning
         # rate becomes a device tensor that it fills); the encoder's own graphs otherwise
         self.step_graphs: StepGraphs | None = None
-        self._no_step_graphs = self._step_graphs_unsupported()
         if not self._no_step_graphs:
             self.step_graphs = StepGraphs(
                 self.core,
@@ -590,6 +599,9 @@ class Trainer:
             out = self.model(batch, loss_normalizer=normalizer, sparse_input=sparse_input)
         with record_function("hstu/backward"):
             out["loss"].backward()
+        if self.grad_reducer is not None:  # several processes without DDP (graphed steps)
+            with record_function("hstu/gradient_all_reduce"):
+                self.grad_reducer.all_reduce()
         with record_function("hstu/optimizer"):
             grad_norm = clip_grad_norm(
                 self.dense_params, self.cfg.optimizer.grad_clip_norm, as_tensor=True
@@ -597,8 +609,11 @@ class Trainer:
             for optimizer in (self.optimizer, self.table_optimizer):
                 if optimizer is not None:
                     optimizer.step()
-                    # the step graphs hold the gradients' addresses: zeroed in place then
-                    optimizer.zero_grad(set_to_none=self.step_graphs is None)
+                    # the step graphs hold the gradients' addresses, and FlatGradients' are
+                    # views of its buffers: zeroed in place then
+                    optimizer.zero_grad(
+                        set_to_none=self.step_graphs is None and self.grad_reducer is None
+                    )
         return out, grad_norm
 
     def _optimize(self, batch: Batch, normalizer) -> StepOutputs:
@@ -609,8 +624,15 @@ class Trainer:
         task_losses = out.get("task_losses") if self.cfg.task == "ranking" else None
         return StepOutputs(loss_sum, grad_norm, task_losses)
 
-    def _step_graphs_unsupported(self) -> str:
-        """Why this run's training step is not graphed whole ("" when it is)."""
+    def _averages_gradients_itself(self) -> bool:
+        """Whether the step averages the dense gradients over the ranks itself
+        (`FlatGradients`, inside the step's graphs) instead of DDP: several processes whose
+        whole step is graphed."""
+        return self.info.world_size > 1 and not self._no_step_graphs
+
+    def _step_graphs_unsupported(self, model: GenerativeRecommender) -> str:
+        """Why this run's training step (of ``model``, before or after its wrapping) is not
+        graphed whole ("" when it is)."""
         net = self.cfg.network
         if self.device.type != "cuda":
             return "CPU"
@@ -619,7 +641,7 @@ class Trainer:
         if net.cuda_graph_scope != "step":
             return f"NetworkArgs.cuda_graph_scope={net.cuda_graph_scope!r}"
         return step_graphs_unsupported(
-            self.core, self.cfg.optimizer.optimizer_str, self.cfg.task, self.info.world_size
+            model, self.cfg.optimizer.optimizer_str, self.cfg.task, self.info.world_size
         )
 
     def _resolve(self, pending: list[_PendingStep]) -> list[dict[str, float]]:
@@ -767,6 +789,11 @@ class Trainer:
 
     def _graphs_choice(self) -> str:
         if self.step_graphs is not None:
+            if self.grad_reducer is not None:
+                return (
+                    "on (the whole training step replayed per batch shape; the gradients "
+                    "averaged over the ranks inside it, not by DDP)"
+                )
             return "on (the whole training step replayed per batch shape)"
         if getattr(self.core.encoder, "graphs", None) is None:
             if not self.cfg.network.cuda_graphs:

@@ -66,13 +66,13 @@ def torchrun_losses(
     out: Path,
     timeout: float = 600,
     device: str = "cpu",
-    flat_gradients: bool = False,
+    flat_gradients: str = "",
     **env: str,
 ) -> list[float]:
     """Trains the ranking task with ``bindings`` on ``nproc`` processes (`launcher_env`, plus
-    ``env``) on ``device`` (cpu: gloo; cuda: a GPU per rank, NCCL; ``flat_gradients``: the
-    ranks average the dense gradients with `FlatGradients`, not DDP) and returns rank 0's loss
-    per step."""
+    ``env``) on ``device`` (cpu: gloo; cuda: a GPU per rank, NCCL; ``flat_gradients``: a mode
+    of `dist_train_worker.py`, e.g. "flat_gradients": the ranks average the dense gradients with
+    `FlatGradients`, not DDP) and returns rank 0's loss per step."""
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
         torchrun_command(
@@ -82,7 +82,7 @@ def torchrun_losses(
             json.dumps(bindings),
             str(out),
             device,
-            *(["flat_gradients"] if flat_gradients else []),
+            *([flat_gradients] if flat_gradients else []),
         ),
         env=launcher_env(**env),
         capture_output=True,

@@ -1,9 +1,11 @@
 """Worker for the multi-process tests: ``torchrun ... dist_train_worker.py ROOT BINDINGS OUT
-[DEVICE [flat_gradients]]``.
+[DEVICE [flat_gradients | flat_gradients_mixed]]``.
 
 Trains the ranking task with the gin ``BINDINGS`` (a JSON list) on DEVICE (``cpu``: gloo, the
 default; ``cuda``: one GPU per rank, NCCL; ``flat_gradients``: the ranks average the dense
-gradients with `FlatGradients` instead of DDP, as graphed steps on several processes do), writes rank 0's loss curve to
+gradients with `FlatGradients` instead of DDP, as graphed steps on several processes do;
+``flat_gradients_mixed``: that, with the ranks taking the graphed steps' code path and the eager
+one alternately, `_MixedSteps`), writes rank 0's loss curve to
 ``OUT/losses.json`` and, right after a checkpoint was loaded (before any step), every rank's
 restored state to ``OUT/loaded_rank_<r>.pt`` (sharded tensors as offset records), so a test can
 compare it with the saved files; rank 0 also writes ``OUT/info.json`` (whether the ids of the
@@ -25,15 +27,37 @@ from hstu.training.reshard import to_portable  # noqa: E402
 from hstu.training.trainer import Trainer  # noqa: E402
 
 
+class _MixedSteps:
+    """Stands in for `StepGraphs` on CPU: every other step (offset by the rank, so the ranks
+    differ at every step) runs `Trainer._optimize` as a graphed step would, the others are handed
+    back to the trainer's own eager step. Both must issue the same collectives."""
+
+    def __init__(self, trainer) -> None:
+        from hstu.graph_capture import GraphStats
+
+        self.trainer, self.count, self.stats = trainer, 0, GraphStats()
+
+    def step(self, host, normalizer):
+        self.count += 1
+        if (self.count + self.trainer.info.rank) % 2:
+            return None
+        self.stats.replays += 1
+        outputs = self.trainer._optimize(host.to(self.trainer.device), normalizer)
+        lengths = self.trainer.core.last_attention_inputs.real_lengths()
+        return outputs, lengths, int(lengths.sum())
+
+
 def main() -> None:
     bindings, out = json.loads(sys.argv[2]), Path(sys.argv[3])
     device_type = sys.argv[4] if len(sys.argv) > 4 else "cpu"
-    if len(sys.argv) > 5 and sys.argv[5] == "flat_gradients":
+    if len(sys.argv) > 5 and sys.argv[5].startswith("flat_gradients"):
         # the gradient averaging of graphed steps on several processes, without the graphs
         Trainer._averages_gradients_itself = lambda self: self.info.world_size > 1
     cfg = load_config("ranking", [], bindings)
     trainer = Trainer(cfg, device_type)
     rank = trainer.info.rank
+    if len(sys.argv) > 5 and sys.argv[5] == "flat_gradients_mixed":
+        trainer.step_graphs = _MixedSteps(trainer)
     try:
         if cfg.trainer.ckpt_load_dir:
             loaded = {

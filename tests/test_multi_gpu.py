@@ -195,15 +195,27 @@ def test_flat_gradients_train_as_ddp_does(tmp_path):
         "TrainerArgs.run_name='r'",
     ]
     runs = {}
-    for name, nproc, flat in (("ddp", 2, False), ("flat", 2, True), ("one", 1, False)):
+    cases = (
+        ("ddp", 2, ""),
+        ("flat", 2, "flat_gradients"),
+        # the ranks alternate between the graphed steps' code path and the eager one (their
+        # collectives must match, or the run hangs)
+        ("mixed", 2, "flat_gradients_mixed"),
+        ("one", 1, ""),
+    )
+    for name, nproc, mode in cases:
         out = tmp_path / name
         runs[name] = torchrun_losses(
-            nproc, common + [f"TrainerArgs.log_dir='{out}'"], out, flat_gradients=flat
+            nproc, common + [f"TrainerArgs.log_dir='{out}'"], out, timeout=180, flat_gradients=mode
         )
         info = json.loads((out / "info.json").read_text())
-        assert (info["flat_gradients"], info["ddp"]) == (flat, name == "ddp"), (name, info)
+        want = (nproc > 1 and bool(mode), name == "ddp")
+        assert (info["flat_gradients"], info["ddp"]) == want, (name, info)
+        if name == "mixed":
+            assert info["graph_replays"] == 4  # rank 0's even steps
     assert len(runs["flat"]) == 8
     np.testing.assert_allclose(runs["flat"], runs["ddp"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(runs["mixed"], runs["ddp"], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(runs["flat"], runs["one"], rtol=1e-4, atol=1e-6)
 
 

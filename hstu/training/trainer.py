@@ -558,6 +558,10 @@ class Trainer:
             if done is not None:
                 outputs, lengths, tokens = done
                 self.scheduler.step()
+                if self.info.world_size > 1:
+                    # as the eager step below: every rank issues the same collectives per step
+                    # whichever path its step takes (the gradients' all-reduce ran inside)
+                    torch.distributed.all_reduce(outputs.loss_sum)
                 return _PendingStep(
                     loss_sum=outputs.loss_sum,
                     global_count=float(global_count),

@@ -432,8 +432,9 @@ class NetworkArgs:
     pad_tokens: str = (
         "auto"  # pad the jagged token count so matmul shapes repeat: auto (CUDA) | on | off
     )
-    # training on one CUDA process: the encoder's forward + backward replayed from CUDA graphs
-    # captured per input shape (hstu.modules.graphed_encoder). Opt-in (False: eager every step):
+    # training on CUDA (one process or several): the training step replayed from CUDA graphs
+    # captured per input shape (hstu.modules.graphed_encoder, hstu.training.step_graphs).
+    # Opt-in (False: eager every step):
     # on in the small dataset configs (host-bound); a GPU-bound step such as the benchmark
     # model's runs faster eager (docs/benchmarks.md)
     cuda_graphs: bool = False
@@ -443,7 +444,8 @@ class NetworkArgs:
     cuda_graph_pad_sizes: int = 8
     # with cuda_graphs: "step" replays the whole training step (forward, loss, backward,
     # optimizer; hstu.training.step_graphs) where it can (retrieval or ranking with plain,
-    # dynamic or torchrec tables, Adam, one process), the encoder's forward + backward
+    # dynamic or torchrec tables, Adam; on several processes plain tables only, the gradients
+    # averaged inside the step instead of by DDP), the encoder's forward + backward
     # elsewhere; "encoder": the encoder only (large models whose host time is hidden: less
     # memory)
     cuda_graph_scope: str = "step"

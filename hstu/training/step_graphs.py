@@ -36,10 +36,17 @@ the capture stream, whose gradients are zeroed again) and replayed; later ones r
 are counted and timed (`GraphStats`). A capture that fails turns the mode off for the run
 (eager padded steps from then on). Applies to retrieval and ranking training with plain
 embedding tables (trained by the dense optimizer or by `PlainTableOptimizer`), dynamic ones and
-torchrec ones, Adam/AdamW, one CUDA process, and for retrieval in-batch negatives or random ones
+torchrec ones, Adam/AdamW, on CUDA, and for retrieval in-batch negatives or random ones
 from a corpus of at most `WHOLE_CORPUS_ROWS` items (looked up whole:
 `RetrievalGR.whole_corpus_rows`) (`step_graphs_unsupported` names what is missing); elsewhere
 the encoder's graphs run.
+
+Several processes. With plain tables only (dynamic and torchrec tables exchange ids between
+ranks by all-to-all, whose sizes the host reads), without DDP: the trainer's step averages the
+dense gradients itself (`hstu.training.distributed.FlatGradients`: one all-reduce of a flat
+buffer that the gradients are views of, after the backward), so the collective is captured with
+the step and every replay launches it. Every rank issues the same collectives per step whichever
+way its step runs (replay, capture, eager); the warm-up pass before a capture has none.
 
 Dynamic and torchrec tables. A graph cannot replay a dynamic table's lookup with the step: the
 lookup inserts and touches ids, and the capture's warm-up forward would do it a second time; a

@@ -11,6 +11,8 @@
 # Beauty, ML-100K from data/raw), inference (scripts/bench_inference.py), small
 # (scripts/bench_small.py, eager vs CUDA graphs), small-profile (the same with a profile),
 # small-shared (8 Amazon Beauty runs at once: PyTorch's CPU threads, then TrainerArgs.cpu_threads=1),
+# multi-gpu-graphs (2 GPUs: graphed vs eager losses; Amazon Beauty and the e2e model on 1 and 2
+# GPUs, graphed and eager),
 # hybrid-e2e (the e2e model with a 20M-row hybrid item table against 2M rows in HBM), e2e-graphs
 # (the e2e step eager and with CUDA graphs of the encoder), e2e-graph-sizes (eager against graphs
 # of 16 and 32 pad sizes, profiled), e2e-ab (the e2e step against another
@@ -110,6 +112,17 @@ step() {
           --evals 1 --bindings "NetworkArgs.cuda_graphs=$g" --out "$out/small.jsonl"
         python3 scripts/bench_small.py --config configs/amazon_beauty_retrieval.gin --steps 2000 \
           --evals 1 --bindings "NetworkArgs.cuda_graphs=$g" --out "$out/small.jsonl"
+      done ;;
+    multi-gpu-graphs)  # 2 GPUs: the graphed/eager loss test, then 1 vs 2 GPUs graphed and eager
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_multi_gpu_graphs.py
+      for g in True False; do
+        python3 scripts/bench_e2e.py --task retrieval --config configs/amazon_beauty_retrieval.gin \
+          --nproc 1,2 --paths compiled --steps 500 --graph-warmup 300 \
+          --bindings "NetworkArgs.cuda_graphs=$g" --out "$out/multi_gpu_graphs.jsonl"
+        python3 scripts/bench_e2e.py --config configs/synthetic_benchmark_ranking.gin --nproc 1,2 \
+          --steps 100 --graph-warmup 300 --paths compiled --bindings "$E2E_ITEMS" \
+          "EmbeddingArgs.user_capacity=1000000" "TrainerArgs.peak_tflops=989" \
+          "NetworkArgs.cuda_graphs=$g" --out "$out/multi_gpu_graphs.jsonl"
       done ;;
     small-shared)  # 8 Amazon Beauty runs at once on the GPU, PyTorch's CPU threads vs one each
       for t in 0 1; do

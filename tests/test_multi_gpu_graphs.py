@@ -35,7 +35,7 @@ SMALL = [
     "NetworkArgs.scaling_seqlen=64",
     "NetworkArgs.fused_layer=True",
     "TrainerArgs.train_batch_size=32",
-    "TrainerArgs.max_train_iters=60",
+    "TrainerArgs.max_train_iters=80",
     "TrainerArgs.log_interval=1",
     "TrainerArgs.eval_interval=0",
     "TrainerArgs.max_eval_iters=1",
@@ -64,11 +64,11 @@ def test_two_gpus_replay_graphs_with_the_eager_losses(tmp_path, backend):
         info[graphs] = json.loads((out / "info.json").read_text())
     on, off = info[True], info[False]
     assert not on["graphs_disabled"], on
-    # rank 0 replayed most of its 60 steps (a step of a new shape runs eagerly or is captured)
+    # rank 0 replayed half of its 80 steps or more (a new shape runs eagerly or is captured)
     assert on["graph_captures"] >= 1 and on["graph_replays"] >= 40, on
     assert (on["flat_gradients"], on["ddp"]) == (backend == "dense", backend != "dense"), on
     assert off["graph_replays"] is None and off["ddp"] and not off["flat_gradients"], off
     a, b = torch.tensor(losses[True]), torch.tensor(losses[False])
-    assert a.shape == b.shape == (60,)
+    assert a.shape == b.shape == (80,)
     assert torch.isfinite(a).all()
     torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)

@@ -318,6 +318,52 @@ def test_bench_e2e_refuses_more_processes_than_gpus():
     assert bad.returncode == 2 and "distinct positive GPU counts" in bad.stderr
 
 
+def test_checkpoint_of_flat_gradient_ranks_resumes_under_ddp_and_back(tmp_path):
+    """A checkpoint saved by two processes that average with `FlatGradients` (no DDP wrapper)
+    resumes under DDP on two and on one process with the uninterrupted run's losses, and one
+    saved under DDP resumes with `FlatGradients`: the wrapping leaves no trace in a checkpoint."""
+    common = TINY + [
+        "EmbeddingArgs.embedding_backend='dense'",
+        "NetworkArgs.use_contextual_features=False",
+        "TrainerArgs.run_name='r'",
+        "TrainerArgs.max_train_iters=10",
+    ]
+    full = {}
+    for mode in ("flat_gradients", ""):
+        name = mode or "ddp"
+        full[name] = torchrun_losses(
+            2,
+            common
+            + [
+                f"TrainerArgs.log_dir='{tmp_path / name}'",
+                "TrainerArgs.ckpt_save_interval=5",
+                f"TrainerArgs.ckpt_save_dir='{tmp_path / name / 'ckpt'}'",
+            ],
+            tmp_path / name,
+            timeout=180,
+            flat_gradients=mode,
+        )
+    np.testing.assert_allclose(full["flat_gradients"], full["ddp"], rtol=1e-6, atol=1e-7)
+    cases = (("flat_gradients", 2, ""), ("flat_gradients", 1, ""), ("ddp", 2, "flat_gradients"))
+    for saved_by, nproc, mode in cases:
+        out = tmp_path / f"resume_{saved_by}_{nproc}_{mode}"
+        ckpt = tmp_path / saved_by / "ckpt" / "step_00000005"
+        resumed = torchrun_losses(
+            nproc,
+            common
+            + [
+                f"TrainerArgs.log_dir='{out}'",
+                "TrainerArgs.ckpt_save_interval=-1",
+                f"TrainerArgs.ckpt_load_dir='{ckpt}'",
+            ],
+            out,
+            timeout=180,
+            flat_gradients=mode,
+        )
+        assert len(resumed) == 5
+        np.testing.assert_allclose(resumed, full[saved_by][5:], rtol=1e-5, atol=1e-6)
+
+
 def test_flat_gradients_views_broadcast_and_refusal(tmp_path):
     """`FlatGradients` on one gloo process: every gradient a view of one buffer per dtype (the
     backward accumulates into them), averaging divides by the world size, and a gradient set to

@@ -880,15 +880,13 @@ def _warm_graphs(trainer, graphs, cap: int) -> int:
     # collectives need the same step count everywhere): one host collective per warm-up step
     world = trainer.info.world_size
     while added < cap and not _all_ranks(settled(streak), world, trainer.device):
-        if graphs is None:  # off here, still warming up on another rank
-            trainer.train_step()
-            added += 1
-            continue
-        replays, eager, captures = graphs.replays, graphs.eager, graphs.captures
+        before = None if graphs is None else (graphs.replays, graphs.eager, graphs.captures)
         trainer.train_step()
         added += 1
-        replayed = graphs.replays > replays and graphs.eager == eager
-        streak = streak + 1 if replayed and graphs.captures == captures else 0
+        if before is not None:  # (None: off here, still warming up on another rank)
+            replays, eager, captures = before
+            replayed = graphs.replays > replays and graphs.eager == eager
+            streak = streak + 1 if replayed and graphs.captures == captures else 0
     return added
 
 

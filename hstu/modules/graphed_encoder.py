@@ -307,9 +307,9 @@ class EncoderGraphs:
     def __deepcopy__(self, memo) -> EncoderGraphs:
         return EncoderGraphs(**self._settings())
 
-    def _disable(self, reason: str, level: int = logging.WARNING) -> None:
+    def _disable(self, reason: str) -> None:
         if not self.stats.disabled:
-            logger.log(level, "CUDA graphs of the encoder are off: %s; it runs eagerly", reason)
+            logger.warning("CUDA graphs of the encoder are off: %s; it runs eagerly", reason)
         self.stats.disabled = reason
         self.reset()
 

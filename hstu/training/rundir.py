@@ -427,9 +427,7 @@ def prepare_run_dir(cfg: RunConfig, resume: Path | None = None) -> RunDir:
 def mark_started(run: RunDir, cfg: RunConfig) -> None:
     """Record in run.json that the run finished setting up (its directory is no longer reused
     by a later run of the same name), and start a fresh run's `METRICS_FILE` empty. Rank 0."""
-    info = _read_run_file(run.path) or {}
-    extra = {k: v for k, v in info.items() if k == "resumed_from"}
-    _write_run_file(run.path, cfg, "started", **extra)
+    _set_status(run, cfg, "started")
     if not run.continuing:  # a fresh run's evaluation log starts empty (a continued one appends)
         (run.path / METRICS_FILE).write_text("")
 
@@ -465,9 +463,14 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 def mark_finished(run: RunDir, cfg: RunConfig, **result: Any) -> None:
     """Record in run.json that the run trained to its last step, with ``result`` (final step and
     metrics, checkpoint). Rank 0."""
+    _set_status(run, cfg, "finished", result=result)
+
+
+def _set_status(run: RunDir, cfg: RunConfig, status: str, **fields: Any) -> None:
+    """run.json rewritten with ``status`` and ``fields``, keeping where the run resumed from."""
     info = _read_run_file(run.path) or {}
     extra = {k: v for k, v in info.items() if k == "resumed_from"}
-    _write_run_file(run.path, cfg, "finished", **extra, result=result)
+    _write_run_file(run.path, cfg, status, **extra, **fields)
 
 
 def read_run_file(run_dir: Path) -> dict[str, Any] | None:

@@ -552,48 +552,35 @@ class Trainer:
             local_count = _loss_count(host_batch, self.cfg.task)
             global_count, samples = all_reduce_sum_host([local_count, host_batch.batch_size])
         normalizer = max(global_count, 1.0) / self.info.world_size
-        if self.step_graphs is not None:
-            # the graphs copy the (padded) host batch themselves
-            done = self.step_graphs.step(host_batch, normalizer)
-            if done is not None:
-                outputs, lengths, tokens = done
-                self.scheduler.step()
-                if self.info.world_size > 1:
-                    # as the eager step below: every rank issues the same collectives per step
-                    # whichever path its step takes (the gradients' all-reduce ran inside)
-                    torch.distributed.all_reduce(outputs.loss_sum)
-                return _PendingStep(
-                    loss_sum=outputs.loss_sum,
-                    global_count=float(global_count),
-                    samples=float(samples),
-                    local_tokens=float(tokens),
-                    lengths=lengths,
-                    grad_norm=outputs.grad_norm,
-                    task_losses=outputs.task_losses,
-                )
-        if self.device.type == "cuda":
-            # the device batch keeps host_batch as its CPU twin: the model reads sizes from it
-            batch = host_batch.to(self.device, non_blocking=True)
+        # the graphs copy the (padded) host batch themselves; None: the step runs eagerly here
+        done = None if self.step_graphs is None else self.step_graphs.step(host_batch, normalizer)
+        if done is not None:
+            outputs, lengths, tokens = done
         else:
-            batch = host_batch.to(self.device)
-        out, grad_norm = self._update(batch, normalizer, sparse_input)
+            if self.device.type == "cuda":
+                # the device batch keeps host_batch as its CPU twin: the model reads sizes from it
+                batch = host_batch.to(self.device, non_blocking=True)
+            else:
+                batch = host_batch.to(self.device)
+            out, grad_norm = self._update(batch, normalizer, sparse_input)
+            outputs = self._step_outputs(out, grad_norm)
+            attn = self.core.last_attention_inputs
+            lengths = attn.real_lengths() if attn is not None else None
+            tokens = out["num_tokens"]
         self.scheduler.step()
-        attn = self.core.last_attention_inputs
-        lengths = attn.real_lengths() if attn is not None else None
-        loss_sum = out["loss_sum"].detach().to(torch.float64).reshape(1)
         if self.info.world_size > 1:
-            torch.distributed.all_reduce(loss_sum)  # queued on the stream, no host wait
-        task_losses = None
-        if self.cfg.task == "ranking" and "task_losses" in out:
-            task_losses = out["task_losses"].detach()
+            # queued on the stream, no host wait; after the gradients' all-reduce (inside a
+            # graphed step or `_update`), so every rank issues the same collectives per step
+            # whichever way its step ran
+            torch.distributed.all_reduce(outputs.loss_sum)
         return _PendingStep(
-            loss_sum=loss_sum,
+            loss_sum=outputs.loss_sum,
             global_count=float(global_count),
             samples=float(samples),
-            local_tokens=float(out["num_tokens"]),
+            local_tokens=float(tokens),
             lengths=lengths,
-            grad_norm=grad_norm,
-            task_losses=task_losses,
+            grad_norm=outputs.grad_norm,
+            task_losses=outputs.task_losses,
         )
 
     def _update(self, batch: Batch, normalizer, sparse_input=None):
@@ -623,10 +610,15 @@ class Trainer:
     def _optimize(self, batch: Batch, normalizer) -> StepOutputs:
         """The step that `StepGraphs` captures (and runs eagerly on a padded batch): `_update`,
         returning its loss sum (float64 [1]), gradient norm and per-task losses (ranking)."""
-        out, grad_norm = self._update(batch, normalizer)
+        return self._step_outputs(*self._update(batch, normalizer))
+
+    def _step_outputs(self, out: dict, grad_norm) -> StepOutputs:
+        """What a step reports from the model's outputs ``out`` and its gradient norm."""
         loss_sum = out["loss_sum"].detach().to(torch.float64).reshape(1)
         task_losses = out.get("task_losses") if self.cfg.task == "ranking" else None
-        return StepOutputs(loss_sum, grad_norm, task_losses)
+        return StepOutputs(
+            loss_sum, grad_norm, task_losses if task_losses is None else task_losses.detach()
+        )
 
     def _averages_gradients_itself(self) -> bool:
         """Whether the step averages the dense gradients over the ranks itself

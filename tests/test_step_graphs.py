@@ -4,7 +4,8 @@ CPU: the padding to a step key (shapes, weights, lengths, keys that repeat), a p
 gives the unpadded batch's loss and gradients (every negative sampling mode, contextual tokens,
 timestamps), the preprocessor's static layout equals its copied one, the capturable optimizer's
 learning rate is filled in place, what the step graphs refuse; ranking batches padded in tokens
-and candidates give the same loss, task losses and gradients. GPU (-m gpu): training with step
+and candidates give the same loss, task losses and gradients; the trainer's close releases the
+graphs before the process group. GPU (-m gpu): training with step
 graphs follows the eager losses and replays its graphs (retrieval, ranking, plain tables trained
 by the sparse optimizer); random negatives and dropout still draw fresh values per replay; a
 failed capture leaves a run that trains on eagerly.
@@ -479,3 +480,35 @@ def test_a_batch_padded_ahead_is_the_one_its_step_takes(monkeypatch):
     other = splits.train.collate(list(range(5)))
     graphs.prepare(other)
     assert other.host_memo and all(k[0] != "step_graphs" for k in other.host_memo)
+
+
+def test_close_releases_the_graphs_before_the_process_group(monkeypatch):
+    """A graph that holds `FlatGradients`' all-reduce keeps NCCL's communicator in use:
+    destroying the process group first never returned at the end of a two-GPU run. `close`
+    releases the step's graphs first, and a release that fails does not skip the cleanup."""
+    from types import SimpleNamespace
+
+    from hstu.training import trainer as trainer_mod
+
+    calls = []
+    monkeypatch.setattr(trainer_mod, "cleanup", lambda info: calls.append("cleanup"))
+    closable = SimpleNamespace(close=lambda: calls.append("close"))
+
+    def trainer_with(release):
+        return SimpleNamespace(
+            pipeline=closable,
+            tb=closable,
+            info=None,
+            step_graphs=SimpleNamespace(release=release),
+            _cpu_threads_before=torch.get_num_threads(),
+        )
+
+    trainer_mod.Trainer.close(trainer_with(lambda: calls.append("release")))
+    assert calls == ["close", "close", "release", "cleanup"]
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    calls.clear()
+    trainer_mod.Trainer.close(trainer_with(broken))
+    assert calls == ["close", "close", "cleanup"]

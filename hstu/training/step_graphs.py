@@ -685,6 +685,20 @@ class StepGraphs:
         self._pool = None
         self.stats.graphs = 0
 
+    def release(self) -> None:
+        """Destroys every captured graph now (not when Python collects them): a graph that holds a
+        collective (`FlatGradients`' all-reduce) keeps NCCL's communicator in use, and destroying
+        the process group before the graph waits forever. The trainer calls this on close;
+        graphs are captured again on demand afterwards."""
+        for entry in self._entries.values():
+            if entry.graph is not None:
+                entry.graph.reset()
+        self._entries.clear()
+        self._seen.clear()
+        self._pool = None
+        self.stats.graphs = 0
+        torch.cuda.synchronize(self.device)
+
     def disable(self, reason: str) -> None:
         if not self.stats.disabled:
             logger.warning("CUDA graphs of the training step are off: %s", reason)

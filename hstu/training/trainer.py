@@ -955,6 +955,13 @@ class Trainer:
     def close(self) -> None:
         self.pipeline.close()
         self.tb.close()
+        if self.step_graphs is not None:
+            # before the process group goes: a graph with a collective inside keeps it in use
+            # (destroying the group first hangs); a failure here must not skip the cleanup
+            try:
+                self.step_graphs.release()
+            except Exception:  # noqa: BLE001 - e.g. a CUDA error that ended the run: say, go on
+                logger.warning("releasing the step's CUDA graphs failed", exc_info=True)
         cleanup(self.info)
         torch.set_num_threads(self._cpu_threads_before)
 

@@ -74,6 +74,10 @@ def torchrun_losses(
     of `dist_train_worker.py`, e.g. "flat_gradients": the ranks average the dense gradients with
     `FlatGradients`, not DDP) and returns rank 0's loss per step."""
     out.mkdir(parents=True, exist_ok=True)
+    # a worker still running shortly before the timeout writes every thread's stack to
+    # OUT/stacks_rank<r>.txt and exits (`dist_train_worker.py`), so a hang fails with where
+    # each rank waits instead of a bare timeout
+    env.setdefault(DUMP_AFTER_ENV, str(max(timeout - STACK_DUMP_MARGIN_S, 1.0)))
     proc = subprocess.run(
         torchrun_command(
             WORKER,
@@ -89,8 +93,23 @@ def torchrun_losses(
         text=True,
         timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stderr[-4000:] + worker_stacks(out)
     return [loss for _, loss in json.loads((out / "losses.json").read_text())]
+
+
+# `dist_train_worker.py` dumps its stacks after this many seconds (set by `torchrun_losses`)
+DUMP_AFTER_ENV = "DIST_WORKER_DUMP_AFTER_S"
+STACK_DUMP_MARGIN_S = 30.0  # before the launch's timeout: time to write the dumps and tear down
+
+
+def worker_stacks(out: Path) -> str:
+    """The stacks that timed-out workers wrote to ``out`` (empty when none did)."""
+    parts = []
+    for path in sorted(out.glob("stacks_rank*.txt")):
+        text = path.read_text(errors="replace").strip()
+        if text:
+            parts.append(f"\n--- {path.name} (the worker was still running) ---\n{text[-3000:]}")
+    return "".join(parts)
 
 
 def launch(

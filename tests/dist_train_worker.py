@@ -9,12 +9,17 @@ one alternately, `_MixedSteps`), writes rank 0's loss curve to
 ``OUT/losses.json`` and, right after a checkpoint was loaded (before any step), every rank's
 restored state to ``OUT/loaded_rank_<r>.pt`` (sharded tensors as offset records), so a test can
 compare it with the saved files; rank 0 also writes ``OUT/info.json`` (whether the ids of the
-dynamic tables were routed ahead of the steps; its CUDA graphs' replays and captures).
+dynamic tables were routed ahead of the steps; its CUDA graphs' replays and captures). With
+``DIST_WORKER_DUMP_AFTER_S`` set, a worker still running after that many seconds writes every
+thread's stack to ``OUT/stacks_rank<r>.txt`` and exits (`dist_helpers.torchrun_losses` sets it
+shortly before its timeout and shows the stacks when the launch fails).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,8 +52,22 @@ class _MixedSteps:
         return outputs, lengths, int(lengths.sum())
 
 
+def _dump_stacks_if_still_running(out: Path) -> None:
+    """With DIST_WORKER_DUMP_AFTER_S set (tests/dist_helpers.py): after that many seconds, write
+    every thread's Python stack to OUT/stacks_rank<r>.txt and exit, so a test whose ranks hang
+    reports where each one waits."""
+    after = float(os.environ.get("DIST_WORKER_DUMP_AFTER_S", "0") or 0)
+    if after <= 0:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    rank = os.environ.get("RANK", "0")
+    stream = open(out / f"stacks_rank{rank}.txt", "w")  # noqa: SIM115 - open until the exit
+    faulthandler.dump_traceback_later(after, exit=True, file=stream)
+
+
 def main() -> None:
     bindings, out = json.loads(sys.argv[2]), Path(sys.argv[3])
+    _dump_stacks_if_still_running(out)
     device_type = sys.argv[4] if len(sys.argv) > 4 else "cpu"
     if len(sys.argv) > 5 and sys.argv[5].startswith("flat_gradients"):
         # the gradient averaging of graphed steps on several processes, without the graphs

@@ -391,3 +391,15 @@ def test_flat_gradients_views_broadcast_and_refusal(tmp_path):
             flat.all_reduce()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_worker_still_running_near_the_timeout_reports_its_stacks(tmp_path):
+    """A multi-process test whose ranks hang fails with where each rank waits: the worker writes
+    every thread's stack shortly before the launch's timeout and exits (here after 8 s of a run
+    far longer than that)."""
+    bindings = TINY + ["TrainerArgs.max_train_iters=1000000", f"TrainerArgs.log_dir='{tmp_path}'"]
+    with pytest.raises(AssertionError) as failure:
+        torchrun_losses(1, bindings, tmp_path, timeout=120, DIST_WORKER_DUMP_AFTER_S="8")
+    message = str(failure.value)
+    assert "stacks_rank0.txt (the worker was still running)" in message, message[-2000:]
+    assert "dist_train_worker.py" in message and "in fit" in message, message[-2000:]

@@ -30,6 +30,7 @@ Settings that make the comparison meaningful (set unless --bindings override the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -81,6 +82,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--allow-non-a100", action="store_true", help="passed to the launcher")
     p.add_argument("--work-dir", default="", help="run directories (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
+    p.add_argument(
+        "--run-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds one launcher run may take; a run still going then has every process's "
+        "Python stacks written to its log, is stopped, and the check fails showing them (a hung "
+        "collective reports where each rank waits)",
+    )
     return p.parse_args(argv)
 
 
@@ -222,10 +231,24 @@ def _launch(
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("OMP_NUM_THREADS", "1")
+    # SIGABRT makes every Python process of the run print its stacks (see _stop_with_stacks)
+    env["PYTHONFAULTHANDLER"] = "1"
     log = run_dir / "launcher.log"
     start = time.perf_counter()
     with open(log, "w") as f:
-        rc = subprocess.call(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=args.run_timeout)
+        except subprocess.TimeoutExpired:
+            _stop_with_stacks(proc)
+            tail = log.read_text(errors="replace")[-8000:]
+            sys.stderr.write(
+                f"check_multi_gpu: run in {run_dir} did not finish within {args.run_timeout:g} s "
+                f"(--run-timeout); its processes' stacks (log {log}):\n{tail}\n"
+            )
+            raise SystemExit(2) from None
     wall = time.perf_counter() - start
     if rc != 0:
         tail = log.read_text()[-4000:]
@@ -239,6 +262,53 @@ def _launch(
         if tag.startswith("eval/") and points
     }
     return losses, metrics, wall
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children first), read from /proc; empty where there is none."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            # the parent is the 2nd field after the parenthesised command name
+            parent = int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _stop_with_stacks(proc: subprocess.Popen) -> None:
+    """Stops a run that outlived its time. Its workers (torchrun starts each in a session of its
+    own) get SIGABRT: with PYTHONFAULTHANDLER=1 each prints every thread's Python stack into the
+    run's log as it aborts. Then torchrun gets SIGTERM (it stops any worker it started meanwhile),
+    and what is left SIGKILL."""
+    import signal
+
+    def send(pids, sig):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    seen = _descendants(proc.pid)
+    send(seen, signal.SIGABRT)
+    time.sleep(5.0)  # the dumps reach the log before torchrun tears the workers down
+    later = [p for p in _descendants(proc.pid) if p not in seen]
+    send(later, signal.SIGABRT)  # started while the first ones aborted
+    seen += later
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=30.0)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    send(seen + _descendants(proc.pid), signal.SIGKILL)
 
 
 def check(args: argparse.Namespace, precision: str, device: str, work: Path) -> dict:

@@ -403,3 +403,38 @@ def test_a_worker_still_running_near_the_timeout_reports_its_stacks(tmp_path):
     message = str(failure.value)
     assert "stacks_rank0.txt (the worker was still running)" in message, message[-2000:]
     assert "dist_train_worker.py" in message and "in fit" in message, message[-2000:]
+
+
+def test_check_script_stops_a_run_past_its_time_and_shows_the_stacks(tmp_path):
+    """A launcher run that does not finish within --run-timeout (a hung collective) is stopped
+    and the check fails with every process's Python stack instead of waiting forever."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(CHECK),
+            "--device",
+            "cpu",
+            "--nproc",
+            "2",
+            "--steps",
+            "1000000",
+            "--batch-size",
+            "24",
+            "--allow-non-a100",
+            "--run-timeout",
+            "25",
+            "--work-dir",
+            str(tmp_path),
+            "--bindings",
+            *CHECK_TINY,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={k: v for k, v in os.environ.items() if not k.startswith("HSTU_")},
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "did not finish within 25 s (--run-timeout)" in proc.stderr, proc.stderr[-3000:]
+    # the workers' stacks (where they were when stopped: the launcher's frames at least)
+    assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr[-3000:]
+    assert "pretrain_gr_ranking.py" in proc.stderr, proc.stderr[-3000:]

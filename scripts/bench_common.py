@@ -1,5 +1,6 @@
 """What the benchmark and check scripts share: one argument parser builder for their common
-options, JSON-lines output, device resolution and the median timer.
+options, JSON-lines output, device resolution, the median timer, and `run_launch` (a torchrun
+launch with a deadline that shows where its processes were when it passed).
 
 The scripts import it from their own folder (each puts that folder and the checkout's root on
 ``sys.path`` first, so they also work when a test loads them from their file path):
@@ -27,11 +28,16 @@ option      meaning
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -42,6 +48,7 @@ __all__ = [
     "emit_json",
     "median_ms",
     "resolve_device",
+    "run_launch",
 ]
 
 DEVICES = ("auto", "cuda", "cpu")
@@ -152,3 +159,69 @@ def median_ms(fn: Callable[[], Any], iters: int, warmup: int = 0, cuda: bool = T
             fn()
             times.append(1000.0 * (time.perf_counter() - t0))
     return statistics.median(times)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children first), read from /proc; empty where there is none."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            # the parent is the 2nd field after the parenthesised command name
+            parent = int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _signal(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _stop_with_stacks(proc: subprocess.Popen) -> None:
+    """Stops a launch that outlived its deadline. Its workers (torchrun starts each in a session
+    of its own) get SIGABRT: with PYTHONFAULTHANDLER=1 each prints every thread's Python stack to
+    its stderr as it aborts. Then torchrun gets SIGTERM (it stops any worker it started
+    meanwhile), and what is left SIGKILL."""
+    seen = _descendants(proc.pid)
+    _signal(seen, signal.SIGABRT)
+    time.sleep(5.0)  # the dumps are written before torchrun tears the workers down
+    later = [p for p in _descendants(proc.pid) if p not in seen]
+    _signal(later, signal.SIGABRT)  # started while the first ones aborted
+    seen += later
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=30.0)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    _signal(seen + _descendants(proc.pid), signal.SIGKILL)
+
+
+def run_launch(
+    cmd: Sequence[str], timeout: float | None, env: dict[str, str] | None = None, **popen: Any
+) -> tuple[subprocess.CompletedProcess, bool]:
+    """Runs ``cmd`` (a torchrun launch) as `subprocess.run` would (``popen``: stdout, stderr,
+    text, cwd), but in a process group of its own with PYTHONFAULTHANDLER=1 and, past ``timeout``
+    seconds (None: none), stopped by `_stop_with_stacks`, so that the output or the log holds
+    every process's Python stack at that moment (where a hung collective waits). Returns (the
+    completed process, whether it was stopped)."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONFAULTHANDLER"] = "1"
+    with subprocess.Popen(cmd, env=env, start_new_session=True, **popen) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            return subprocess.CompletedProcess(cmd, proc.returncode, out, err), False
+        except subprocess.TimeoutExpired:
+            _stop_with_stacks(proc)
+            out, err = proc.communicate()
+            return subprocess.CompletedProcess(cmd, proc.returncode, out, err), True

@@ -49,7 +49,7 @@ import torch.distributed as dist
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(SCRIPTS), SCRIPTS]
 
-from bench_common import base_parser, emit_json, resolve_device  # noqa: E402
+from bench_common import base_parser, emit_json, resolve_device, run_launch  # noqa: E402
 
 logger = logging.getLogger("bench_e2e")
 
@@ -86,6 +86,13 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="GPU counts, e.g. 1,2,4: each count > 1 (or a list) launches this script under "
         "torchrun --nproc_per_node=N (TrainerArgs.train_batch_size is multiplied by N: the "
         "config's value is per GPU); a list also prints the scaling vs N=1",
+    )
+    p.add_argument(
+        "--launch-timeout",
+        type=float,
+        default=3600.0,
+        help="with --nproc: seconds one torchrun launch may take (0: no limit); a launch still "
+        "going then prints every process's Python stack, is stopped, and its row says so",
     )
     p.add_argument(
         "--reference-fused",
@@ -248,12 +255,22 @@ def _sweep(args: argparse.Namespace, argv: list[str]) -> int:
                 "--out",
                 out,
             ]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
+            proc, stopped = run_launch(
+                cmd,
+                args.launch_timeout or None,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            if proc.returncode != 0 or stopped:
                 sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-6000:])
-                emit_json(
-                    {"nproc": n, "error": f"launch failed (exit {proc.returncode})"}, args.out
+                why = (
+                    f"did not finish within {args.launch_timeout:g} s (--launch-timeout; the "
+                    "processes' stacks are on stderr)"
+                    if stopped
+                    else f"launch failed (exit {proc.returncode})"
                 )
+                emit_json({"nproc": n, "error": why}, args.out)
                 rows[n] = []
                 continue
             with open(out) as f:

@@ -30,7 +30,6 @@ Settings that make the comparison meaningful (set unless --bindings override the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import subprocess
@@ -43,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 # this checkout's hstu, not another installed copy; bench_common next to this file
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
-from bench_common import base_parser, emit_json  # noqa: E402
+from bench_common import base_parser, emit_json, run_launch  # noqa: E402
 
 LAUNCHER = REPO / "scripts" / "pretrain_gr_ranking.py"
 PRECISIONS = ("fp32", "bf16")
@@ -231,24 +230,20 @@ def _launch(
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("OMP_NUM_THREADS", "1")
-    # SIGABRT makes every Python process of the run print its stacks (see _stop_with_stacks)
-    env["PYTHONFAULTHANDLER"] = "1"
     log = run_dir / "launcher.log"
     start = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+        done, stopped = run_launch(
+            cmd, args.run_timeout, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO
         )
-        try:
-            rc = proc.wait(timeout=args.run_timeout)
-        except subprocess.TimeoutExpired:
-            _stop_with_stacks(proc)
-            tail = log.read_text(errors="replace")[-8000:]
-            sys.stderr.write(
-                f"check_multi_gpu: run in {run_dir} did not finish within {args.run_timeout:g} s "
-                f"(--run-timeout); its processes' stacks (log {log}):\n{tail}\n"
-            )
-            raise SystemExit(2) from None
+    if stopped:
+        tail = log.read_text(errors="replace")[-8000:]
+        sys.stderr.write(
+            f"check_multi_gpu: run in {run_dir} did not finish within {args.run_timeout:g} s "
+            f"(--run-timeout); its processes' stacks (log {log}):\n{tail}\n"
+        )
+        raise SystemExit(2)
+    rc = done.returncode
     wall = time.perf_counter() - start
     if rc != 0:
         tail = log.read_text()[-4000:]
@@ -262,53 +257,6 @@ def _launch(
         if tag.startswith("eval/") and points
     }
     return losses, metrics, wall
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (children first), read from /proc; empty where there is none."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            # the parent is the 2nd field after the parenthesised command name
-            parent = int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
-    out, todo = [], list(children.get(pid, []))
-    while todo:
-        p = todo.pop(0)
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def _stop_with_stacks(proc: subprocess.Popen) -> None:
-    """Stops a run that outlived its time. Its workers (torchrun starts each in a session of its
-    own) get SIGABRT: with PYTHONFAULTHANDLER=1 each prints every thread's Python stack into the
-    run's log as it aborts. Then torchrun gets SIGTERM (it stops any worker it started meanwhile),
-    and what is left SIGKILL."""
-    import signal
-
-    def send(pids, sig):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-
-    seen = _descendants(proc.pid)
-    send(seen, signal.SIGABRT)
-    time.sleep(5.0)  # the dumps reach the log before torchrun tears the workers down
-    later = [p for p in _descendants(proc.pid) if p not in seen]
-    send(later, signal.SIGABRT)  # started while the first ones aborted
-    seen += later
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=30.0)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    send(seen + _descendants(proc.pid), signal.SIGKILL)
 
 
 def check(args: argparse.Namespace, precision: str, device: str, work: Path) -> dict:

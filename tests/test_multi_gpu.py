@@ -438,3 +438,21 @@ def test_check_script_stops_a_run_past_its_time_and_shows_the_stacks(tmp_path):
     # the workers' stacks (where they were when stopped: the launcher's frames at least)
     assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr[-3000:]
     assert "pretrain_gr_ranking.py" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_bench_e2e_stops_a_launch_past_its_time_and_shows_the_stacks(tmp_path):
+    """bench_e2e --nproc: a torchrun launch still going after --launch-timeout is stopped, its
+    row says so, and stderr holds every worker's Python stack (where a hung collective waits)."""
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--device", "cpu",
+         "--config", "configs/synthetic_ranking.gin", "--paths", "reference", "--nproc", "2",
+         "--steps", "1000000", "--warmup", "1", "--mean-seq-len", "20", "--max-seq-len", "40",
+         "--num-users", "200", "--launch-timeout", "30", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+        env={k: v for k, v in os.environ.items() if not k.startswith("HSTU_")},
+    )  # fmt: skip
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and "did not finish within 30 s (--launch-timeout" in rows[0]["error"], rows
+    assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr[-3000:]
+    assert "bench_e2e.py" in proc.stderr, proc.stderr[-3000:]

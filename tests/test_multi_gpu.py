@@ -266,31 +266,21 @@ def test_check_script_refuses_missing_gpus():
     assert "--nproc 2 needs 2 GPUs but 0 are visible" in proc.stderr
 
 
-def test_check_script_on_two_gloo_processes(tmp_path):
-    out = tmp_path / "check.jsonl"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(CHECK),
-            "--device",
-            "cpu",
-            "--nproc",
-            "2",
-            "--steps",
-            "8",
-            "--batch-size",
-            "24",
-            "--allow-non-a100",
-            "--json",
-            str(out),
-            "--bindings",
-            *CHECK_TINY,
-        ],
+def _run_check(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """scripts/check_multi_gpu.py on two gloo processes with the tiny model and ``args``."""
+    return subprocess.run(
+        [sys.executable, str(CHECK), "--device", "cpu", "--nproc", "2", "--batch-size", "24",
+         "--allow-non-a100", *args, "--bindings", *CHECK_TINY],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         env={k: v for k, v in os.environ.items() if not k.startswith("HSTU_")},
-    )
+    )  # fmt: skip
+
+
+def test_check_script_on_two_gloo_processes(tmp_path):
+    out = tmp_path / "check.jsonl"
+    proc = _run_check("--steps", "8", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads(out.read_text().splitlines()[-1])
     assert row["pass"] is True and row["precision"] == "fp32" and row["steps_compared"] == 8
@@ -408,31 +398,9 @@ def test_a_worker_still_running_near_the_timeout_reports_its_stacks(tmp_path):
 def test_check_script_stops_a_run_past_its_time_and_shows_the_stacks(tmp_path):
     """A launcher run that does not finish within --run-timeout (a hung collective) is stopped
     and the check fails with every process's Python stack instead of waiting forever."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(CHECK),
-            "--device",
-            "cpu",
-            "--nproc",
-            "2",
-            "--steps",
-            "1000000",
-            "--batch-size",
-            "24",
-            "--allow-non-a100",
-            "--run-timeout",
-            "25",
-            "--work-dir",
-            str(tmp_path),
-            "--bindings",
-            *CHECK_TINY,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={k: v for k, v in os.environ.items() if not k.startswith("HSTU_")},
-    )
+    proc = _run_check(
+        "--steps", "1000000", "--run-timeout", "25", "--work-dir", str(tmp_path), timeout=240
+    )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "did not finish within 25 s (--run-timeout)" in proc.stderr, proc.stderr[-3000:]
     # the workers' stacks (where they were when stopped: the launcher's frames at least)

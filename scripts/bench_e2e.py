@@ -187,7 +187,9 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1 or args.profile_steps < 1:
         p.error("--steps and --profile-steps must be >= 1")
-    for name in ("warmup", "graph_warmup", "issue_probes", "find_syncs", "host_profile"):
+    for name in (
+        "warmup", "graph_warmup", "issue_probes", "find_syncs", "host_profile", "launch_timeout"
+    ):  # fmt: skip
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.profile_stack and not args.profile:

@@ -89,7 +89,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "Python stacks written to its log, is stopped, and the check fails showing them (a hung "
         "collective reports where each rank waits)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.run_timeout > 0:
+        p.error(f"--run-timeout must be > 0 seconds (got {args.run_timeout:g})")
+    return args
 
 
 def _trailing_mean(values: list[float], window: int) -> list[float]:

@@ -328,6 +328,7 @@ def test_bench_e2e_profile_stack_needs_profile():
         ("--issue-probes", "-1", "--issue-probes must be >= 0"),
         ("--graph-warmup", "-2", "--graph-warmup must be >= 0"),
         ("--find-syncs", "-1", "--find-syncs must be >= 0"),
+        ("--launch-timeout", "-5", "--launch-timeout must be >= 0"),
     ],
 )
 def test_bench_e2e_rejects_bad_step_counts(flag, value, message):

@@ -278,6 +278,16 @@ def _run_check(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+def test_check_script_refuses_a_run_timeout_that_is_not_positive():
+    proc = subprocess.run(
+        [sys.executable, str(CHECK), "--device", "cpu", "--run-timeout", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "--run-timeout must be > 0 seconds (got 0)" in proc.stderr
+
+
 def test_check_script_on_two_gloo_processes(tmp_path):
     out = tmp_path / "check.jsonl"
     proc = _run_check("--steps", "8", "--json", str(out))

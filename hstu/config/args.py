@@ -83,6 +83,7 @@ EVICTION_POLICIES: tuple[str, ...] = ("lru", "lfu")
 NEGATIVE_SAMPLING: tuple[str, ...] = ("random", "in_batch", "mixed")
 # how a global batch is split over ranks (hstu.data.loader.BatchIterator)
 RANK_BALANCE: tuple[str, ...] = ("cost", "strided")
+BEST_METRIC_MODES: tuple[str, ...] = ("auto", "max", "min")
 _METRIC_RE = re.compile(r"^(HR|NDCG)@([1-9][0-9]*)$|^MRR$")
 # why the upper bounds (hstu.config.limits) hold, for the messages
 _DIM = "a tensor dimension: int32 in the CUDA kernels"
@@ -253,6 +254,13 @@ class TrainerArgs:
     # PyTorch's CPU threads (torch.set_num_threads) while the trainer runs; 0 = PyTorch's
     # default (one per core). Several runs sharing one machine: 1 (docs/benchmarks.md)
     cpu_threads: int = 0
+    # the evaluation metric that picks the best checkpoint (exempt from ckpt_keep_last) and that
+    # early stopping watches: "" = none, "auto" = the task's headline metric (auc/mean; the first
+    # of RetrievalArgs.eval_metrics), or a name as the evaluations log it (NDCG@10, auc/click, loss)
+    best_metric: str = ""
+    best_metric_mode: str = "auto"  # max | min | auto (min for a loss, else max)
+    # stop after this many evaluations in a row without a better best_metric; 0 = never
+    early_stop_patience: int = 0
 
     def __post_init__(self) -> None:
         _int(self, "train_batch_size", min_value=1, max_value=INT32_MAX, why=_DIM)
@@ -316,6 +324,27 @@ class TrainerArgs:
         _bool(self, "allow_existing_run_dir")
         _bool(self, "ckpt_reset_optimizer")
         _int(self, "ckpt_keep_last", min_value=0, max_value=INT64_MAX, what="0 = keep all")
+        _str(self, "best_metric")
+        _choice(self, "best_metric_mode", BEST_METRIC_MODES)
+        _int(
+            self,
+            "early_stop_patience",
+            min_value=0,
+            max_value=INT64_MAX,
+            why=_COUNT,
+            what="evaluations without improvement; 0 = never stop early",
+        )
+        if self.early_stop_patience and not self.best_metric.strip():
+            raise ValueError(
+                f"TrainerArgs.early_stop_patience={self.early_stop_patience} needs the metric it "
+                "watches: set TrainerArgs.best_metric (e.g. 'auto', the task's headline metric)"
+            )
+        if self.early_stop_patience and self.eval_interval == 0:
+            raise ValueError(
+                f"TrainerArgs.early_stop_patience={self.early_stop_patience} needs evaluations "
+                "during training, but TrainerArgs.eval_interval=0 evaluates only at the end; set "
+                "TrainerArgs.eval_interval to the steps between evaluations"
+            )
 
 
 @gin.configurable

@@ -66,12 +66,13 @@ def locate_checkpoint(
     checkpoint_dir: str | os.PathLike, config_file: str | os.PathLike | None = None
 ) -> tuple[Path, dict, Path, str]:
     """(step directory, its meta.json, the run's config.gin, the task) of ``checkpoint_dir``: a
-    run directory, a checkpoint root (its ``latest``) or one ``step_XXXXXXXX`` directory."""
+    run directory, a checkpoint root (its ``latest``), one ``step_XXXXXXXX`` directory or a
+    root's ``best.json`` (the best evaluation's checkpoint, TrainerArgs.best_metric)."""
     path = Path(checkpoint_dir)
     if not path.exists():
         raise FileNotFoundError(
             f"checkpoint {path} does not exist: give a run directory, its checkpoints/ "
-            "directory or one of its step_XXXXXXXX directories"
+            "directory, one of its step_XXXXXXXX directories or its best.json"
         )
     if (path / CONFIG_FILENAME).is_file() and (path / "checkpoints").is_dir():
         path = path / "checkpoints"  # a run directory

@@ -61,6 +61,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "capture_rng_state",
     "restore_rng_state",
+    "BEST_FILE",
     "LATEST_FILE",
     "META_FILE",
 ]
@@ -68,6 +69,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
+# the step directory of the run's best evaluation (TrainerArgs.best_metric) and its score;
+# pruning spares that directory
+BEST_FILE = "best.json"
 META_FILE = "meta.json"
 FORMAT_VERSION = 3
 
@@ -225,6 +229,10 @@ class Checkpointer:
         self.keep_last = keep_last
 
     # ---- save ----------------------------------------------------------------------------------
+
+    def step_dir(self, step: int) -> Path:
+        """Where `save` puts the checkpoint of ``step``."""
+        return self.save_dir / _step_name(step)
 
     def save(
         self,
@@ -390,7 +398,8 @@ class Checkpointer:
                 shutil.rmtree(path, ignore_errors=True)
         if self.keep_last == 0:
             return
-        steps = self.list_checkpoints(self.save_dir)
+        best = self.best_checkpoint(self.save_dir)
+        steps = [p for p in self.list_checkpoints(self.save_dir) if p != best]
         for path in steps[: max(len(steps) - self.keep_last, 0)]:
             if path.name != keep:
                 # renamed first: a kill during the removal leaves no step directory that has a
@@ -399,6 +408,34 @@ class Checkpointer:
                 os.replace(path, doomed)
                 shutil.rmtree(doomed, ignore_errors=True)
                 logger.info("pruned checkpoint %s (keep_last=%d)", path, self.keep_last)
+
+    def mark_best(self, step_dir: str | os.PathLike, info: dict[str, Any]) -> None:
+        """Records ``step_dir`` (a complete checkpoint of this root) as the best one, with
+        ``info`` (its metric and score), in ``best.json``; pruning spares it from then on, and the
+        checkpoint it replaces as best is pruned like any other. Rank 0."""
+        step_dir = Path(step_dir)
+        if (
+            step_dir.parent.resolve() != self.save_dir.resolve()
+            or not (step_dir / META_FILE).is_file()
+        ):
+            raise ValueError(
+                f"mark_best: {step_dir} is not a complete checkpoint of {self.save_dir}"
+            )
+        record = {"dir": step_dir.name, **info}
+        _write_text_atomic(self.save_dir / BEST_FILE, json.dumps(record, indent=2) + "\n")
+
+    @staticmethod
+    def best_checkpoint(root: str | os.PathLike) -> Path | None:
+        """The step directory ``best.json`` names under ``root`` (None: no such file, or it names
+        no complete checkpoint)."""
+        try:
+            name = json.loads((Path(root) / BEST_FILE).read_text()).get("dir", "")
+        except (OSError, ValueError, AttributeError):
+            return None
+        path = Path(root) / str(name)
+        if not _STEP_DIR.match(str(name)) or not (path / META_FILE).is_file():
+            return None
+        return path
 
     # ---- discovery -----------------------------------------------------------------------------
 
@@ -417,7 +454,8 @@ class Checkpointer:
 
     @staticmethod
     def resolve(load_dir: str | os.PathLike) -> Path:
-        """The step directory named by ``load_dir``: a step dir itself or a root with ``latest``."""
+        """The step directory named by ``load_dir``: a step dir itself, a root with ``latest``, or
+        a root's ``best.json`` (the best evaluation's checkpoint, TrainerArgs.best_metric)."""
         path = Path(load_dir)
         if not str(load_dir):
             raise ValueError("Checkpointer.load: empty checkpoint path (TrainerArgs.ckpt_load_dir)")
@@ -426,6 +464,14 @@ class Checkpointer:
                 f"checkpoint path {path} does not exist (TrainerArgs.ckpt_load_dir); give a "
                 "checkpoint root (with a 'latest' file) or one of its step_XXXXXXXX directories"
             )
+        if path.name == BEST_FILE and path.is_file():  # the best evaluation's checkpoint
+            best = Checkpointer.best_checkpoint(path.parent)
+            if best is None:
+                raise FileNotFoundError(
+                    f"{path} names no complete checkpoint of {path.parent} (pruned or damaged); "
+                    "load the checkpoint root (its latest) or a step_XXXXXXXX directory instead"
+                )
+            return best
         if (path / META_FILE).is_file():
             return path
         if _STEP_DIR.match(path.name) or path.name.endswith(".tmp"):

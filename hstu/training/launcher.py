@@ -162,15 +162,9 @@ def _main(task: str, argv: Sequence[str] | None, started: float) -> int:
 def main_metric(cfg: RunConfig, names: Sequence[str]) -> str | None:
     """The task's headline metric among ``names``: the mean AUC over tasks (ranking), the first
     of RetrievalArgs.eval_metrics (retrieval); else the first AUC / the first name."""
-    names = list(names)
-    if cfg.task == "ranking":
-        preferred = ["auc/mean"] + [n for n in names if n.startswith("auc")]
-    else:
-        preferred = list(cfg.retrieval.eval_metrics)
-    for name in preferred + [n for n in names if n != "loss"]:
-        if name in names:
-            return name
-    return None
+    from hstu.training.best import headline_metric
+
+    return headline_metric(cfg.task, cfg.retrieval.eval_metrics, names)
 
 
 def run_summary(cfg: RunConfig, result: TrainResult, wall_s: float) -> str:
@@ -180,10 +174,25 @@ def run_summary(cfg: RunConfig, result: TrainResult, wall_s: float) -> str:
     last = result.losses[-1][0] if result.losses else None
     at = f", now at step {last}/{cfg.trainer.max_train_iters}" if last is not None else ""
     lines = [f"run finished in {format_duration(wall_s)} (wall time): {steps} steps trained{at}"]
+    if result.stopped_early_at is not None:
+        best = result.best or {}
+        lines.append(
+            f"  stopped early at step {result.stopped_early_at}: {best.get('metric')} did not "
+            f"improve in {cfg.trainer.early_stop_patience} evaluations "
+            "(TrainerArgs.early_stop_patience)"
+        )
     if result.evals:
         name = main_metric(cfg, result.evals[-1][1].keys())
         scored = [(m[name], step) for step, m in result.evals if name in m] if name else []
-        if scored:
+        best = result.best
+        if best is not None and best.get("step") is not None:
+            where = f"; checkpoint {best['checkpoint']}" if best.get("checkpoint") else ""
+            lines.append(
+                f"  best {best['metric']} ({best['mode']}): {best['value']:.4f} at step "
+                f"{best['step']} ({len(result.evals)} evaluation"
+                f"{'s' if len(result.evals) != 1 else ''}{where})"
+            )
+        elif scored:
             best, best_step = max(scored, key=lambda p: p[0])
             lines.append(
                 f"  best {name}: {best:.4f} at step {best_step} "

@@ -36,6 +36,12 @@ from hstu.modules.metrics import (
     held_out_histories,
     ks_from_metric_names,
 )
+from hstu.training.best import (
+    BestMetric,
+    eval_metric_names,
+    headline_metric,
+    resolve_best_metric,
+)
 from hstu.training.checkpoint import Checkpointer, capture_rng_state, restore_rng_state
 from hstu.training.distributed import (
     DistInfo,
@@ -88,6 +94,10 @@ class TrainResult:
     evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     final_metrics: dict[str, float] = field(default_factory=dict)
     checkpoint_dir: Path | None = None
+    # TrainerArgs.best_metric: {"metric", "mode", "value", "step", "checkpoint"} of the best
+    # evaluation; the step early stopping ended the run at (TrainerArgs.early_stop_patience)
+    best: dict | None = None
+    stopped_early_at: int | None = None
 
 
 def _progress_enabled(cfg: RunConfig, info: DistInfo) -> bool:
@@ -298,6 +308,8 @@ class Trainer:
             self.train_iter, self.embeddings, ahead=t.route_ids_ahead
         )
         self.step = 0
+        self.best = self._best_metric()
+        self._saved: tuple[int, Path] | None = None  # the step and directory saved last
         if t.ckpt_load_dir:
             self._load_checkpoint(t.ckpt_load_dir)
             if self.step_graphs is not None:
@@ -341,11 +353,17 @@ class Trainer:
         }
         if self.table_optimizer is not None:
             state["table_optimizer"] = self.table_optimizer.state_dict()
+        if self.best is not None:
+            state["best_metric"] = self.best.state_dict()
         # table state outside state_dict() (dynamic rows + their optimizer state)
         state.update(self.embeddings.checkpoint_state())
         return state
 
     def save_checkpoint(self) -> Path:
+        """Saves this step's checkpoint (collective), once: a second call at the same step (the
+        best evaluation's save, then the interval's or the final one) returns the first's."""
+        if self._saved is not None and self._saved[0] == self.step:
+            return self._saved[1]
         path = self.checkpointer.save(
             self.step,
             self._state(),
@@ -363,7 +381,20 @@ class Trainer:
         )
         if self.info.is_main:
             logger.info("checkpoint saved: %s", path)
+        self._saved = (self.step, path)
         return path
+
+    def _best_metric(self) -> BestMetric | None:
+        """The tracker of TrainerArgs.best_metric (None when unset), its name checked against
+        what this run's evaluations report."""
+        t = self.cfg.trainer
+        if not t.best_metric.strip():
+            return None
+        ks = ks_from_metric_names(self.cfg.retrieval.eval_metrics)
+        names = eval_metric_names(self.cfg.task, self._task_names(), ks)
+        headline = headline_metric(self.cfg.task, self.cfg.retrieval.eval_metrics, names)
+        metric, mode = resolve_best_metric(t.best_metric, t.best_metric_mode, names, headline)
+        return BestMetric(metric, mode, t.early_stop_patience)
 
     def _load_checkpoint(self, load_dir: str) -> None:
         """Restore a checkpoint written by any number of ranks.
@@ -446,6 +477,14 @@ class Trainer:
                     configured,
                 )
         self.pipeline.load_state_dict(sources[0]["train_iter"])
+        if self.best is not None and "best_metric" in sources[0]:
+            if not self.best.load_state_dict(sources[0]["best_metric"]) and self.info.is_main:
+                logger.info(
+                    "%s followed another best metric (%s); %s starts over",
+                    where,
+                    sources[0]["best_metric"].get("metric"),
+                    self.best.metric,
+                )
         self._restore_rng(state["rng"], resharded, int(step))
         self.step = int(step)
         if self.info.is_main:
@@ -762,10 +801,20 @@ class Trainer:
         finally:
             bar.close()  # before any error line, so that it starts on a line of its own
         self._log_graph_stats()
-        self._run_eval(result)
+        if not (result.evals and result.evals[-1][0] == self.step):  # stopped early: evaluated
+            self._run_eval(result)
         result.final_metrics = result.evals[-1][1] if result.evals else {}
         if t.ckpt_save_interval >= 0:
             result.checkpoint_dir = self.save_checkpoint()
+        if self.best is not None:
+            b = self.best
+            result.best = {
+                "metric": b.metric,
+                "mode": b.mode,
+                "value": b.value,
+                "step": b.step,
+                "checkpoint": b.path,
+            }
         self.tb.hparams(
             self._hparams(), {f"hparam/{k}": v for k, v in result.final_metrics.items()}
         )
@@ -777,6 +826,8 @@ class Trainer:
                 step=self.step,
                 final_metrics=result.final_metrics,
                 checkpoint=str(result.checkpoint_dir) if result.checkpoint_dir else None,
+                best=result.best,
+                stopped_early_at=result.stopped_early_at,
                 # this process's training, evaluations and checkpoints (not its start-up)
                 fit_s=round(time.perf_counter() - fit_start, 3),
             )
@@ -924,12 +975,27 @@ class Trainer:
                 window_start, window_steps = time.perf_counter(), 0
                 window_tokens = window_samples = window_flops = 0.0
             paused = time.perf_counter()
-            if eval_now and self.step < t.max_train_iters:
+            evaluated = eval_now and self.step < t.max_train_iters  # fit() runs the last one
+            if evaluated:
                 self._run_eval(result)
             if ckpt_now:
                 result.checkpoint_dir = self.save_checkpoint()
             # the throughput of the next window counts training steps only
             window_start += time.perf_counter() - paused
+            if evaluated and self.best is not None and self.best.should_stop:
+                # the same metrics on every rank (all-reduced): every rank stops here
+                result.stopped_early_at = self.step
+                if self.info.is_main:
+                    logger.info(
+                        "early stop at step %d: %s did not improve on %.4f (step %d) in %d "
+                        "evaluations (TrainerArgs.early_stop_patience)",
+                        self.step,
+                        self.best.metric,
+                        self.best.value if self.best.value is not None else math.nan,
+                        self.best.step if self.best.step is not None else -1,
+                        self.best.stale,
+                    )
+                break
 
     def _run_eval(self, result: TrainResult) -> None:
         self.gc.full()  # every rank evaluates at the same step
@@ -942,6 +1008,39 @@ class Trainer:
             append_metrics(self.run_dir, self.step, metrics, seconds)
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
             logger.info("eval @ step %d (%.1fs): %s", self.step, seconds, shown)
+        if self.best is not None:
+            self._track_best(metrics)
+
+    def _track_best(self, metrics: dict[str, float]) -> None:
+        """TrainerArgs.best_metric after an evaluation: a new best saves this step's checkpoint
+        (unless checkpoints are off) and marks it best; else one more evaluation without
+        improvement counts towards early stopping."""
+        best = self.best
+        if best.update(self.step, metrics):
+            if self.cfg.trainer.ckpt_save_interval >= 0:
+                best.path = str(self.checkpointer.step_dir(self.step))  # saved with the state
+                path = self.save_checkpoint()
+                if self.info.is_main:
+                    info = {"step": self.step, "metric": best.metric, "mode": best.mode}
+                    self.checkpointer.mark_best(path, {**info, "value": best.value})
+            if self.info.is_main:
+                logger.info(
+                    "best %s so far: %.4f at step %d%s",
+                    best.metric,
+                    best.value,
+                    self.step,
+                    f" (checkpoint {best.path})" if best.path else "",
+                )
+        elif self.info.is_main:
+            logger.info(
+                "%s did not improve on %s (step %s): %d evaluation%s without improvement%s",
+                best.metric,
+                "nan" if best.value is None else f"{best.value:.4f}",
+                best.step,
+                best.stale,
+                "" if best.stale == 1 else "s",
+                f" of {best.patience} allowed" if best.patience else "",
+            )
 
     def _hparams(self) -> dict:
         out = {"task": self.cfg.task}

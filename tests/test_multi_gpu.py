@@ -434,3 +434,30 @@ def test_bench_e2e_stops_a_launch_past_its_time_and_shows_the_stacks(tmp_path):
     assert rows and "did not finish within 30 s (--launch-timeout" in rows[0]["error"], rows
     assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr[-3000:]
     assert "bench_e2e.py" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_two_processes_stop_early_together(tmp_path):
+    """Early stopping on two gloo processes: every rank takes the same decision from the
+    all-reduced metrics (a rank that went on alone would hang in its next collective), and the
+    best step's checkpoint is written by both and named in best.json."""
+    bindings = TINY + [
+        f"TrainerArgs.log_dir='{tmp_path}'",
+        "TrainerArgs.run_name='r'",
+        "TrainerArgs.max_train_iters=40",
+        "TrainerArgs.log_interval=1",
+        "TrainerArgs.eval_interval=2",
+        # an evaluation that does not beat the best one ends the run; minimising the AUC makes
+        # that come early (the first evaluation is the best unless the model gets worse)
+        "TrainerArgs.best_metric='auc/mean'",
+        "TrainerArgs.best_metric_mode='min'",
+        "TrainerArgs.early_stop_patience=1",
+    ]
+    losses = torchrun_losses(2, bindings, tmp_path, timeout=300)
+    assert 4 <= len(losses) < 40, len(losses)  # stopped at an evaluation before the end
+    assert len(losses) % 2 == 0
+    root = tmp_path / "r" / "checkpoints"
+    best = Checkpointer.best_checkpoint(root)
+    assert best is not None and Checkpointer.read_meta(best)["world_size"] == 2
+    record = json.loads((root / "best.json").read_text())
+    assert record["metric"] == "auc/mean" and record["mode"] == "min"
+    assert record["step"] < len(losses) and record["step"] % 2 == 0

@@ -17,13 +17,15 @@ parentheses stay with their value); the runs are every combination, times ``--se
 ``--bindings`` apply to every run. All run configurations are checked before anything starts.
 
 At the end (and when interrupted) ``<out>/sweep.csv`` holds one row per run: its grid values,
-status (finished, failed, interrupted, not run), the main metric's best value and step, the final
-metrics and the seconds of its fit (training, evaluations, checkpoints); the console gets the
+status (finished, failed, interrupted, not run), the main metric's best value and step, the step
+early stopping ended it at (``TrainerArgs.early_stop_patience``), the final metrics and the
+seconds of its fit (training, evaluations, checkpoints); the console gets the
 table sorted by the main metric. A failed run does not stop the others; the exit code is 1 when
 any failed (their error lines are printed).
 
 Running the same command again skips the runs that finished with the same configuration and
-steps (their results are read back from their run directories) and runs the others again: from
+steps, or that early stopping ended (their results are read back from their run directories)
+and runs the others again: from
 their latest checkpoint where one was saved (so more ``TrainerArgs.max_train_iters`` continue the
 finished runs), else from the start.
 """
@@ -59,6 +61,7 @@ class Run:
     status: str = "not run"
     best: float | None = None
     best_step: int | None = None
+    stopped_early_at: int | None = None  # TrainerArgs.early_stop_patience ended it there
     final_metrics: dict[str, float] = field(default_factory=dict)
     fit_s: float | None = None  # the run's fit (training, evaluations, checkpoints)
     error: str = ""
@@ -191,8 +194,11 @@ def read_result(run: Run, out: Path) -> bool:
     if not info or info.get("status") != "finished" or info.get("fingerprint") != run.fingerprint:
         return False
     result = info.get("result") or {}
-    if int(result.get("step", -1)) < run.max_steps:
+    stopped = result.get("stopped_early_at")
+    if int(result.get("step", -1)) < run.max_steps and stopped is None:
         return False  # fewer steps than asked now: continued from its checkpoint
+    # a run early stopping ended is done: more steps would stop it again at its next evaluation
+    run.stopped_early_at = None if stopped is None else int(stopped)
     run.final_metrics = dict(result.get("final_metrics") or {})
     run.fit_s = result.get("fit_s")
     evals = [
@@ -366,6 +372,7 @@ def write_table(runs: list[Run], out: Path) -> Path:
                 "main_metric",
                 "best",
                 "best_step",
+                "stopped_early_at",
                 "fit_s",
                 *(f"final {m}" for m in metrics),
                 "error",
@@ -381,6 +388,7 @@ def write_table(runs: list[Run], out: Path) -> Path:
                     r.main_metric,
                     "" if r.best is None else f"{r.best:.6f}",
                     "" if r.best_step is None else r.best_step,
+                    "" if r.stopped_early_at is None else r.stopped_early_at,
                     "" if r.fit_s is None else f"{r.fit_s:.1f}",
                     *(f"{r.final_metrics[m]:.6f}" if m in r.final_metrics else "" for m in metrics),
                     r.error,

@@ -250,3 +250,24 @@ def test_sweep_options_are_checked(load_script, tmp_path, capsys):
         assert info.value.code == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+def test_a_run_that_stopped_early_counts_as_finished(load_script, tmp_path):
+    """A run that early stopping ended before max_train_iters is done: a rerun of the sweep does
+    not continue it (it would only stop again at its next evaluation), and the table says where
+    it stopped."""
+    sweep = load_script("sweep")
+    out = tmp_path / "sweep"
+    argv = ["--config", CONFIG, "--out", str(out), "--allow-non-a100", "--seeds", "5"]
+    argv += ["--bindings", *TINY]
+    assert sweep.main(argv) == 0
+    run = out / "seed-5"
+    info = json.loads((run / "run.json").read_text())
+    # as if TrainerArgs.early_stop_patience had ended it at its first evaluation
+    info["result"].update(step=3, stopped_early_at=3)
+    (run / "run.json").write_text(json.dumps(info))
+    logs = {p.name: p.stat().st_size for p in (out / "logs").iterdir()}
+    assert sweep.main(argv) == 0
+    assert {p.name: p.stat().st_size for p in (out / "logs").iterdir()} == logs  # not rerun
+    row = _rows(out)["seed-5"]
+    assert row["status"] == "finished" and row["stopped_early_at"] == "3"

@@ -209,3 +209,25 @@ def test_best_tracking_without_checkpoints_saves_nothing(tmp_path, monkeypatch):
     )
     assert result.best["step"] == 2 and result.best["checkpoint"] is None
     assert not (tmp_path / "a" / "checkpoints").exists()
+
+
+def test_the_last_checkpoint_holds_the_last_evaluation(tmp_path, monkeypatch):
+    """The interval's save at the last step comes before the final evaluation: when that
+    evaluation changes the best, the step is written again, so the checkpoint that best.json
+    names (and the latest) carry the tracker as it ends."""
+    _scripted_scores(monkeypatch, {2: 0.5, 4: 0.7, 5: 0.0, 6: 0.6, 8: 0.8, 10: 0.9})
+    result = run_training(
+        _cfg(
+            tmp_path,
+            "a",
+            "TrainerArgs.max_train_iters=10",
+            "TrainerArgs.early_stop_patience=0",
+            "TrainerArgs.ckpt_save_interval=5",
+        )
+    )
+    assert result.best["step"] == 10 and result.best["value"] == 0.9
+    root = tmp_path / "a" / "checkpoints"
+    assert Checkpointer.best_checkpoint(root).name == "step_00000010"
+    step, state, _ = Checkpointer.load(root)
+    assert step == 10 and state["best_metric"]["value"] == 0.9
+    assert state["best_metric"]["step"] == 10 and state["best_metric"]["stale"] == 0

@@ -1016,6 +1016,9 @@ class Trainer:
         (unless checkpoints are off) and marks it best; else one more evaluation without
         improvement counts towards early stopping."""
         best = self.best
+        # the tracker is part of the checkpoint: a save of this step before the evaluation (the
+        # interval's, at the last step) is out of date now and is written again when asked for
+        self._saved = None
         if best.update(self.step, metrics):
             if self.cfg.trainer.ckpt_save_interval >= 0:
                 best.path = str(self.checkpointer.step_dir(self.step))  # saved with the state

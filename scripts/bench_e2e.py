@@ -265,7 +265,8 @@ def _sweep(args: argparse.Namespace, argv: list[str]) -> int:
                 text=True,
             )
             if proc.returncode != 0 or stopped:
-                sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-6000:])
+                # a stopped launch: every rank's stacks, which take more room than an error
+                sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-(40000 if stopped else 6000) :])
                 why = (
                     f"did not finish within {args.launch_timeout:g} s (--launch-timeout; the "
                     "processes' stacks are on stderr)"

@@ -240,7 +240,7 @@ def _launch(
             cmd, args.run_timeout, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO
         )
     if stopped:
-        tail = log.read_text(errors="replace")[-8000:]
+        tail = log.read_text(errors="replace")[-40000:]  # every rank's stacks
         sys.stderr.write(
             f"check_multi_gpu: run in {run_dir} did not finish within {args.run_timeout:g} s "
             f"(--run-timeout); its processes' stacks (log {log}):\n{tail}\n"

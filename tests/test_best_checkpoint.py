@@ -123,6 +123,19 @@ def _cfg(tmp_path: Path, name: str, *extra: str):
     )
 
 
+def _run_without_patience(tmp_path: Path, steps: int, save_interval: int):
+    """A run of ``steps`` steps that tracks the best but never stops early."""
+    return run_training(
+        _cfg(
+            tmp_path,
+            "a",
+            f"TrainerArgs.max_train_iters={steps}",
+            "TrainerArgs.early_stop_patience=0",
+            f"TrainerArgs.ckpt_save_interval={save_interval}",
+        )
+    )
+
+
 def test_the_best_checkpoint_is_kept_and_the_run_stops_early(tmp_path, monkeypatch):
     scores = {2: 0.5, 4: 0.7, 6: 0.6, 8: 0.65, 10: 0.69, 12: 0.71, 14: 0.5}
     evaluated = _scripted_scores(monkeypatch, scores)
@@ -173,15 +186,7 @@ def test_the_best_checkpoint_is_kept_and_the_run_stops_early(tmp_path, monkeypat
 def test_without_patience_the_run_goes_on_and_keeps_the_best(tmp_path, monkeypatch):
     scores = {2: 0.5, 4: 0.7, 6: 0.6, 8: 0.8, 10: 0.75}
     evaluated = _scripted_scores(monkeypatch, scores)
-    result = run_training(
-        _cfg(
-            tmp_path,
-            "a",
-            "TrainerArgs.max_train_iters=10",
-            "TrainerArgs.early_stop_patience=0",
-            "TrainerArgs.ckpt_save_interval=0",  # the final one only, and the best ones
-        )
-    )
+    result = _run_without_patience(tmp_path, 10, 0)  # the final one only, and the best ones
     assert evaluated == [2, 4, 6, 8, 10] and result.stopped_early_at is None
     assert result.best["step"] == 8 and result.best["value"] == 0.8
     root = tmp_path / "a" / "checkpoints"
@@ -198,15 +203,7 @@ def test_without_patience_the_run_goes_on_and_keeps_the_best(tmp_path, monkeypat
 
 def test_best_tracking_without_checkpoints_saves_nothing(tmp_path, monkeypatch):
     _scripted_scores(monkeypatch, {2: 0.5, 4: 0.4, 6: 0.3})
-    result = run_training(
-        _cfg(
-            tmp_path,
-            "a",
-            "TrainerArgs.max_train_iters=6",
-            "TrainerArgs.early_stop_patience=0",
-            "TrainerArgs.ckpt_save_interval=-1",
-        )
-    )
+    result = _run_without_patience(tmp_path, 6, -1)
     assert result.best["step"] == 2 and result.best["checkpoint"] is None
     assert not (tmp_path / "a" / "checkpoints").exists()
 
@@ -216,15 +213,7 @@ def test_the_last_checkpoint_holds_the_last_evaluation(tmp_path, monkeypatch):
     evaluation changes the best, the step is written again, so the checkpoint that best.json
     names (and the latest) carry the tracker as it ends."""
     _scripted_scores(monkeypatch, {2: 0.5, 4: 0.7, 5: 0.0, 6: 0.6, 8: 0.8, 10: 0.9})
-    result = run_training(
-        _cfg(
-            tmp_path,
-            "a",
-            "TrainerArgs.max_train_iters=10",
-            "TrainerArgs.early_stop_patience=0",
-            "TrainerArgs.ckpt_save_interval=5",
-        )
-    )
+    result = _run_without_patience(tmp_path, 10, 5)
     assert result.best["step"] == 10 and result.best["value"] == 0.9
     root = tmp_path / "a" / "checkpoints"
     assert Checkpointer.best_checkpoint(root).name == "step_00000010"

@@ -173,17 +173,23 @@ class RankingMetrics:
         labels = torch.cat(self._labels) if self._labels else torch.zeros((0,), dtype=torch.int64)
         return _all_gather_variable(logits), _all_gather_variable(labels)
 
+    @staticmethod
+    def metric_names(task_names: Sequence[str]) -> list[str]:
+        """The names `compute` reports for ``task_names``: ``auc/<task>`` each, then ``auc/mean``."""
+        return [f"auc/{name}" for name in task_names] + ["auc/mean"]
+
     def compute(self) -> dict[str, float]:
         """AUC per task over the global evaluation set. Collective: call it on every rank."""
         logits, labels = self._gathered()
         out: dict[str, float] = {}
         defined = []
-        for t, name in enumerate(self.task_names):
+        *per_task, mean = self.metric_names(self.task_names)
+        for t, name in enumerate(per_task):
             auc = binary_auc(logits[:, t], (labels >> t) & 1)
-            out[f"auc/{name}"] = auc
+            out[name] = auc
             if not math.isnan(auc):
                 defined.append(auc)
-        out["auc/mean"] = sum(defined) / len(defined) if defined else math.nan
+        out[mean] = sum(defined) / len(defined) if defined else math.nan
         return out
 
 
@@ -335,7 +341,8 @@ class RetrievalEvaluator:
         self.chunk_size = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // item_ids.numel())
         self._sorted_ids = sorted_ids
         self._sorted_pos = order
-        self._keys = [f"hr@{k}" for k in self.ks] + [f"ndcg@{k}" for k in self.ks] + ["mrr"]
+        # the per-sample keys of `retrieval_metrics`, in the order of `metric_names`
+        self._keys = [name.lower() for name in self.metric_names(self.ks)]
         self.reset()
 
     @property
@@ -463,9 +470,15 @@ class RetrievalEvaluator:
             totals = buf.cpu()
         count = totals[-1].item()
         out: dict[str, float] = {}
-        for i, key in enumerate(self._keys):
-            out[key.upper()] = totals[i].item() / count if count > 0 else math.nan
+        for i, name in enumerate(self.metric_names(self.ks)):
+            out[name] = totals[i].item() / count if count > 0 else math.nan
         return out
+
+    @staticmethod
+    def metric_names(ks: Sequence[int]) -> list[str]:
+        """The names `compute` reports for the cut-offs ``ks``: ``HR@K`` each, ``NDCG@K`` each,
+        ``MRR`` (the order of its sums)."""
+        return [f"HR@{k}" for k in ks] + [f"NDCG@{k}" for k in ks] + ["MRR"]
 
     @property
     def num_samples(self) -> int:

@@ -35,12 +35,13 @@ def headline_metric(
 
 
 def eval_metric_names(task: str, task_names: Sequence[str], retrieval_ks: Sequence[int]) -> list:
-    """The names an evaluation of ``task`` reports (`hstu.modules.metrics`): ranking ``auc/<task>``
-    per task, ``auc/mean`` and ``loss``; retrieval ``HR@K`` and ``NDCG@K`` per cut-off and ``MRR``."""
+    """The names an evaluation of ``task`` reports: `RankingMetrics`' and the trainer's ``loss``
+    (ranking), `RetrievalEvaluator`'s (retrieval)."""
+    from hstu.modules.metrics import RankingMetrics, RetrievalEvaluator
+
     if task == "ranking":
-        return [f"auc/{n}" for n in task_names] + ["auc/mean", "loss"]
-    ks = [int(k) for k in retrieval_ks]
-    return [f"HR@{k}" for k in ks] + [f"NDCG@{k}" for k in ks] + ["MRR"]
+        return RankingMetrics.metric_names(task_names) + ["loss"]
+    return RetrievalEvaluator.metric_names(retrieval_ks)
 
 
 def resolve_best_metric(
@@ -60,10 +61,8 @@ def resolve_best_metric(
                 f"{list(names)}; set one of them, or 'auto' (the task's headline metric)"
             )
         metric = matches[0]
-    if mode == "auto":
+    if mode == "auto":  # (the mode itself is checked with the config: BEST_METRIC_MODES)
         mode = "min" if "loss" in metric.lower() else "max"
-    if mode not in ("max", "min"):
-        raise ValueError(f"TrainerArgs.best_metric_mode={mode!r} must be 'auto', 'max' or 'min'")
     return metric, mode
 
 
@@ -97,6 +96,12 @@ class BestMetric:
         else:
             self.stale += 1
         return better
+
+    def summary(self) -> dict:
+        """What a run reports of it (`TrainResult.best`, run.json): metric, mode, the best value,
+        its step and checkpoint."""
+        keys = ("metric", "mode", "value", "step")
+        return {**{k: getattr(self, k) for k in keys}, "checkpoint": self.path}
 
     @property
     def should_stop(self) -> bool:

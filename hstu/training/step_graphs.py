@@ -680,16 +680,18 @@ class StepGraphs:
         """Drops every graph (captured again on demand)."""
         if self._entries:
             self.stats.resets += 1
-        self._entries.clear()
-        self._seen.clear()
-        self._pool = None
-        self.stats.graphs = 0
+        self._drop()
 
     def release(self) -> None:
-        """Destroys every captured graph now (not when Python collects them): a graph that holds a
-        collective (`FlatGradients`' all-reduce) keeps NCCL's communicator in use, and destroying
-        the process group before the graph waits forever. The trainer calls this on close;
-        graphs are captured again on demand afterwards."""
+        """Drops every graph and waits for the device: the trainer's close, before the process
+        group goes (a graph that holds a collective, `FlatGradients`' all-reduce, keeps NCCL's
+        communicator in use; destroying the group first waits forever)."""
+        self._drop()
+        torch.cuda.synchronize(self.device)
+
+    def _drop(self) -> None:
+        """Destroys the graphs now, not when Python collects them (the last reference may sit in
+        a cycle), and forgets the keys seen."""
         for entry in self._entries.values():
             if entry.graph is not None:
                 entry.graph.reset()
@@ -697,7 +699,6 @@ class StepGraphs:
         self._seen.clear()
         self._pool = None
         self.stats.graphs = 0
-        torch.cuda.synchronize(self.device)
 
     def disable(self, reason: str) -> None:
         if not self.stats.disabled:

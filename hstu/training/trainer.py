@@ -807,14 +807,7 @@ class Trainer:
         if t.ckpt_save_interval >= 0:
             result.checkpoint_dir = self.save_checkpoint()
         if self.best is not None:
-            b = self.best
-            result.best = {
-                "metric": b.metric,
-                "mode": b.mode,
-                "value": b.value,
-                "step": b.step,
-                "checkpoint": b.path,
-            }
+            result.best = self.best.summary()
         self.tb.hparams(
             self._hparams(), {f"hparam/{k}": v for k, v in result.final_metrics.items()}
         )

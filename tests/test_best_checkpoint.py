@@ -161,6 +161,8 @@ def test_the_best_checkpoint_is_kept_and_the_run_stops_early(tmp_path, monkeypat
         "step_00000008",
     ]
     assert Checkpointer.best_checkpoint(root) == best_dir
+    with pytest.raises(ValueError, match="is not a complete checkpoint of"):
+        Checkpointer(root).mark_best(tmp_path / "elsewhere", {"step": 1})
     # best.json names the checkpoint to resume, evaluate or export from
     assert Checkpointer.resolve(root / BEST_FILE) == best_dir
     assert locate_checkpoint(root / BEST_FILE)[0] == best_dir

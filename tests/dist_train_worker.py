@@ -34,20 +34,40 @@ from hstu.training.trainer import Trainer  # noqa: E402
 
 class _MixedSteps:
     """Stands in for `StepGraphs` on CPU: every other step (offset by the rank, so the ranks
-    differ at every step) runs `Trainer._optimize` as a graphed step would, the others are handed
-    back to the trainer's own eager step. Both must issue the same collectives."""
+    differ at every step) runs `Trainer._optimize` as a graphed step would (with dynamic or
+    torchrec tables: looked up before it, updated after it), the others are handed back to the
+    trainer's own eager step (which then splits its step the same way, `split_eager`). Both
+    must issue the same collectives."""
 
     def __init__(self, trainer) -> None:
         from hstu.graph_capture import GraphStats
 
         self.trainer, self.count, self.stats = trainer, 0, GraphStats()
+        emb = trainer.core.embeddings
+        self.split_eager = bool(emb.dynamic_features) or emb.embedding_collection is not None
 
-    def step(self, host, normalizer):
+    def lookup_sparse(self, batch, sparse_input=None):
+        core = self.trainer.core
+        with torch.enable_grad():
+            return core.embeddings.lookup_sparse(batch, *core.fixed_extra_ids(), sparse_input)
+
+    def step(self, host, normalizer, sparse_input=None):
+        from hstu.training.step_graphs import stage_copies, update_tables
+
         self.count += 1
         if (self.count + self.trainer.info.rank) % 2:
             return None
         self.stats.replays += 1
-        outputs = self.trainer._optimize(host.to(self.trainer.device), normalizer)
+        batch = host.to(self.trainer.device)
+        emb = self.trainer.core.embeddings
+        rows = self.lookup_sparse(batch, sparse_input) if self.split_eager else {}
+        leaves = stage_copies(rows)
+        emb.stage_sparse(leaves or None)
+        try:
+            outputs = self.trainer._optimize(batch, normalizer)
+        finally:
+            emb.stage_sparse(None)
+        update_tables(rows, leaves)
         lengths = self.trainer.core.last_attention_inputs.real_lengths()
         return outputs, lengths, int(lengths.sum())
 

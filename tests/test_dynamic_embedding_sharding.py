@@ -1,5 +1,7 @@
 """Row-wise sharded dynamic embeddings: 2 gloo processes on CPU must match one unsharded rank,
-next to a torchrec table sharded by DistributedModelParallel; dumps reload on other rank counts."""
+next to a torchrec table sharded by DistributedModelParallel; dumps reload on other rank counts.
+The "split" modes train as the whole step's CUDA graphs do on several ranks (`lookup_tables`,
+the model on staged rows, the tables' update from the rows' backward)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from hstu.embeddings.dynamic_config import DynamicEmbeddingConfig
 from hstu.embeddings.dynamic_table import DynamicEmbeddingCollection, DynamicEmbeddingTable
 from hstu.embeddings.sharding import merge_collection_dumps
+from hstu.training.step_graphs import stage_copies, update_tables
 
 WORLD = 2
 STEPS = 4
@@ -122,7 +125,33 @@ def _worker(rank: int, port: int, tmp: str, backend: str, mode: str) -> None:
     for step in range(STEPS):
         kjt, coef = batch(step, rank)
         coef = {k: v.to(dev) for k, v in coef.items()}
-        dmp(static_kjt, kjt.to(dev), coef, host_ids(kjt)).backward()
+        if "split" not in mode:
+            dmp(static_kjt, kjt.to(dev), coef, host_ids(kjt)).backward()
+            continue
+        # "*split*": as the whole training step's CUDA graphs run it on several ranks: every
+        # table's rows looked up (ids to their owners and rows back), the model on staged copies
+        # (no collective of the tables), then the rows' backward (gradients to the owners)
+        dyn, held = dmp.module.dyn, host_ids(kjt)
+        values = {f: jt.values() for f, jt in kjt.to(dev).to_dict().items()}
+        rows = dyn.lookup_tables(values, host_ids=None if held is None else held.ids)
+        assert sorted(rows) == ["items", "users"]
+        leaves = stage_copies(rows)
+        dyn.stage(leaves)
+        try:
+            loss = dmp(static_kjt, kjt.to(dev), coef, held)
+            if step == 0:  # a lookup that does not match the staged rows is refused
+                short = KeyedJaggedTensor(
+                    keys=["item"], values=values["item"][:3], lengths=torch.tensor([3])
+                )
+                try:
+                    dyn(short)
+                    raise AssertionError("a lookup of other ids met the staged rows")
+                except RuntimeError as e:
+                    assert "staged for another batch" in str(e)
+        finally:
+            dyn.stage(None)
+        loss.backward()
+        update_tables(rows, leaves)
     dyn = dmp.module.dyn
     stats = dyn.global_stats()
     dyn.eval()
@@ -151,14 +180,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("mode", ["sharder", "pre_sharded", "sharder_host_ids"])
+@pytest.mark.parametrize(
+    "mode",
+    ["sharder", "pre_sharded", "sharder_host_ids", "sharder_split", "sharder_split_host_ids"],
+)
 def test_two_rank_sharded_matches_one_rank_and_reloads(tmp_path, mode):
     _run_and_check(tmp_path, "gloo", mode, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("mode", ["sharder", "sharder_host_ids"])
+@pytest.mark.parametrize("mode", ["sharder", "sharder_host_ids", "sharder_split_host_ids"])
 def test_two_gpu_nccl_sharded_kernels_match_one_cpu_rank(tmp_path, mode):
     _run_and_check(tmp_path, "nccl", mode, rtol=1e-4, atol=2e-5)
 

@@ -219,6 +219,34 @@ def test_flat_gradients_train_as_ddp_does(tmp_path):
     np.testing.assert_allclose(runs["flat"], runs["one"], rtol=1e-4, atol=1e-6)
 
 
+def test_steps_split_at_sharded_tables_train_as_ddp_does(tmp_path):
+    """Two gloo processes, dynamic tables sharded over them and torchrec contextual tables: the
+    steps that graphed runs on several GPUs take (the tables looked up before the step and
+    updated after it, the dense gradients averaged by `FlatGradients` inside it), alternating
+    between the graphed steps' code path and the trainer's eager one, train as DDP's steps do."""
+    common = TINY + [
+        "EmbeddingArgs.embedding_backend='dynamic'",
+        "EmbeddingArgs.contextual_tables='torchrec'",
+        "TrainerArgs.max_train_iters=8",
+        "TrainerArgs.ckpt_save_interval=-1",
+        "TrainerArgs.run_name='r'",
+    ]
+    runs = {}
+    for name, mode in (("ddp", ""), ("mixed", "flat_gradients_mixed")):
+        out = tmp_path / name
+        runs[name] = torchrun_losses(
+            2, common + [f"TrainerArgs.log_dir='{out}'"], out, timeout=180, flat_gradients=mode
+        )
+        info = json.loads((out / "info.json").read_text())
+        assert (info["flat_gradients"], info["ddp"]) == (name == "mixed", name == "ddp"), info
+        if name == "mixed":
+            assert info["graph_replays"] == 4  # rank 0's even steps
+            # the ids went to their owners a step ahead, as in a DDP run
+            assert info["input_dist_ahead"] is True
+    assert len(runs["mixed"]) == 8
+    np.testing.assert_allclose(runs["mixed"], runs["ddp"], rtol=1e-6, atol=1e-7)
+
+
 # ---- scripts/check_multi_gpu.py -------------------------------------------------------------
 
 CHECK = ROOT / "scripts" / "check_multi_gpu.py"

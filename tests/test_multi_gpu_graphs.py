@@ -1,10 +1,13 @@
 """Two GPUs (NCCL): CUDA graphs replay on every rank and train as the eager steps do.
 
-With torchrec or dynamic tables the encoder's graphs run under DDP: each rank captures its own
-(their keys follow its share of the batch); the backward replay hands the parameter gradients to
-autograd at its end, where DDP's hooks all-reduce them. With plain tables only the whole step is
-graphed and averages the dense gradients inside its graphs (`FlatGradients`, no DDP). These tests
-run two processes of the real trainer (`dist_train_worker.py`) with the graphs on and off and
+The whole step is graphed on every rank (each captures its own keys, which follow its share of
+the batch) and averages the dense gradients inside its graphs (`FlatGradients`, no DDP). With
+torchrec or dynamic tables (sharded: ids to their owner ranks and rows back) the tables are
+looked up before each replay and updated after it, and the steps that run eagerly are split
+the same way, so every rank issues its collectives in one order. With
+`cuda_graph_scope="encoder"` the encoder's graphs run under DDP: the backward replay hands the
+parameter gradients to autograd at its end, where DDP's hooks all-reduce them. These tests run
+two processes of the real trainer (`dist_train_worker.py`) with the graphs on and off and
 compare rank 0's loss curves.
 """
 
@@ -45,10 +48,14 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["torchrec", "dynamic", "dense"])
-def test_two_gpus_replay_graphs_with_the_eager_losses(tmp_path, backend):
-    """torchrec and dynamic tables: the encoder's graphs under DDP; plain tables: the whole
-    step's graphs, the gradients averaged inside them (`FlatGradients`, no DDP)."""
+@pytest.mark.parametrize(
+    "backend,scope",
+    [("torchrec", "step"), ("dynamic", "step"), ("dense", "step"), ("dynamic", "encoder")],
+)
+def test_two_gpus_replay_graphs_with_the_eager_losses(tmp_path, backend, scope):
+    """The whole step's graphs, the gradients averaged inside them (`FlatGradients`, no DDP):
+    plain tables, and torchrec or dynamic ones (contextual features in torchrec tables beside
+    them) looked up before each replay; the encoder's graphs under DDP."""
     needs_compiled_kernels()
     losses, info = {}, {}
     for graphs in (True, False):
@@ -56,9 +63,10 @@ def test_two_gpus_replay_graphs_with_the_eager_losses(tmp_path, backend):
         bindings = SMALL + [
             f"EmbeddingArgs.embedding_backend='{backend}'",
             f"NetworkArgs.cuda_graphs={graphs}",
+            f"NetworkArgs.cuda_graph_scope='{scope}'",
             f"TrainerArgs.log_dir='{out}'",
         ]
-        if backend == "dense":  # no torchrec table at all: the whole step is graphed
+        if backend == "dense":  # no torchrec table at all
             bindings.append("NetworkArgs.use_contextual_features=False")
         losses[graphs] = torchrun_losses(2, bindings, out, device="cuda")
         info[graphs] = json.loads((out / "info.json").read_text())
@@ -66,7 +74,8 @@ def test_two_gpus_replay_graphs_with_the_eager_losses(tmp_path, backend):
     assert not on["graphs_disabled"], on
     # rank 0 replayed half of its 80 steps or more (a new shape runs eagerly or is captured)
     assert on["graph_captures"] >= 1 and on["graph_replays"] >= 40, on
-    assert (on["flat_gradients"], on["ddp"]) == (backend == "dense", backend != "dense"), on
+    whole = scope == "step"
+    assert (on["flat_gradients"], on["ddp"]) == (whole, not whole), on
     assert off["graph_replays"] is None and off["ddp"] and not off["flat_gradients"], off
     a, b = torch.tensor(losses[True]), torch.tensor(losses[False])
     assert a.shape == b.shape == (80,)

@@ -241,32 +241,27 @@ def test_the_capturable_learning_rate_is_filled_in_place():
 
 def test_what_the_step_graphs_refuse(monkeypatch):
     _, _, _, model = small_model("retrieval", "EmbeddingArgs.embedding_backend='dense'")
-    assert "step graphs: retrieval, ranking" in step_graphs_unsupported(model, "adam", "x", 1)
+    assert "step graphs: retrieval, ranking" in step_graphs_unsupported(model, "adam", "x")
     # on CPU the encoder has no graphs (no compiled attention)
-    assert "compiled attention" in step_graphs_unsupported(model, "adam", "retrieval", 1)
+    assert "compiled attention" in step_graphs_unsupported(model, "adam", "retrieval")
     _, _, _, ranker = small_model("ranking", "EmbeddingArgs.embedding_backend='dense'")
     ranker.encoder.graphs = object()
-    assert step_graphs_unsupported(ranker, "adam", "ranking", 1) == ""
+    assert step_graphs_unsupported(ranker, "adam", "ranking") == ""
     _, _, _, ranker = small_model("ranking")  # torchrec tables: taken too
     ranker.encoder.graphs = object()
-    assert step_graphs_unsupported(ranker, "adam", "ranking", 1) == ""
-    # on several processes not: their ids go between ranks by all-to-all
-    why = step_graphs_unsupported(ranker, "adam", "ranking", 2)
-    assert "several processes with dynamic or torchrec tables" in why
+    assert step_graphs_unsupported(ranker, "adam", "ranking") == ""
     model.encoder.graphs = object()  # as on a GPU with the compiled attention
-    assert step_graphs_unsupported(model, "adam", "retrieval", 1) == ""
-    # plain tables only: several processes too (the step averages the gradients itself)
-    assert step_graphs_unsupported(model, "adam", "retrieval", 2) == ""
-    assert "sgd" in step_graphs_unsupported(model, "sgd", "retrieval", 1)
+    assert step_graphs_unsupported(model, "adam", "retrieval") == ""
+    assert "sgd" in step_graphs_unsupported(model, "sgd", "retrieval")
     # random negatives: a corpus looked up whole, up to WHOLE_CORPUS_ROWS items (100 here)
     monkeypatch.setattr(step_graphs, "WHOLE_CORPUS_ROWS", 99)
     model.whole_corpus_rows = 99
-    assert "more than 99 items" in step_graphs_unsupported(model, "adam", "retrieval", 1)
+    assert "more than 99 items" in step_graphs_unsupported(model, "adam", "retrieval")
     model.whole_corpus_rows = 100
-    assert step_graphs_unsupported(model, "adam", "retrieval", 1) == ""
+    assert step_graphs_unsupported(model, "adam", "retrieval") == ""
     model.whole_corpus_rows = 99
     model.negative_sampling = "in_batch"
-    assert step_graphs_unsupported(model, "adam", "retrieval", 1) == ""
+    assert step_graphs_unsupported(model, "adam", "retrieval") == ""
 
 
 def test_the_whole_corpus_gives_the_distinct_ids_loss_and_gradients():

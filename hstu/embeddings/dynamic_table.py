@@ -339,13 +339,17 @@ class DynamicEmbeddingTable(nn.Module):
         replay the dense part of a step this way on rows the table looked up before
         (`hstu.training.step_graphs`, "Dynamic tables")."""
         if rows is not None:
-            want = _DTYPES[self.config.output_dtype]
-            if rows.dim() != 2 or rows.shape[1] != self.dim or rows.dtype != want:
-                raise ValueError(
-                    f"dynamic table {self.config.name!r}: staged rows must be [n, {self.dim}] of "
-                    f"{want}, got {tuple(rows.shape)} of {rows.dtype}"
-                )
+            self.check_staged(rows)
         self._staged = rows
+
+    def check_staged(self, rows: torch.Tensor) -> None:
+        """Raises unless ``rows`` can stand for this table's lookup: [n, dim] of `output_dtype`."""
+        want = _DTYPES[self.config.output_dtype]
+        if rows.dim() != 2 or rows.shape[1] != self.dim or rows.dtype != want:
+            raise ValueError(
+                f"dynamic table {self.config.name!r}: staged rows must be [n, {self.dim}] of "
+                f"{want}, got {tuple(rows.shape)} of {rows.dtype}"
+            )
 
     def _staged_rows(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self._staged

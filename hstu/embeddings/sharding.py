@@ -213,6 +213,8 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         self.rank = dist.get_rank(group)
         super().__init__(tables, device, backend=backend)
         self._exchange: _IdExchange | None = None
+        # several ranks: this rank's own looked-up rows per table while staged (`stage`)
+        self._staged_tables: dict[str, torch.Tensor] | None = None
 
     def _make_table(self, config: DynamicEmbeddingConfig) -> DynamicEmbeddingTable:
         return make_dynamic_table(
@@ -261,15 +263,19 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         ctx.jagged = jts
         values = {f: jt.values() for f, jt in jts.items()}
         weights = {f: jt.weights_or_none() for f, jt in jts.items()}
-        # Every rank routes every table (an absent feature sends zero ids): the collectives
-        # must line up across ranks.
+        ctx.plans = self._plans(values, host_ids, weights)
+        return ctx
+
+    def _plans(self, values, host_ids, weights=None) -> list[_TablePlan]:
+        """One `_TablePlan` per table for the ids ``values`` (feature -> ids). Every rank routes
+        every table (an absent feature sends zero ids): the collectives must line up across
+        ranks."""
         inputs = self._table_inputs(values, host_ids, weights, every=True)
-        hids = self._table_host_ids(list(jts), host_ids)
-        ctx.plans = [
+        hids = self._table_host_ids(list(values), host_ids)
+        return [
             _TablePlan(table, feats, [values[f].numel() for f in feats], ids, scores, hid)
             for (table, feats, ids, scores, _), hid in zip(inputs, hids, strict=True)
         ]
-        return ctx
 
     def input_dist(  # type: ignore[override]
         self,
@@ -285,14 +291,20 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         table goes over the device group. ``asynchronous``: the gloo exchange runs on the
         exchange thread (`enable_async_input_dist`) and the awaitable waits for it."""
         self.plan(ctx, features, host_ids)
-        hids = [p.host_ids for p in ctx.plans]
+        return self._route(ctx.plans, asynchronous)
+
+    def _route(
+        self, plans: list[_TablePlan], asynchronous: bool = False
+    ) -> Awaitable[Awaitable[list[_TableRoute]]]:
+        """The input dist of ``plans`` (`input_dist`)."""
+        hids = [p.host_ids for p in plans]
         if self.world_size > 1 and hids and all(h is not None for h in hids):
             if asynchronous and self._exchange is not None:
                 return NoWait(_FutureAwaitable(self._exchange.submit(self._route_on_host, hids)))
             ok, group = host_group(self._group)
             if ok:
                 return NoWait(NoWait(self._route_on_host(hids, group=group)))
-        return NoWait(NoWait([self._route_on_device(p) for p in ctx.plans]))
+        return NoWait(NoWait([self._route_on_device(p) for p in plans]))
 
     def compute(
         self, ctx: DynamicLookupContext, dist_input: list[_TableRoute]
@@ -326,15 +338,22 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         """Sends the rows back to the ranks that asked (gradients go the other way in backward)
         and puts them in the lookup's order, split per feature."""
         out: dict[str, JaggedTensor] = {}
-        grad_scale = 1.0 / self.world_size if self.gradient_division else 1.0
         for p, rows, r in zip(ctx.plans, output, ctx.routes):
-            if self.world_size > 1:
-                rows = _AllToAllRows.apply(rows, r.send, r.recv, self._group, grad_scale)
-                rows = rows.index_select(0, _to_device(r.inverse, self.device))
+            rows = self._rows_back(rows, r)
             jts = ctx.jagged
             for f, e in zip(p.features, torch.split(rows, p.sizes)):
                 out[f] = JaggedTensor(values=e, lengths=jts[f].lengths(), offsets=jts[f].offsets())
         return NoWait(out)
+
+    def _rows_back(self, rows: torch.Tensor, route: _TableRoute) -> torch.Tensor:
+        """One table's ``rows`` of the ids this rank received (`compute`) sent back to the ranks
+        that asked, in the order of this rank's own ids (autograd sends the gradients to the
+        owners)."""
+        if self.world_size == 1:
+            return rows
+        grad_scale = 1.0 / self.world_size if self.gradient_division else 1.0
+        rows = _AllToAllRows.apply(rows, route.send, route.recv, self._group, grad_scale)
+        return rows.index_select(0, _to_device(route.inverse, self.device))
 
     def compute_and_output_dist(self, ctx: DynamicLookupContext, input: list[_TableRoute]):  # noqa: A002
         ctx.routes = input
@@ -349,7 +368,12 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         """The three stages. ``host_ids``: feature -> the same ids on the CPU; every rank must
         pass them for the same tables (or none): they decide whether the ids route over gloo or
         the device group. ``dist_input``: the `input_dist` already made for exactly these
-        features and ids (ahead of the step); every rank must pass one or none."""
+        features and ids (ahead of the step); every rank must pass one or none. While rows are
+        staged (`stage`, several ranks) it returns those, with no collective."""
+        if self._staged_tables is not None:
+            if dist_input is not None:
+                raise RuntimeError("a lookup of staged rows takes no input dist made ahead")
+            return self._staged_lookup(features)
         ctx = self.create_context()
         if dist_input is None:
             dist_input = self.input_dist(ctx, features, host_ids)
@@ -359,16 +383,77 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
         return self.compute_and_output_dist(ctx, routes).wait()
 
     def lookup_tables(
-        self, values: dict[str, torch.Tensor], host_ids: dict[str, torch.Tensor] | None = None
+        self,
+        values: dict[str, torch.Tensor],
+        host_ids: dict[str, torch.Tensor] | None = None,
+        dist_input: Awaitable | None = None,
     ) -> dict[str, torch.Tensor]:
-        """`DynamicEmbeddingCollection.lookup_tables` of one rank that owns every id: the
-        lookups `compute` makes, every table's (an absent feature's table looks up no ids)."""
-        if self.world_size > 1:
-            raise RuntimeError(
-                "lookup_tables: the tables are sharded over several ranks (their rows come "
-                "through the input and output dists of forward)"
+        """`DynamicEmbeddingCollection.lookup_tables`: table name -> the rows `forward` gives
+        the features' ids ``values`` (a table's features concatenated in its feature order),
+        every table's (an absent feature's table looks up no ids). On several ranks the ids
+        travel to their owners and the rows back as in `forward` (every rank must call it
+        together), and the rows' backward sends the gradients to the owners' fused updates.
+        ``dist_input``: the `input_dist` of these ids made ahead, as for `forward`. Not for the
+        'custom' policy (its scores come with the ids of a KeyedJaggedTensor)."""
+        if self.world_size == 1:
+            if dist_input is not None:
+                raise ValueError("lookup_tables: one rank has no input dist")
+            return self._lookup_tables(values, host_ids, every=True)
+        for table in self.tables.values():
+            if table.config.eviction_policy == "custom":
+                raise ValueError(
+                    f"lookup_tables: table {table.config.name!r} has eviction_policy='custom', "
+                    "whose scores come with the ids (look it up through forward)"
+                )
+        ctx = self.create_context()
+        ctx.plans = self._plans(values, host_ids)
+        ctx.routes = (dist_input or self._route(ctx.plans)).wait().wait()
+        rows = self.compute(ctx, ctx.routes)
+        return {
+            p.table.config.name: self._rows_back(r, route)
+            for p, r, route in zip(ctx.plans, rows, ctx.routes)
+        }
+
+    def stage(self, rows: dict[str, torch.Tensor] | None) -> None:
+        """`DynamicEmbeddingCollection.stage`. On several ranks the staged rows are this rank's
+        own lookups (`lookup_tables`), not its shards': `forward` then returns them, split per
+        feature, without any collective (the whole training step's CUDA graphs,
+        `hstu.training.step_graphs`). An empty ``rows`` stages nothing, as None."""
+        if self.world_size == 1:
+            super().stage(rows)
+            return
+        rows = rows or {}
+        unknown = [n for n in rows if n not in self.tables]
+        if unknown:
+            raise KeyError(f"stage: no dynamic tables {unknown}; tables: {list(self.tables)}")
+        for name, r in rows.items():
+            self.tables[name].check_staged(r)
+        self._staged_tables = dict(rows) or None
+
+    def _staged_lookup(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        """`forward`'s output from the staged rows (`stage`)."""
+        jts = features.to_dict()
+        unknown = [f for f in jts if f not in self._feature_to_table]
+        if unknown:
+            raise ValueError(
+                f"features {unknown} have no dynamic table; configured: {self.feature_names()}"
             )
-        return self._lookup_tables(values, host_ids, every=True)
+        out: dict[str, JaggedTensor] = {}
+        for name, table in self.tables.items():
+            feats = [f for f in table.config.feature_names if f in jts]
+            if not feats:
+                continue
+            rows = self._staged_tables.get(name)
+            sizes = [jts[f].values().numel() for f in feats]
+            if rows is None or rows.shape[0] != sum(sizes):
+                got = "none" if rows is None else rows.shape[0]
+                raise RuntimeError(
+                    f"dynamic table {name!r}: a lookup of {sum(sizes)} ids met {got} staged rows "
+                    "(they were staged for another batch)"
+                )
+            for f, e in zip(feats, torch.split(rows, sizes)):
+                out[f] = JaggedTensor(values=e, lengths=jts[f].lengths(), offsets=jts[f].offsets())
+        return out
 
     # ---- routing -------------------------------------------------------------------------
     def _route_on_device(self, p: _TablePlan) -> _TableRoute:

@@ -121,6 +121,21 @@ def _make_kjt(keys: list[str], parts: dict[str, _FeatureIds], stride: int) -> Ke
     )
 
 
+def _started_dist(
+    sparse_input: SparseInput, features: list[str], parts: dict[str, _FeatureIds]
+) -> Awaitable:
+    """The input dist of ``sparse_input`` for a lookup of ``features`` (``parts``); raises when
+    it was started for other ids."""
+    counts = [parts[k].count for k in features]
+    if sparse_input.features != features or sparse_input.counts != counts:
+        raise RuntimeError(
+            f"the input dist started ahead was made for {sparse_input.features} with "
+            f"{sparse_input.counts} ids, but this lookup has {features} with {counts}: "
+            "it belongs to another batch"
+        )
+    return sparse_input.dist_input
+
+
 def _init_params(initializer: str, init_std: float) -> dict[str, float]:
     """EmbeddingArgs.init_std as the initializer's parameter (std, half-width or value)."""
     s = float(init_std)
@@ -422,26 +437,35 @@ class EmbeddingStack(nn.Module):
         return plan
 
     # ---- input dist ahead of the step ------------------------------------------------------
-    def enable_input_dist_ahead(self) -> bool:
+    def enable_input_dist_ahead(self, fixed_extra_ids: bool = False) -> bool:
         """Prepares `start_input_dist` (a collective call: every rank at the same point);
         returns whether it applies: sharded dynamic tables over several ranks, and lookups
-        that take their ids from the batch alone (not retrieval's sampled negatives)."""
+        that take their ids from the batch alone (not retrieval's sampled negatives) or, with
+        ``fixed_extra_ids``, extra ids known before the step (the whole training step's CUDA
+        graphs look the corpus up whole)."""
         coll = self.dynamic_collection
-        if not isinstance(coll, ShardedDynamicEmbeddingCollection) or self.extra_item_feature:
+        if not isinstance(coll, ShardedDynamicEmbeddingCollection):
+            return False
+        if self.extra_item_feature and not fixed_extra_ids:
             return False
         self._input_dist_ahead = coll.enable_async_input_dist()
         return self._input_dist_ahead
 
-    def start_input_dist(self, batch: Batch) -> SparseInput | None:
-        """Starts sending the dynamic-table ids of the CPU ``batch`` to their owner ranks (on
-        the collection's exchange thread); None where `enable_input_dist_ahead` did not apply.
-        Every rank must start the same sequence of batches."""
+    def start_input_dist(
+        self, batch: Batch, extra_host_ids: torch.Tensor | None = None
+    ) -> SparseInput | None:
+        """Starts sending the dynamic-table ids of the CPU ``batch`` (+ the extra item ids
+        ``extra_host_ids``, on the CPU) to their owner ranks (on the collection's exchange
+        thread); None where `enable_input_dist_ahead` did not apply. Every rank must start the
+        same sequence of batches."""
         coll = self.dynamic_collection
         if not self._input_dist_ahead:
             return None
         if not batch.is_on_cpu:
             raise ValueError("start_input_dist takes the CPU batch (before it is moved)")
-        b, parts = self._feature_ids(batch, None, batch.user_ids.device)
+        if extra_host_ids is not None and extra_host_ids.device.type != "cpu":
+            raise ValueError("start_input_dist takes the extra ids on the CPU")
+        b, parts = self._feature_ids(batch, extra_host_ids, batch.user_ids.device)
         dyn = self._dynamic_keys
         kjt = _make_kjt(dyn, parts, b)
         host = {k: parts[k].host_values for k in dyn}
@@ -552,13 +576,15 @@ class EmbeddingStack(nn.Module):
         batch: Batch,
         extra_ids: torch.Tensor | None = None,
         extra_host_ids: torch.Tensor | None = None,
+        sparse_input: SparseInput | None = None,
     ) -> dict[str, torch.Tensor]:
         """The rows that the tables trained by fused sparse optimizers give ``batch`` (+ extra
         ids) in a training lookup, exactly the ids `forward` would look them up with: dynamic
         tables under their table names, torchrec tables per feature under
         ``"torchrec:<feature>"`` ([n, table_dim]). Their backward runs the fused updates. With
         `stage_sparse` of these rows' values, `forward` then reads none of these tables (the
-        whole training step's CUDA graphs: `hstu.training.step_graphs`)."""
+        whole training step's CUDA graphs: `hstu.training.step_graphs`). ``sparse_input``: the
+        input dist of these ids started ahead (`start_input_dist`)."""
         b, parts = self._feature_ids(batch, extra_ids, batch.user_ids.device, extra_host_ids)
         rows: dict[str, torch.Tensor] = {}
         static = self._static_keys
@@ -569,7 +595,10 @@ class EmbeddingStack(nn.Module):
             dyn = self._dynamic_keys
             host = {k: parts[k].host_values for k in dyn if parts[k].host_values is not None}
             values = {k: parts[k].values for k in dyn}
-            rows.update(self.dynamic_collection.lookup_tables(values, host_ids=host))
+            kwargs = {}
+            if sparse_input is not None:
+                kwargs["dist_input"] = _started_dist(sparse_input, dyn, parts)
+            rows.update(self.dynamic_collection.lookup_tables(values, host_ids=host, **kwargs))
         return rows
 
     def _lookup_torchrec(
@@ -693,14 +722,7 @@ class EmbeddingStack(nn.Module):
         if dyn:
             kwargs = {}
             if sparse_input is not None:
-                counts = [parts[k].count for k in dyn]
-                if sparse_input.features != dyn or sparse_input.counts != counts:
-                    raise RuntimeError(
-                        f"the input dist started ahead was made for {sparse_input.features} with "
-                        f"{sparse_input.counts} ids, but this lookup has {dyn} with {counts}: "
-                        f"it belongs to another batch"
-                    )
-                kwargs["dist_input"] = sparse_input.dist_input
+                kwargs["dist_input"] = _started_dist(sparse_input, dyn, parts)
             host_ids = {k: known[k] for k in dyn if k in known}
             out.update(
                 self.dynamic_collection(_make_kjt(dyn, parts, b), host_ids=host_ids, **kwargs)

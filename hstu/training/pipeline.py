@@ -18,6 +18,7 @@ the batches are returned, on every rank alike.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from hstu.data.batch import Batch
@@ -32,20 +33,32 @@ class SparseDistPipeline:
     embedding input dist started a step ahead, or None where it does not apply (one rank, no
     sharded dynamic tables, lookups with ids not in the batch, or ``ahead=False``).
 
-    Constructing it is a collective call when ``ahead`` is set (the stack's exchange group is
-    created): every rank at the same point. `state_dict()` is the position after the last batch
-    returned, as for `PrefetchIterator`."""
+    ``start``: starts a batch's input dist (default `EmbeddingStack.start_input_dist`; the
+    whole training step's CUDA graphs start that of the padded batch and the corpus,
+    `StepGraphs.start_input_dist`, and pass ``fixed_extra_ids=True``). Constructing it is a
+    collective call when ``ahead`` is set (the stack's exchange group is created): every rank at
+    the same point. `state_dict()` is the position after the last batch returned, as for
+    `PrefetchIterator`."""
 
-    def __init__(self, batches: PrefetchIterator, stack: EmbeddingStack, *, ahead: bool) -> None:
+    def __init__(
+        self,
+        batches: PrefetchIterator,
+        stack: EmbeddingStack,
+        *,
+        ahead: bool,
+        start: Callable[[Batch], SparseInput | None] | None = None,
+        fixed_extra_ids: bool = False,
+    ) -> None:
         self.batches = batches
         self.stack = stack
-        self.ahead = bool(ahead) and stack.enable_input_dist_ahead()
+        self.ahead = bool(ahead) and stack.enable_input_dist_ahead(fixed_extra_ids)
+        self._start_fn = start if start is not None else stack.start_input_dist
         self._started: deque[SparseInput | None] = deque()
         if self.ahead:
             batches.set_lookahead(self._start)
 
     def _start(self, batch: Batch) -> None:
-        self._started.append(self.stack.start_input_dist(batch))
+        self._started.append(self._start_fn(batch))
 
     def __iter__(self) -> SparseDistPipeline:
         return self

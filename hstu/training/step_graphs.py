@@ -86,9 +86,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hstu.data.batch import ACTION_FEATURE, ITEM_FEATURE, Batch
+from hstu.embeddings.stack import SparseInput
 from hstu.graph_capture import release_generator
 from hstu.modules.graphed_encoder import SEQ_GRAIN, GraphStats, seqlen_bound
 from hstu.modules.preprocessor import StaticLayout, host_lengths, padded_token_count
@@ -102,7 +104,9 @@ __all__ = [
     "float_learning_rates",
     "graph_safe_optimizer",
     "pad_batch",
+    "stage_copies",
     "step_graphs_unsupported",
+    "update_tables",
 ]
 
 logger = logging.getLogger(__name__)
@@ -319,16 +323,12 @@ def pad_batch(host: Batch, *, num_contextual: int, pad_sizes_per_octave: int) ->
 WHOLE_CORPUS_ROWS = 16384
 
 
-def step_graphs_unsupported(model, optimizer_str: str, task: str, world_size: int) -> str:
-    """Why the whole training step of ``model`` cannot be graphed ("" when it can)."""
+def step_graphs_unsupported(model, optimizer_str: str, task: str) -> str:
+    """Why the whole training step of ``model`` cannot be graphed ("" when it can), on one
+    process or several."""
     if task not in ("retrieval", "ranking"):
         return f"the {task} task (step graphs: retrieval, ranking)"
     emb = model.embeddings
-    if world_size > 1 and (emb.dynamic_features or emb.embedding_collection is not None):
-        return (
-            "several processes with dynamic or torchrec tables (their ids go to the owning "
-            "ranks by all-to-all, whose sizes the host reads)"
-        )
     tables = getattr(emb.dynamic_collection, "tables", None) or {}
     for table in tables.values():
         if table.config.storage != "hbm":
@@ -409,13 +409,13 @@ class _Entry:
     staged: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
-def _leaves(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def stage_copies(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Copies of the dynamic and torchrec tables' looked-up ``rows`` that the model reads
     instead (leaves that collect the rows' gradients)."""
     return {n: r.detach().clone().requires_grad_(r.requires_grad) for n, r in rows.items()}
 
 
-def _update_tables(rows: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]) -> None:
+def update_tables(rows: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]) -> None:
     """The tables' fused updates: the backward of the looked-up ``rows`` with the gradients
     that their ``leaves`` collected."""
     pairs = [(rows[n], leaf.grad) for n, leaf in leaves.items() if leaf.grad is not None]
@@ -444,7 +444,9 @@ class StepGraphs:
     ``step_fn(batch, normalizer)``: the trainer's step on a device batch (forward, backward,
     clipping, optimizer, gradients zeroed in place); ``model``: the retrieval or ranking model
     (its preprocessor lays out the batches); ``params``: the parameters whose gradients the graphs
-    hold; ``max_graphs``: graphs kept at most (later keys run eagerly)."""
+    hold; ``max_graphs``: graphs kept at most (later keys run eagerly); ``split_eager``: the
+    eager steps, too, look the dynamic and torchrec tables up first and update them last
+    (several processes: module docstring, "Several processes")."""
 
     def __init__(
         self,
@@ -456,6 +458,7 @@ class StepGraphs:
         autocast: Callable[[], contextlib.AbstractContextManager],
         pad_sizes_per_octave: int = 8,
         max_graphs: int = 64,
+        split_eager: bool = False,
     ) -> None:
         self.model = model
         # the encoder runs inside the step's graphs, not from graphs of its own; random
@@ -474,6 +477,7 @@ class StepGraphs:
         # tables")
         emb = model.embeddings
         self._sparse = bool(emb.dynamic_features) or emb.embedding_collection is not None
+        self.split_eager = bool(split_eager) and self._sparse
         self._seen: dict[StepKey, int] = {}
         self._entries: dict[StepKey, _Entry] = {}
         self._pool = None
@@ -563,16 +567,21 @@ class StepGraphs:
         return batch, floats[0], static
 
     # ---- the step ------------------------------------------------------------------------------
-    def step(self, host: Batch, normalizer: float):
+    def step(self, host: Batch, normalizer: float, sparse_input: SparseInput | None = None):
         """Runs the training step of ``host`` (a CPU batch): from a graph where one is held (or
         due), else eagerly on the padded batch. Returns (`StepOutputs`, the real sequences'
         token lengths, the real token count), or None for a batch that cannot
-        be padded (the caller runs it eagerly as it is)."""
-        if self.stats.disabled:
+        be padded (the caller runs it eagerly as it is). ``sparse_input``: the input dist of the
+        padded batch's dynamic-table ids, started ahead (`start_input_dist`; several
+        processes)."""
+        if self.stats.disabled and not self.split_eager:
             return None
         padded = self._padded(host)
         if padded is None:
             return None
+        if self.stats.disabled:
+            # several processes: the batch's input dist was started for its padded ids
+            return self._eager(padded, normalizer, sparse_input=sparse_input)
         key = padded.key
         entry = self._entries.get(key)
         if entry is not None and self._grad_ptrs != self._grad_addresses():
@@ -583,20 +592,25 @@ class StepGraphs:
             seen = self._seen.get(key, 0) + 1
             self._seen[key] = seen
             if seen < 2 or len(self._entries) >= self.max_graphs:
-                return self._eager(padded, normalizer)
-            entry, rows = self._capture(padded, normalizer)
+                return self._eager(padded, normalizer, sparse_input=sparse_input)
+            entry, rows = self._capture(padded, normalizer, sparse_input)
             if entry is None:
-                # the tables already looked this batch up: the step goes on from
-                # those rows (a second lookup would count and touch its ids twice)
-                return self._eager(padded, normalizer, rows)
+                # the tables looked this batch up already (rows) or not: the step goes on
+                # from those rows (a second lookup would count and touch its ids twice)
+                if rows:
+                    return self._eager(padded, normalizer, rows)
+                return self._eager(padded, normalizer, sparse_input=sparse_input)
         else:
             # a replay runs none of the lookup's Python: its id checks here, on the host
             self.model.embeddings.check_host_ids(padded.batch)
             self._load(entry, self._host_inputs(padded, normalizer))
-            rows = self._lookup_sparse(entry, padded)
-        entry.graph.replay()
+            with record_function("hstu/step_graphs/table_lookup"):
+                rows = self._lookup_sparse(entry, padded, sparse_input)
+        with record_function("hstu/step_graphs/replay"):
+            entry.graph.replay()
         self.stats.replays += 1
-        self._update_sparse(entry, rows)
+        with record_function("hstu/step_graphs/table_update"):
+            self._update_sparse(entry, rows)
         # outputs live in the graphs' pool, which the next replay reuses: copy them out now
         outputs = entry.outputs.clone()
         return outputs, padded.real_lengths, padded.real_tokens
@@ -606,53 +620,80 @@ class StepGraphs:
         padded: PaddedBatch,
         normalizer: float,
         rows: dict[str, torch.Tensor] | None = None,
+        sparse_input: SparseInput | None = None,
     ):
         """The step of ``padded`` op by op, on the stream the captures use: autograd then
         creates the parameters' gradient accumulators on that stream, as the captures need.
         ``rows``: the dynamic and torchrec tables' rows of this batch, looked up already (the
-        model reads copies of them, whose gradients then update the tables)."""
+        model reads copies of them, whose gradients then update the tables); without them and
+        with `split_eager` the step looks them up first (with ``sparse_input``)."""
         self.stats.eager += 1
         pinned = padded.batch.pin_memory()
         current = torch.cuda.current_stream(self.device)
         side = self._side_stream()
         side.wait_stream(current)
-        leaves = _leaves(rows or {})
         with torch.cuda.stream(side):
             batch = pinned.to(self.device, non_blocking=True)
+            if rows is None and self.split_eager:
+                rows = self.lookup_sparse(batch, sparse_input)
+            leaves = stage_copies(rows or {})
             self.model.embeddings.stage_sparse(leaves or None)
             try:
                 outputs = self.step_fn(batch, normalizer)
             finally:
                 self.model.embeddings.stage_sparse(None)
         current.wait_stream(side)
-        _update_tables(rows or {}, leaves)
+        update_tables(rows or {}, leaves)
         for t in outputs.tensors():
             if t is not None:
                 t.record_stream(current)
         return outputs, padded.real_lengths, padded.real_tokens
 
     # ---- dynamic and torchrec tables ----------------------------------------------------------
-    def _lookup_sparse(self, entry: _Entry, padded: PaddedBatch) -> dict[str, torch.Tensor]:
+    def _lookup_sparse(
+        self, entry: _Entry, padded: PaddedBatch, sparse_input: SparseInput | None = None
+    ) -> dict[str, torch.Tensor]:
         """The dynamic and torchrec tables' training lookups of the batch in ``entry``'s buffer
         (loaded), their rows copied into the rows the graph reads; returns the looked-up rows
         (their backward updates the tables: `_update_sparse`)."""
         if not self._sparse:
             return {}
         batch, _, _ = self._views(entry, padded, entry.sizes, ids_only=True)
-        extra, extra_host = self.model.fixed_extra_ids()
-        with torch.enable_grad():
-            rows = self.model.embeddings.lookup_sparse(batch, extra, extra_host)
+        rows = self.lookup_sparse(batch, sparse_input)
         if entry.staged:
             with torch.no_grad():
                 for name, r in rows.items():
                     entry.staged[name].copy_(r)
         return rows
 
+    def lookup_sparse(
+        self, batch: Batch, sparse_input: SparseInput | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The dynamic and torchrec tables' training lookups of device ``batch`` (+ the model's
+        fixed extra ids), named as `EmbeddingStack.lookup_sparse` names them; ``sparse_input``:
+        the input dist of their dynamic-table ids started ahead (`start_input_dist`)."""
+        extra, extra_host = self.model.fixed_extra_ids()
+        with torch.enable_grad():
+            return self.model.embeddings.lookup_sparse(batch, extra, extra_host, sparse_input)
+
+    def start_input_dist(self, host: Batch) -> SparseInput | None:
+        """Starts the input dist of the ids that the step of CPU ``host`` will look up
+        (`EmbeddingStack.start_input_dist`): those of its padded batch and the model's fixed
+        extra ids, or of ``host`` itself where the graphs do not take it. The trainer's
+        `SparseDistPipeline` calls it a step ahead (several processes with sharded dynamic
+        tables); the padding is then kept for the step (made now where `prepare` did not)."""
+        memo = host.host_memo.get(self._memo_key, _NOT_PREPARED)
+        if memo is _NOT_PREPARED:
+            memo = host.host_memo[self._memo_key] = self.pad(host)
+        _, extra_host = self.model.fixed_extra_ids()
+        target = host if memo is None else memo.batch
+        return self.model.embeddings.start_input_dist(target, extra_host)
+
     @staticmethod
     def _update_sparse(entry: _Entry, rows: dict[str, torch.Tensor]) -> None:
         """The fused updates of the looked-up ``rows`` with the gradients the replay left in the
         staged rows, which are zeroed for the next replay."""
-        _update_tables(rows, entry.staged)
+        update_tables(rows, entry.staged)
         _zero_grads(entry.staged)
 
     def _side_stream(self) -> torch.cuda.Stream:
@@ -708,14 +749,14 @@ class StepGraphs:
 
     # ---- capture -------------------------------------------------------------------------------
     def _capture(
-        self, padded: PaddedBatch, normalizer: float
+        self, padded: PaddedBatch, normalizer: float, sparse_input: SparseInput | None = None
     ) -> tuple[_Entry | None, dict[str, torch.Tensor]]:
         """(the captured entry, with its buffer loaded; the dynamic and torchrec tables' rows
-        looked up for this batch), or (None, rows looked up before the failure) with the mode
-        off."""
+        looked up for this batch), or (None, rows looked up before the failure, if any) with
+        the mode off."""
         rows: dict[str, torch.Tensor] = {}
         try:
-            return self._capture_once(padded, normalizer, rows), rows
+            return self._capture_once(padded, normalizer, rows, sparse_input), rows
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager from now on, say why
             logger.warning("CUDA graphs of the step: the capture failed", exc_info=True)
             torch.cuda.synchronize(self.device)
@@ -724,7 +765,11 @@ class StepGraphs:
             return None, rows
 
     def _capture_once(
-        self, padded: PaddedBatch, normalizer: float, rows: dict[str, torch.Tensor]
+        self,
+        padded: PaddedBatch,
+        normalizer: float,
+        rows: dict[str, torch.Tensor],
+        sparse_input: SparseInput | None = None,
     ) -> _Entry:
         torch.cuda.synchronize(self.device)
         start = time.perf_counter()
@@ -742,8 +787,8 @@ class StepGraphs:
         self._load(entry, parts)
         # this step's dynamic and torchrec lookups, before the capture (which reads their rows,
         # staged)
-        rows.update(self._lookup_sparse(entry, padded))
-        entry.staged = _leaves(rows)
+        rows.update(self._lookup_sparse(entry, padded, sparse_input))
+        entry.staged = stage_copies(rows)
         for leaf in entry.staged.values():
             if leaf.requires_grad:
                 leaf.grad = torch.zeros_like(leaf)  # a fixed tensor the graph accumulates into

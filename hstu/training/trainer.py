@@ -77,7 +77,9 @@ from hstu.training.step_graphs import (
     StepOutputs,
     float_learning_rates,
     graph_safe_optimizer,
+    stage_copies,
     step_graphs_unsupported,
+    update_tables,
 )
 
 __all__ = ["TrainResult", "Trainer", "run_training"]
@@ -279,6 +281,7 @@ class Trainer:
                 self.device,
                 autocast=self._autocast,
                 pad_sizes_per_octave=net.cuda_graph_pad_sizes,
+                split_eager=own_reduce,
             )
             graph_safe_optimizer(self.optimizer, self.device)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, t.max_train_iters)
@@ -303,9 +306,15 @@ class Trainer:
                 functools.partial(self.core.prepare_host, device=self.device)
             )
         # sharded dynamic tables: the ids of training batch i+1 go to their owner ranks (gloo,
-        # background thread) while step i runs; the same decision on every rank (config only)
+        # background thread) while step i runs; the same decision on every rank (config only).
+        # Graphed steps on several ranks route their padded batch's ids and the corpus
+        split = self.step_graphs is not None and self.step_graphs.split_eager
         self.pipeline = SparseDistPipeline(
-            self.train_iter, self.embeddings, ahead=t.route_ids_ahead
+            self.train_iter,
+            self.embeddings,
+            ahead=t.route_ids_ahead,
+            start=self.step_graphs.start_input_dist if split else None,
+            fixed_extra_ids=split,
         )
         self.step = 0
         self.best = self._best_metric()
@@ -592,7 +601,9 @@ class Trainer:
             global_count, samples = all_reduce_sum_host([local_count, host_batch.batch_size])
         normalizer = max(global_count, 1.0) / self.info.world_size
         # the graphs copy the (padded) host batch themselves; None: the step runs eagerly here
-        done = None if self.step_graphs is None else self.step_graphs.step(host_batch, normalizer)
+        done = None
+        if self.step_graphs is not None:
+            done = self.step_graphs.step(host_batch, normalizer, sparse_input)
         if done is not None:
             outputs, lengths, tokens = done
         else:
@@ -601,7 +612,10 @@ class Trainer:
                 batch = host_batch.to(self.device, non_blocking=True)
             else:
                 batch = host_batch.to(self.device)
-            out, grad_norm = self._update(batch, normalizer, sparse_input)
+            if self.step_graphs is not None and self.step_graphs.split_eager:
+                out, grad_norm = self._update_split(batch, normalizer, sparse_input)
+            else:
+                out, grad_norm = self._update(batch, normalizer, sparse_input)
             outputs = self._step_outputs(out, grad_norm)
             attn = self.core.last_attention_inputs
             lengths = attn.real_lengths() if attn is not None else None
@@ -646,6 +660,25 @@ class Trainer:
                     )
         return out, grad_norm
 
+    def _update_split(self, batch: Batch, normalizer, sparse_input=None):
+        """`_update` split at the dynamic and torchrec tables' rows, as a graphed step runs it:
+        their lookup, the step on copies of the rows (the dense gradients' all-reduce inside
+        it), then the tables' updates from the copies' gradients. On several processes with
+        graphed steps a step that runs eagerly (a batch the graphs do not take, graphs turned
+        off after a failed capture) so issues its collectives in a replay's order: the rows'
+        exchange, the all-reduce, the gradients' exchange."""
+        with record_function("hstu/table_lookup"):
+            rows = self.step_graphs.lookup_sparse(batch, sparse_input)
+        leaves = stage_copies(rows)
+        self.embeddings.stage_sparse(leaves or None)
+        try:
+            out, grad_norm = self._update(batch, normalizer)
+        finally:
+            self.embeddings.stage_sparse(None)
+        with record_function("hstu/table_update"):
+            update_tables(rows, leaves)
+        return out, grad_norm
+
     def _optimize(self, batch: Batch, normalizer) -> StepOutputs:
         """The step that `StepGraphs` captures (and runs eagerly on a padded batch): `_update`,
         returning its loss sum (float64 [1]), gradient norm and per-task losses (ranking)."""
@@ -675,9 +708,7 @@ class Trainer:
             return "NetworkArgs.cuda_graphs=False"
         if net.cuda_graph_scope != "step":
             return f"NetworkArgs.cuda_graph_scope={net.cuda_graph_scope!r}"
-        return step_graphs_unsupported(
-            model, self.cfg.optimizer.optimizer_str, self.cfg.task, self.info.world_size
-        )
+        return step_graphs_unsupported(model, self.cfg.optimizer.optimizer_str, self.cfg.task)
 
     def _resolve(self, pending: list[_PendingStep]) -> list[dict[str, float]]:
         """Converts queued step statistics to floats: one device->host copy for all of them, one

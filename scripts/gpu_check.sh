@@ -12,7 +12,8 @@
 # (scripts/bench_small.py, eager vs CUDA graphs), small-profile (the same with a profile),
 # small-shared (8 Amazon Beauty runs at once: PyTorch's CPU threads, then TrainerArgs.cpu_threads=1),
 # multi-gpu-graphs (2 GPUs: graphed vs eager losses, the 1 vs 2 GPU loss-curve check graphed;
-# Amazon Beauty and the e2e model on 1 and 2 GPUs, graphed and eager),
+# Amazon Beauty (plain and dynamic item table) and the e2e model on 1 and 2 GPUs, graphed and
+# eager),
 # hybrid-e2e (the e2e model with a 20M-row hybrid item table against 2M rows in HBM), e2e-graphs
 # (the e2e step eager and with CUDA graphs of the encoder), e2e-graph-sizes (eager against graphs
 # of 16 and 32 pad sizes, profiled), e2e-ab (the e2e step against another
@@ -115,13 +116,25 @@ step() {
       done ;;
     multi-gpu-graphs)  # 2 GPUs: the graphed/eager loss test, then 1 vs 2 GPUs graphed and eager
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_multi_gpu_graphs.py
-      # the launcher's 1 vs 2 GPU loss curves, graphed: the whole step (plain tables), then the
-      # encoder's graphs under DDP (the default torchrec tables)
+      # the launcher's 1 vs 2 GPU loss curves, graphed: the whole step (plain tables; the
+      # default torchrec tables), then the encoder's graphs under DDP
       python3 scripts/check_multi_gpu.py --nproc 2 --precision bf16 --allow-non-a100 \
         --bindings NetworkArgs.cuda_graphs=True "EmbeddingArgs.embedding_backend='dense'" \
         NetworkArgs.use_contextual_features=False --json "$out/multi_gpu_graphs_check.jsonl"
       python3 scripts/check_multi_gpu.py --nproc 2 --precision bf16 --allow-non-a100 \
         --bindings NetworkArgs.cuda_graphs=True --json "$out/multi_gpu_graphs_check.jsonl"
+      python3 scripts/check_multi_gpu.py --nproc 2 --precision bf16 --allow-non-a100 \
+        --bindings NetworkArgs.cuda_graphs=True "NetworkArgs.cuda_graph_scope='encoder'" \
+        --json "$out/multi_gpu_graphs_check.jsonl"
+      # Amazon Beauty with its dynamic item table (sharded over the ranks): the whole step
+      # against the encoder's graphs under DDP
+      for scope in step encoder; do
+        python3 scripts/bench_e2e.py --task retrieval --config configs/amazon_beauty_retrieval.gin \
+          --nproc 1,2 --paths compiled --steps 500 --graph-warmup 300 \
+          --bindings NetworkArgs.cuda_graphs=True "NetworkArgs.cuda_graph_scope='$scope'" \
+          "EmbeddingArgs.embedding_backend='dynamic'" "EmbeddingArgs.plain_table_optimizer='dense'" \
+          --out "$out/multi_gpu_graphs.jsonl"
+      done
       for g in True False; do
         python3 scripts/bench_e2e.py --task retrieval --config configs/amazon_beauty_retrieval.gin \
           --nproc 1,2 --paths compiled --steps 500 --graph-warmup 300 \

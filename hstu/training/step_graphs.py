@@ -41,12 +41,19 @@ from a corpus of at most `WHOLE_CORPUS_ROWS` items (looked up whole:
 `RetrievalGR.whole_corpus_rows`) (`step_graphs_unsupported` names what is missing); elsewhere
 the encoder's graphs run.
 
-Several processes. With plain tables only (dynamic and torchrec tables exchange ids between
-ranks by all-to-all, whose sizes the host reads), without DDP: the trainer's step averages the
-dense gradients itself (`hstu.training.distributed.FlatGradients`: one all-reduce of a flat
-buffer that the gradients are views of, after the backward), so the collective is captured with
-the step and every replay launches it. Every rank issues the same collectives per step whichever
-way its step runs (replay, capture, eager); the warm-up pass before a capture has none.
+Several processes. Without DDP: the trainer's step averages the dense gradients itself
+(`hstu.training.distributed.FlatGradients`: one all-reduce of a flat buffer that the gradients
+are views of, after the backward), so the collective is captured with the step and every replay
+launches it. Every rank issues the same collectives per step whichever way its step runs
+(replay, capture, eager); the warm-up pass before a capture has none. Sharded dynamic and
+torchrec tables exchange ids and rows between ranks outside the graph (below): the lookup before
+the replay sends the ids to their owner ranks and brings the rows back, the update after it
+sends the gradients to the owners. So that the order of the collectives is the same on every
+rank, every step of such a run is split at the tables (``split_eager``: a key's first, eager
+step, and the trainer's own eager step for a batch the graphs do not take or after a failed
+capture): the rows' exchange, the gradients' all-reduce, the gradients' exchange. The trainer's
+`SparseDistPipeline` starts the gloo exchange of the padded batch's dynamic-table ids (and the
+corpus, for random negatives) a step ahead (`start_input_dist`).
 
 Dynamic and torchrec tables. A graph cannot replay a dynamic table's lookup with the step: the
 lookup inserts and touches ids, and the capture's warm-up forward would do it a second time; a

@@ -473,8 +473,8 @@ class NetworkArgs:
     cuda_graph_pad_sizes: int = 8
     # with cuda_graphs: "step" replays the whole training step (forward, loss, backward,
     # optimizer; hstu.training.step_graphs) where it can (retrieval or ranking with plain,
-    # dynamic or torchrec tables, Adam; on several processes plain tables only, the gradients
-    # averaged inside the step instead of by DDP), the encoder's forward + backward
+    # dynamic or torchrec tables, Adam; on several processes too, the gradients averaged
+    # inside the step instead of by DDP), the encoder's forward + backward
     # elsewhere; "encoder": the encoder only (large models whose host time is hidden: less
     # memory)
     cuda_graph_scope: str = "step"

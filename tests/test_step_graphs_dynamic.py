@@ -300,9 +300,50 @@ def test_a_one_rank_sharded_collection_looks_up_what_its_forward_does(tmp_path):
             assert torch.equal(da[k], db[k]), k
         assert a.tables["users"].step == b.tables["users"].step == 3
         # (several ranks: tests/test_dynamic_embedding_sharding.py, the "split" modes)
+        _staging_on_several_ranks(b, item, cand)
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+def _staging_on_several_ranks(coll, item, cand):
+    """A sharded collection of several ranks stages this rank's own rows at the collection:
+    forward returns them split per feature, without collectives, and refuses what does not fit
+    (``coll`` is made to look like one of two ranks; nothing here communicates)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    coll.world_size = 2
+    n = item.numel() + cand.numel()
+    rows = {"items": torch.randn(n, 8), "users": torch.zeros(0, 4)}
+    kjt = KeyedJaggedTensor(
+        keys=["item", "cand"],
+        values=torch.cat([item, cand]),
+        lengths=torch.tensor([item.numel(), cand.numel()]),
+    )
+    dump = coll.dump()
+    coll.stage(rows)
+    try:
+        out = coll(kjt)
+        assert torch.equal(out["item"].values(), rows["items"][: item.numel()])
+        assert torch.equal(out["cand"].values(), rows["items"][item.numel() :])
+        short = KeyedJaggedTensor(keys=["item"], values=item[:2], lengths=torch.tensor([2]))
+        with pytest.raises(RuntimeError, match="staged for another batch"):
+            coll(short)
+        with pytest.raises(RuntimeError, match="takes no input dist"):
+            coll(kjt, dist_input=object())
+    finally:
+        coll.stage(None)
+    for k, v in coll.dump().items():  # the shards were neither read nor changed
+        assert torch.equal(v, dump[k]), k
+    with pytest.raises(KeyError, match="no dynamic tables"):
+        coll.stage({"nope": rows["items"]})
+    with pytest.raises(ValueError, match="staged rows must be"):
+        coll.stage({"items": torch.zeros(n, 3)})
+    coll.stage({})  # nothing staged: as None
+    assert coll._staged_tables is None
+    coll.world_size = 1
+    with pytest.raises(ValueError, match="one rank has no input dist"):
+        coll.lookup_tables({"item": item}, dist_input=object())
 
 
 def test_step_outputs_clone_every_field():

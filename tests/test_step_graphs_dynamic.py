@@ -496,3 +496,46 @@ def test_a_graphed_run_resumes_from_its_checkpoint(tmp_path, run_dir_bindings, t
     assert again.step_graphs is not None and again.graph_stats().replays >= 10
     assert [s for s, _ in resumed.losses] == list(range(21, 41))
     torch.testing.assert_close(_losses(resumed), _losses(full)[20:], rtol=5e-2, atol=5e-2)
+
+
+def test_the_input_dist_started_ahead_is_that_of_the_padded_batch_and_the_corpus(monkeypatch):
+    """`StepGraphs.start_input_dist` (the pipeline's lookahead on several processes) routes the
+    ids the graphed step will look up: the padded batch's and the corpus that random negatives
+    look up whole; the padding is kept for the step, and a batch the graphs do not take routes
+    as it is."""
+    import contextlib
+
+    _, _, splits, model = small_model("retrieval", *DYNAMIC, *RANDOM)
+    runner = step_graphs.StepGraphs(
+        model, None, [], torch.device("cpu"), autocast=contextlib.nullcontext, split_eager=True
+    )
+    assert runner.split_eager
+    started = []
+    monkeypatch.setattr(
+        model.embeddings,
+        "start_input_dist",
+        lambda batch, extra_host_ids=None: started.append((batch, extra_host_ids)) or "dist",
+    )
+    host = splits.train.collate(list(range(5)))
+    assert runner.start_input_dist(host) == "dist"
+    target, extra = started[-1]
+    padded = runner._padded(host)  # the step takes the padding made for the input dist
+    assert target is padded.batch and target.batch_size % 8 == 0 and target.batch_size > 5
+    assert torch.equal(extra, model.fixed_extra_ids()[1])
+    assert extra.numel() == model.item_corpus.numel()
+    # prepared on the prefetch thread first: the same padding is routed
+    host = splits.train.collate(list(range(5, 9)))
+    runner.prepare(host)
+    prepared = host.host_memo[runner._memo_key]
+    runner.start_input_dist(host)
+    assert started[-1][0] is prepared.batch
+    # a batch the graphs do not take (weights already set) routes as it is
+    host = splits.train.collate(list(range(3)))
+    host.sample_weights = torch.ones(3)
+    runner.start_input_dist(host)
+    assert started[-1][0] is host and runner._padded(host) is None
+    # one process (no split): the eager steps are not split
+    plain = step_graphs.StepGraphs(
+        model, None, [], torch.device("cpu"), autocast=contextlib.nullcontext
+    )
+    assert not plain.split_eager

@@ -470,6 +470,7 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
             end = max(end, e["ts"] + e["dur"])
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:40]
     host = _host_ops(events)
+    phases = _host_phases(events)
     sites = _host_sites(events)
     waits = _host_waits(events)
     gaps = _idle_gaps(events)
@@ -505,6 +506,10 @@ def _profile_once(trainer, args: argparse.Namespace, path: str) -> dict:
         "top_host_ops_ms_per_step": [
             [name[:80], t / 1e3 / n, c / n] for name, (t, c) in host["top"]
         ],
+        # host time inside the code's own record_function labels ("hstu/forward",
+        # "hstu/step_graphs/table_lookup", ...; each inclusive of the labels inside it):
+        # [label, ms per step, calls per step], largest first
+        "host_phases_ms_per_step": [[name, t / 1e3 / n, c / n] for name, (t, c) in phases],
         # with --profile-stack: the same top-level operators by the innermost frame of the hstu
         # package that called them (which code issues the host work)
         **(
@@ -614,6 +619,19 @@ def _host_ops(events: list) -> dict:
     tops = [e for nest in ops.values() for e in nest.tops]
     top = _top_by(lambda tid, e: e["name"], ops)[:15]
     return {"count": len(tops), "total_us": sum(e["dur"] for e in tops), "top": top}
+
+
+def _host_phases(events: list) -> list[tuple[str, tuple[float, int]]]:
+    """(label, (host microseconds, calls)) of the trace's record_function labels of the hstu
+    code (names starting "hstu/"), largest first: where a step's host time goes by phase."""
+    acc: dict[str, list[float]] = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") == "user_annotation" and name.startswith("hstu/") and "dur" in e:
+            total = acc.setdefault(name, [0.0, 0])
+            total[0] += e["dur"]
+            total[1] += 1
+    return sorted(((k, (t, int(c))) for k, (t, c) in acc.items()), key=lambda kv: -kv[1][0])
 
 
 def _host_sites(events: list) -> dict:

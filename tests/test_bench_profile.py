@@ -76,6 +76,10 @@ def test_bench_e2e_profile_writes_trace_and_summary(tmp_path):
     assert 0 < len(top) <= 15 and all(len(t) == 3 for t in top)
     assert [t[1] for t in top] == sorted((t[1] for t in top), reverse=True)
     assert sum(t[1] for t in top) <= prof["host_op_ms_per_step"] + 1e-9
+    # the step's phases by the trainer's labels, one call each per step
+    phases = {name: (ms, calls) for name, ms, calls in prof["host_phases_ms_per_step"]}
+    for name in ("hstu/forward", "hstu/backward", "hstu/optimizer"):
+        assert phases[name][0] > 0 and phases[name][1] == 1, (name, phases)
 
 
 def test_host_ops_counts_top_level_operators_per_thread(load_script):
@@ -95,6 +99,26 @@ def test_host_ops_counts_top_level_operators_per_thread(load_script):
     host = _host_ops(events)
     assert host["count"] == 4 and host["total_us"] == 23
     assert host["top"][0] == ("aten::linear", (16, 2))
+
+
+def test_host_phases_sum_the_codes_labels(load_script):
+    _host_phases = load_script("bench_e2e")._host_phases
+
+    def label(name, ts, dur):
+        return {"cat": "user_annotation", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 1}
+
+    events = [
+        label("bench_step_0", 0, 100),  # the benchmark's own step mark: not a phase
+        label("hstu/step_graphs/table_lookup", 0, 30),
+        label("hstu/step_graphs/replay", 30, 10),
+        label("hstu/step_graphs/table_lookup", 100, 50),
+        {"cat": "cpu_op", "name": "hstu/not_a_label", "ts": 0, "dur": 5},
+        label("nccl:all_to_all", 5, 3),
+    ]
+    assert _host_phases(events) == [
+        ("hstu/step_graphs/table_lookup", (80, 2)),
+        ("hstu/step_graphs/replay", (10, 1)),
+    ]
 
 
 def test_host_waits_charges_blocking_calls_to_the_innermost_operator(load_script):

@@ -407,7 +407,9 @@ class ShardedDynamicEmbeddingCollection(DynamicEmbeddingCollection, ShardedModul
                 )
         ctx = self.create_context()
         ctx.plans = self._plans(values, host_ids)
-        ctx.routes = (dist_input or self._route(ctx.plans)).wait().wait()
+        if dist_input is None:
+            dist_input = self._route(ctx.plans)
+        ctx.routes = dist_input.wait().wait()
         rows = self.compute(ctx, ctx.routes)
         return {
             p.table.config.name: self._rows_back(r, route)

@@ -300,3 +300,12 @@ def test_train_mode_is_set_after_evaluation_not_at_every_step(tmp_path, monkeypa
         assert calls == []
     finally:
         trainer.close()
+
+
+def test_float16_warns_that_it_has_no_loss_scaling():
+    from hstu.training.trainer import precision_note
+
+    assert precision_note(None) == ""  # CPU: float32
+    assert precision_note(torch.bfloat16) == "" and precision_note(torch.float32) == ""
+    note = precision_note(torch.float16)
+    assert "without loss scaling" in note and "'bfloat16'" in note

@@ -152,6 +152,18 @@ def _dense_optimizer_of(state: dict) -> str | None:
     return None
 
 
+def precision_note(autocast_dtype: torch.dtype | None) -> str:
+    """A warning for a compute dtype that trains with a known risk ("" for none): float16
+    autocast has no loss scaling here, so gradients below float16's range become zero."""
+    if autocast_dtype != torch.float16:
+        return ""
+    return (
+        "NetworkArgs.dtype_str='float16' trains without loss scaling: gradients smaller than "
+        "float16 can hold (~6e-8) become zero and training may stall or degrade silently; "
+        "'bfloat16' (the default) keeps float32's range"
+    )
+
+
 class Trainer:
     """Holds the components of one run; ``fit()`` trains, evaluates and checkpoints."""
 
@@ -286,6 +298,9 @@ class Trainer:
             graph_safe_optimizer(self.optimizer, self.device)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, t.max_train_iters)
         self.autocast_dtype = _DTYPES[cfg.network.dtype_str] if self.device.type == "cuda" else None
+        note = precision_note(self.autocast_dtype)
+        if note and self.info.is_main:
+            logger.warning(note)
         self.stack_shape = StackShape(
             net.num_layers, net.hidden_size, net.num_attention_heads, net.kv_channels
         )

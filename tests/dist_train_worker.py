@@ -43,8 +43,7 @@ class _MixedSteps:
         from hstu.graph_capture import GraphStats
 
         self.trainer, self.count, self.stats = trainer, 0, GraphStats()
-        emb = trainer.core.embeddings
-        self.split_eager = bool(emb.dynamic_features) or emb.embedding_collection is not None
+        self.split_eager = trainer.core.embeddings.has_sparse_tables
 
     def lookup_sparse(self, batch, sparse_input=None):
         core = self.trainer.core
@@ -52,21 +51,16 @@ class _MixedSteps:
             return core.embeddings.lookup_sparse(batch, *core.fixed_extra_ids(), sparse_input)
 
     def step(self, host, normalizer, sparse_input=None):
-        from hstu.training.step_graphs import stage_copies, update_tables
+        from hstu.training.step_graphs import staged, update_tables
 
         self.count += 1
         if (self.count + self.trainer.info.rank) % 2:
             return None
         self.stats.replays += 1
         batch = host.to(self.trainer.device)
-        emb = self.trainer.core.embeddings
         rows = self.lookup_sparse(batch, sparse_input) if self.split_eager else {}
-        leaves = stage_copies(rows)
-        emb.stage_sparse(leaves or None)
-        try:
+        with staged(self.trainer.core.embeddings, rows) as leaves:
             outputs = self.trainer._optimize(batch, normalizer)
-        finally:
-            emb.stage_sparse(None)
         update_tables(rows, leaves)
         lengths = self.trainer.core.last_attention_inputs.real_lengths()
         return outputs, lengths, int(lengths.sum())

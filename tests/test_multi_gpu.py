@@ -282,14 +282,20 @@ def test_check_script_compares_curves():
         mod.relative_differences(a, [(9, 1.0)])
 
 
-def test_check_script_refuses_missing_gpus():
-    proc = subprocess.run(
-        [sys.executable, str(CHECK), "--device", "cuda", "--nproc", "2"],
+def _check_script(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """scripts/check_multi_gpu.py with ``args`` and the environment updated by ``env``, for
+    its argument checks (they fail before any launch)."""
+    return subprocess.run(
+        [sys.executable, str(CHECK), *args],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        env={**os.environ, **env},
     )
+
+
+def test_check_script_refuses_missing_gpus():
+    proc = _check_script("--device", "cuda", "--nproc", "2", CUDA_VISIBLE_DEVICES="")
     assert proc.returncode != 0
     assert "--nproc 2 needs 2 GPUs but 0 are visible" in proc.stderr
 
@@ -307,12 +313,7 @@ def _run_check(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_check_script_refuses_a_run_timeout_that_is_not_positive():
-    proc = subprocess.run(
-        [sys.executable, str(CHECK), "--device", "cpu", "--run-timeout", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _check_script("--device", "cpu", "--run-timeout", "0")
     assert proc.returncode == 2 and "--run-timeout must be > 0 seconds (got 0)" in proc.stderr
 
 

@@ -51,14 +51,10 @@ def _split_step(model, opt, batch, seed):
     """The step as the step graphs run it: lookup, the model on staged leaves, the update."""
     emb = model.embeddings
     rows = emb.lookup_sparse(batch, *model.fixed_extra_ids())
-    leaves = step_graphs.stage_copies(rows)
-    emb.stage_sparse(leaves)
-    try:
+    with step_graphs.staged(emb, rows) as leaves:
         torch.manual_seed(seed)
         out = model(batch, loss_normalizer=7.0)
         out["loss"].backward()
-    finally:
-        emb.stage_sparse(None)
     opt.step()
     opt.zero_grad(set_to_none=True)
     step_graphs.update_tables(rows, leaves)
@@ -111,7 +107,7 @@ def test_a_split_step_equals_the_plain_step(task, bindings):
         if hasattr(m, "whole_corpus_rows"):
             m.whole_corpus_rows = 10**6  # the whole corpus, as a graphed step looks it up
     emb = split.embeddings
-    assert emb.dynamic_features or emb.embedding_collection is not None
+    assert emb.has_sparse_tables
     opts = [
         torch.optim.Adam(
             [

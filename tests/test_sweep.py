@@ -120,14 +120,19 @@ def test_a_sweep_runs_its_grid_reports_failures_and_skips_finished_runs_on_rerun
     assert "failed: learning_rate-5e-4_seed-7" in capsys.readouterr().err
 
 
-def test_an_unfinished_run_continues_from_its_checkpoint(load_script, tmp_path):
-    sweep = load_script("sweep")
+def _one_finished_run(sweep, tmp_path, seed: int):
+    """A sweep of one tiny run of ``seed``, finished: (its argv, out dir, run dir, run.json)."""
     out = tmp_path / "sweep"
-    argv = ["--config", CONFIG, "--out", str(out), "--allow-non-a100", "--seeds", "3"]
+    argv = ["--config", CONFIG, "--out", str(out), "--allow-non-a100", "--seeds", str(seed)]
     argv += ["--bindings", *TINY]
     assert sweep.main(argv) == 0
-    run = out / "seed-3"
-    info = json.loads((run / "run.json").read_text())
+    run = out / f"seed-{seed}"
+    return argv, out, run, json.loads((run / "run.json").read_text())
+
+
+def test_an_unfinished_run_continues_from_its_checkpoint(load_script, tmp_path):
+    sweep = load_script("sweep")
+    argv, out, run, info = _one_finished_run(sweep, tmp_path, 3)
     # as if the run had died after its last checkpoint, before it finished
     info["status"] = "started"
     (run / "run.json").write_text(json.dumps(info))
@@ -257,12 +262,7 @@ def test_a_run_that_stopped_early_counts_as_finished(load_script, tmp_path):
     not continue it (it would only stop again at its next evaluation), and the table says where
     it stopped."""
     sweep = load_script("sweep")
-    out = tmp_path / "sweep"
-    argv = ["--config", CONFIG, "--out", str(out), "--allow-non-a100", "--seeds", "5"]
-    argv += ["--bindings", *TINY]
-    assert sweep.main(argv) == 0
-    run = out / "seed-5"
-    info = json.loads((run / "run.json").read_text())
+    argv, out, run, info = _one_finished_run(sweep, tmp_path, 5)
     # as if TrainerArgs.early_stop_patience had ended it at its first evaluation
     info["result"].update(step=3, stopped_early_at=3)
     (run / "run.json").write_text(json.dumps(info))

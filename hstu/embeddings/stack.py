@@ -314,6 +314,12 @@ class EmbeddingStack(nn.Module):
             groups, self.args.sparse_optimizer_str, self.sparse_learning_rate
         )
 
+    @property
+    def has_sparse_tables(self) -> bool:
+        """Whether some table is dynamic or torchrec (trained by a fused sparse optimizer in
+        the backward of its rows; `lookup_sparse` looks them up)."""
+        return bool(self.dynamic_features) or self.embedding_collection is not None
+
     @staticmethod
     def is_sparse_parameter(name: str) -> bool:
         """Whether the parameter ``name`` (a qualified name anywhere in the model) is trained by

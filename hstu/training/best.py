@@ -10,6 +10,7 @@ the same (all-reduced) metrics, so every rank takes the same decisions.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,14 +109,8 @@ class BestMetric:
         return self.patience > 0 and self.stale >= self.patience
 
     def state_dict(self) -> dict:
-        return {
-            "metric": self.metric,
-            "mode": self.mode,
-            "value": self.value,
-            "step": self.step,
-            "path": self.path,
-            "stale": self.stale,
-        }
+        """Everything but ``patience`` (a setting of the run that loads it)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "patience"}
 
     def load_state_dict(self, state: dict) -> bool:
         """Restores a checkpoint's state when it followed the same metric the same way; False

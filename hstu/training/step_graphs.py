@@ -112,6 +112,7 @@ __all__ = [
     "graph_safe_optimizer",
     "pad_batch",
     "stage_copies",
+    "staged",
     "step_graphs_unsupported",
     "update_tables",
 ]
@@ -422,6 +423,19 @@ def stage_copies(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: r.detach().clone().requires_grad_(r.requires_grad) for n, r in rows.items()}
 
 
+@contextlib.contextmanager
+def staged(embeddings, rows: dict[str, torch.Tensor]):
+    """Inside the block the model's training lookups read copies of the dynamic and torchrec
+    tables' looked-up ``rows`` (`stage_copies`, `EmbeddingStack.stage_sparse`); yields the
+    copies, whose gradients then update the tables (`update_tables`)."""
+    leaves = stage_copies(rows)
+    embeddings.stage_sparse(leaves or None)
+    try:
+        yield leaves
+    finally:
+        embeddings.stage_sparse(None)
+
+
 def update_tables(rows: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]) -> None:
     """The tables' fused updates: the backward of the looked-up ``rows`` with the gradients
     that their ``leaves`` collected."""
@@ -483,7 +497,7 @@ class StepGraphs:
         # dynamic and torchrec tables: looked up before each replay, updated after it ("Dynamic
         # tables")
         emb = model.embeddings
-        self._sparse = bool(emb.dynamic_features) or emb.embedding_collection is not None
+        self._sparse = emb.has_sparse_tables
         self.split_eager = bool(split_eager) and self._sparse
         self._seen: dict[StepKey, int] = {}
         self._entries: dict[StepKey, _Entry] = {}
@@ -643,14 +657,11 @@ class StepGraphs:
             batch = pinned.to(self.device, non_blocking=True)
             if rows is None and self.split_eager:
                 rows = self.lookup_sparse(batch, sparse_input)
-            leaves = stage_copies(rows or {})
-            self.model.embeddings.stage_sparse(leaves or None)
-            try:
+            rows = rows or {}
+            with staged(self.model.embeddings, rows) as leaves:
                 outputs = self.step_fn(batch, normalizer)
-            finally:
-                self.model.embeddings.stage_sparse(None)
         current.wait_stream(side)
-        update_tables(rows or {}, leaves)
+        update_tables(rows, leaves)
         for t in outputs.tensors():
             if t is not None:
                 t.record_stream(current)

@@ -77,7 +77,7 @@ from hstu.training.step_graphs import (
     StepOutputs,
     float_learning_rates,
     graph_safe_optimizer,
-    stage_copies,
+    staged,
     step_graphs_unsupported,
     update_tables,
 )
@@ -684,12 +684,8 @@ class Trainer:
         exchange, the all-reduce, the gradients' exchange."""
         with record_function("hstu/table_lookup"):
             rows = self.step_graphs.lookup_sparse(batch, sparse_input)
-        leaves = stage_copies(rows)
-        self.embeddings.stage_sparse(leaves or None)
-        try:
+        with staged(self.embeddings, rows) as leaves:
             out, grad_norm = self._update(batch, normalizer)
-        finally:
-            self.embeddings.stage_sparse(None)
         with record_function("hstu/table_update"):
             update_tables(rows, leaves)
         return out, grad_norm

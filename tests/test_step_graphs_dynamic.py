@@ -535,3 +535,14 @@ def test_the_input_dist_started_ahead_is_that_of_the_padded_batch_and_the_corpus
         model, None, [], torch.device("cpu"), autocast=contextlib.nullcontext
     )
     assert not plain.split_eager
+
+
+def test_start_input_dist_refuses_extra_ids_off_the_cpu():
+    """The input dist started ahead takes the extra ids on the CPU (it routes them over gloo
+    from the host): device ids are refused, naming the fix, before any exchange starts."""
+    _, _, splits, model = small_model("retrieval", *DYNAMIC, *RANDOM)
+    emb = model.embeddings
+    emb._input_dist_ahead = True  # as on several ranks (nothing is exchanged: refused first)
+    batch = splits.train.collate(list(range(4)))
+    with pytest.raises(ValueError, match="takes the extra ids on the CPU"):
+        emb.start_input_dist(batch, torch.zeros(3, dtype=torch.int64, device="meta"))
